@@ -1,0 +1,3 @@
+"""Lightning integration of StreamKL attention distillation (callback, mixin, metrics, configs)."""
+
+__all__: list[str] = []
