@@ -74,7 +74,7 @@ def check_temperature(temperature: object) -> float:
 
 
 def check_scale(name: str, scale: object) -> float | None:
-    """Return ``scale`` as a float (or None for the default); it must be finite and non-zero."""
+    """Return ``scale`` as a float (or None for the default); it must be finite and > 0."""
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -82,8 +82,8 @@ def check_scale(name: str, scale: object) -> float | None:
             f"Expected argument `{name}` to be None or a Python float, but got {type(scale).__name__}."
         )
     value = float(scale)
-    if not math.isfinite(value) or value == 0.0:
-        raise ValueError(f"Expected argument `{name}` to be a finite non-zero float, but got {scale!r}.")
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"Expected argument `{name}` to be a finite float > 0, but got {scale!r}.")
     return value
 
 
@@ -217,6 +217,13 @@ def prepare_problem(
             raise ValueError(
                 f"Expected the query heads H={heads} to be divisible by the key heads of `k_{side}` "
                 f"(H_k={h_k}) for grouped-query attention, but got {shapes} (layout {fmt})."
+            )
+    for side in ("t", "s"):
+        q, k = tensors[f"q_{side}"], tensors[f"k_{side}"]
+        if q.dtype != k.dtype:
+            raise TypeError(
+                f"Expected `q_{side}` and `k_{side}` to have the same dtype, but got {q.dtype} and {k.dtype} "
+                "(teacher and student may differ from each other)."
             )
     key_padding_mask = _check_mask("key_padding_mask", key_padding_mask, batch, n_k, "N_k", device)
     query_mask = _check_mask("query_mask", query_mask, batch, n_q, "N_q", device)

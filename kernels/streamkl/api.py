@@ -11,13 +11,15 @@ from ._validation import prepare_problem
 from .autograd import attention_kl_fwd_op
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, dtypes: tuple[torch.dtype, ...] = (),
+                    head_dims: tuple[int, ...] = ()) -> str:
     """Map ``backend`` ("auto" | "triton" | "reference") to the implementation that will run.
 
     ``"auto"`` picks the fused Triton kernels for CUDA tensors and the chunked PyTorch reference on
-    every other device. ``"triton"`` on a non-CUDA device is honoured only under Triton's CPU
-    interpreter (``TRITON_INTERPRET=1``), which is how CI runs the real kernels; it is never silently
-    replaced by the reference.
+    every other device, and for float64 inputs (the kernels compute in fp32; the reference computes
+    float64 in float64). ``"triton"`` on a non-CUDA device is honoured only under Triton's CPU
+    interpreter (``TRITON_INTERPRET=1``), which is how CI runs the real kernels. A request the kernels
+    cannot serve raises; it is never silently replaced by the reference.
 
     Example:
         >>> resolve_backend("auto", torch.device("cpu"))
@@ -25,12 +27,27 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """
     if backend == "reference":
         return "reference"
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    raise NotImplementedError(
-        "backend='triton' is not available yet: the fused Triton kernels arrive in the next release. "
-        "Use backend='reference' (or 'auto')."
-    )
+    fp64 = torch.float64 in dtypes
+    if backend == "auto" and (device.type != "cuda" or fp64):
+        return "reference"
+    if backend == "triton" and device.type != "cuda" and not triton_interpreter_enabled():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got tensors on {device}); set TRITON_INTERPRET=1 before "
+            "importing triton to run the kernels on the CPU interpreter, or use backend='reference'."
+        )
+    if fp64:
+        raise TypeError(
+            "backend='triton' computes in float32 and does not take float64 inputs; use backend='reference' "
+            "(or 'auto', which routes float64 there)."
+        )
+    from ._triton.configs import MAX_HEAD_DIM
+
+    if any(d > MAX_HEAD_DIM for d in head_dims):
+        raise ValueError(
+            f"The Triton kernels support head dims up to {MAX_HEAD_DIM}, but got D_t, D_s = {head_dims}; "
+            "use backend='reference' for larger heads."
+        )
+    return "triton"
 
 
 def attention_kl(
@@ -138,7 +155,12 @@ def attention_kl(
         raise TypeError(
             f"Expected argument `deterministic` to be None or a bool, but got {type(deterministic).__name__}."
         )
-    impl = resolve_backend(backend, problem.q_t.device)
+    impl = resolve_backend(
+        backend,
+        problem.q_t.device,
+        (problem.q_t.dtype, problem.q_s.dtype),
+        (problem.q_t.shape[-1], problem.q_s.shape[-1]),
+    )
     teacher = (problem.q_t, problem.k_t, problem.scale_t)
     student = (problem.q_s, problem.k_s, problem.scale_s)
     (q_a, k_a, scale_a), (q_b, k_b, scale_b) = (student, teacher) if problem.reverse else (teacher, student)

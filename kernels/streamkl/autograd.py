@@ -24,10 +24,10 @@ from ._validation import result_dtype
 _EMPTY_SHAPE = (0,)
 
 
-def _triton_module():
-    from ._triton import launch  # lazy: importing streamkl must not need a working triton
+def _triton_kernels():
+    from ._triton import backward, forward  # lazy: importing streamkl must not need a working triton
 
-    return launch
+    return forward, backward
 
 
 @torch.library.custom_op("streamkl::attention_kl_fwd", mutates_args=())
@@ -47,7 +47,7 @@ def attention_kl_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` (see the module docstring)."""
     if backend == "triton":
-        return _triton_module().attention_kl_fwd(
+        return _triton_kernels()[0].attention_kl_fwd(
             q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, allow_tf32
         )
     return reference.chunked_attention_kl_fwd(
@@ -85,7 +85,7 @@ def attention_kl_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``Σ grad_kl · KL`` (empty tensors for the side that was not asked for)."""
     if backend == "triton":
-        grads = _triton_module().attention_kl_bwd(
+        grads = _triton_kernels()[1].attention_kl_bwd(
             grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
             need_grad_a, need_grad_b, allow_tf32, deterministic,
         )

@@ -26,9 +26,10 @@ def _inputs(b=2, h=4, h_k=4, n_q=8, n_k=8, d_t=16, d_s=8):
         (lambda x: x[:2] + (x[2][:, :2],) + x[3:], ValueError, r"same number of query heads H"),
         (lambda x: x[:2] + (x[2][:, :, :5],) + x[3:], ValueError, r"same number of queries N_q"),
         (lambda x: x[:3] + (x[3][:, :, :5],), ValueError, r"same number of keys N_k"),
+        (lambda x: (x[0], x[1].double()) + x[2:], TypeError, r"`q_t` and `k_t` to have the same dtype, but got torch.float32 and torch.float64"),
         (lambda x: (x[0], x[1][:, :3]) + x[2:], ValueError, r"H=4 to be divisible by the key heads of `k_t` \(H_k=3\)"),
     ],
-    ids=["rank", "int-dtype", "not-tensor", "head-dim", "batch", "heads", "n_q", "n_k", "gqa"],
+    ids=["rank", "int-dtype", "not-tensor", "head-dim", "batch", "heads", "n_q", "n_k", "qk-dtype", "gqa"],
 )
 def test_shape_and_dtype_errors(mutate, error, match):
     with pytest.raises(error, match=match):
@@ -54,8 +55,9 @@ def test_shape_error_names_layout_and_shapes():
         (dict(temperature=math.nan), ValueError, r"`temperature` to be finite and > 0, but got nan"),
         (dict(temperature="2"), TypeError, r"`temperature` to be a Python float or int, but got str"),
         (dict(temperature=torch.tensor(2.0)), TypeError, r"`temperature` to be a Python float or int, but got Tensor"),
-        (dict(scale_t=math.nan), ValueError, r"`scale_t` to be a finite non-zero float, but got nan"),
-        (dict(scale_s=0.0), ValueError, r"`scale_s` to be a finite non-zero float, but got 0.0"),
+        (dict(scale_t=math.nan), ValueError, r"`scale_t` to be a finite float > 0, but got nan"),
+        (dict(scale_s=0.0), ValueError, r"`scale_s` to be a finite float > 0, but got 0.0"),
+        (dict(scale_s=-0.5), ValueError, r"`scale_s` to be a finite float > 0, but got -0.5"),
         (dict(causal=1), TypeError, r"`causal` to be a bool, but got int"),
         (dict(allow_tf32="yes"), TypeError, r"`allow_tf32` to be a bool, but got str"),
         (dict(deterministic=1), TypeError, r"`deterministic` to be None or a bool, but got int"),

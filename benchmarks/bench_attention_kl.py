@@ -1,0 +1,327 @@
+"""Benchmark the attention-KL op against the naive loss and FlashAttention-class attention (GPU).
+
+Times, with ``triton.testing.do_bench`` medians in one run: streamkl forward / backward / forward+backward,
+the naive materialising loss (eager, and under ``torch.compile``; both imported from ``streamkl.naive``),
+and torch SDPA forward / forward+backward with the default backend (cuDNN on H100) and with the
+FLASH_ATTENTION backend on the same shapes. It also measures the card's ceilings (exp2 rate, bf16 matmul,
+copy bandwidth) in the same run and derives the exp-bound and matmul-bound times, and records the peak
+memory of each forward+backward (``"OOM"`` when it does not fit).
+
+    python benchmarks/bench_attention_kl.py                 # full grid -> benchmarks/results/<gpu>.json
+    python benchmarks/bench_attention_kl.py --quick         # a few shapes, printed
+    python benchmarks/report.py                             # tables + plots under docs/
+
+Run it from an installed checkout (``pip install -e .``) or with ``PYTHONPATH=kernels``.
+
+Timing assertions never go into tests; the numbers here are ratios measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from streamkl import attention_kl
+from streamkl.naive import naive_attention_kl
+
+
+@dataclass
+class Shape:
+    b: int
+    h: int
+    n: int
+    d: int
+    causal: bool
+    dtype: str = "bfloat16"
+    h_kt: int | None = None  # GQA teacher key heads (None = h)
+    d_s: int | None = None  # student head dim (None = d)
+    teacher_grad: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def elements(self) -> float:
+        """Score elements per distribution actually computed (causal ~ half)."""
+        e = self.b * self.h * self.n * self.n
+        return e * (self.n + 1) / (2 * self.n) if self.causal else e
+
+
+@dataclass
+class Record:
+    provider: str
+    mode: str  # fwd | bwd | fwd+bwd | mem
+    shape: dict
+    ms: float | None = None
+    peak_bytes: int | None = None
+    status: str = "ok"
+    extra: dict = field(default_factory=dict)
+
+
+def _do_bench(fn, rep: int = 200) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+# ----------------------------------------------------------------------------------------------- ceilings
+def measure_ceilings() -> dict:
+    """exp2 rate (MUFU), bf16 matmul rate and device copy bandwidth, measured on this card now."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _exp2_chain(X, Y, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + offs)
+        a = x
+        b = x + 1.0
+        c = x + 2.0
+        d = x + 3.0
+        for _ in range(ITERS):  # four independent chains keep the MUFU pipe busy
+            a = tl.exp2(a * -0.5)
+            b = tl.exp2(b * -0.5)
+            c = tl.exp2(c * -0.5)
+            d = tl.exp2(d * -0.5)
+        tl.store(Y + offs, a + b + c + d)
+
+    n, iters, block = 1 << 24, 256, 1024
+    x = torch.rand(n, device="cuda")
+    y = torch.empty_like(x)
+    ms = _do_bench(lambda: _exp2_chain[(n // block,)](x, y, ITERS=iters, BLOCK=block, num_warps=8))
+    exp_rate = n * iters * 4 / (ms * 1e-3)
+
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    bm = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = _do_bench(lambda: a @ bm)
+    mm_rate = 2 * m**3 / (ms * 1e-3)
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _do_bench(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() / (ms * 1e-3)
+    del a, bm, src, dst, x, y
+    return {"exp2_per_s": exp_rate, "bf16_matmul_flops": mm_rate, "copy_bytes_per_s": copy_bw}
+
+
+def bounds(shape: Shape, ceilings: dict) -> dict:
+    """Lower bounds (ms) of the forward and of the student backward from the measured ceilings."""
+    e = shape.elements()
+    d_s = shape.d_s or shape.d
+    exp_fwd = 2 * e / ceilings["exp2_per_s"] * 1e3
+    mm_fwd = 2 * e * (shape.d + d_s) / ceilings["bf16_matmul_flops"] * 1e3
+    exp_bwd = 2 * e / ceilings["exp2_per_s"] * 1e3
+    mm_bwd = 2 * e * (shape.d + d_s + 2 * d_s) / ceilings["bf16_matmul_flops"] * 1e3
+    return {
+        "fwd_exp_ms": exp_fwd, "fwd_matmul_ms": mm_fwd, "fwd_bound_ms": max(exp_fwd, mm_fwd),
+        "bwd_exp_ms": exp_bwd, "bwd_matmul_ms": mm_bwd, "bwd_bound_ms": max(exp_bwd, mm_bwd),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- providers
+def make_inputs(shape: Shape):
+    dt = shape.torch_dtype
+    d_s = shape.d_s or shape.d
+    h_kt = shape.h_kt or shape.h
+    q_t = torch.randn(shape.b, shape.h, shape.n, shape.d, device="cuda", dtype=dt)
+    k_t = torch.randn(shape.b, h_kt, shape.n, shape.d, device="cuda", dtype=dt)
+    q_s = torch.randn(shape.b, shape.h, shape.n, d_s, device="cuda", dtype=dt, requires_grad=True)
+    k_s = torch.randn(shape.b, shape.h, shape.n, d_s, device="cuda", dtype=dt, requires_grad=True)
+    if shape.teacher_grad:
+        q_t.requires_grad_(True)
+        k_t.requires_grad_(True)
+    return q_t, k_t, q_s, k_s
+
+
+def _grad_targets(inputs):
+    return [x for x in inputs if x.requires_grad]
+
+
+def streamkl_fns(shape: Shape, inputs, deterministic: bool = False):
+    kw = dict(causal=shape.causal, backend="triton", deterministic=deterministic)
+    fwd = lambda: attention_kl(*inputs, **kw)
+    return fwd, kw
+
+
+def naive_fn(shape: Shape, inputs, compiled: bool):
+    fn = lambda *x: naive_attention_kl(*x, causal=shape.causal, compute_dtype=torch.float32)
+    if compiled:
+        fn = torch.compile(fn, dynamic=False)
+    return lambda: fn(*inputs)
+
+
+def sdpa_fn(shape: Shape, backend: str | None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dt = shape.torch_dtype
+    q, k, v = (torch.randn(shape.b, shape.h, shape.n, shape.d, device="cuda", dtype=dt, requires_grad=True)
+               for _ in range(3))
+
+    def run():
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+    return run, (q, k, v)
+
+
+def time_fwd_bwd(provider: str, shape: Shape, make_fwd, targets) -> list[Record]:
+    """Forward, backward (graph retained) and forward+backward times of one provider."""
+    out = []
+    sd = asdict(shape)
+    try:
+        fwd = make_fwd
+        with torch.no_grad():
+            ms_f = _do_bench(fwd)
+        out.append(Record(provider, "fwd", sd, ms=ms_f))
+        y = fwd()
+        grad = torch.randn_like(y) if y.dim() else None
+        ms_b = _do_bench(lambda: torch.autograd.grad(y, targets, grad, retain_graph=True))
+        out.append(Record(provider, "bwd", sd, ms=ms_b))
+        del y
+
+        def fb():
+            z = fwd()
+            torch.autograd.grad(z, targets, grad)
+
+        out.append(Record(provider, "fwd+bwd", sd, ms=_do_bench(fb)))
+    except torch.OutOfMemoryError:
+        out.append(Record(provider, "fwd+bwd", sd, status="OOM"))
+    except Exception as exc:  # a baseline that cannot run this shape is recorded, not fatal
+        out.append(Record(provider, "fwd+bwd", sd, status=f"error: {type(exc).__name__}: {exc}"[:300]))
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def peak_memory(provider: str, shape: Shape, make) -> Record:
+    """Peak bytes allocated by one forward+backward beyond the inputs (``OOM`` if it does not fit)."""
+    sd = asdict(shape)
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        fwd, targets = make()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y = fwd()
+        torch.autograd.grad(y, targets, torch.randn_like(y) if y.dim() else None)
+        torch.cuda.synchronize()
+        rec = Record(provider, "mem", sd, peak_bytes=torch.cuda.max_memory_allocated() - base)
+        del y, fwd, targets
+    except torch.OutOfMemoryError:
+        rec = Record(provider, "mem", sd, status="OOM")
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+# -------------------------------------------------------------------------------------------------- grid
+def time_grid(quick: bool) -> list[Shape]:
+    if quick:
+        return [Shape(1, 16, 8192, d, c) for d in (64, 128) for c in (False, True)]
+    shapes = [Shape(1, h, n, d, c) for h in (16, 32) for d in (64, 128) for c in (False, True)
+              for n in (1024, 2048, 4096, 8192, 16384, 32768)]
+    shapes += [
+        Shape(1, 16, 8192, 64, False, dtype="float16"),
+        Shape(1, 16, 4096, 64, False, dtype="float32"),
+        Shape(1, 16, 8192, 128, True, h_kt=4),  # GQA teacher
+        Shape(1, 16, 8192, 128, True, d_s=64),  # D_t != D_s
+        Shape(1, 16, 8192, 64, False, teacher_grad=True),
+        Shape(1, 16, 8192, 64, True, teacher_grad=True),
+    ]
+    return shapes
+
+
+def memory_grid(quick: bool) -> list[Shape]:
+    if quick:
+        return [Shape(1, 16, n, 64, True) for n in (8192, 16384)]
+    shapes = [Shape(1, 16, n, 64, True) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)]
+    shapes += [Shape(1, 32, 131072, 128, True)]
+    return shapes
+
+
+def run(quick: bool, naive_max_n: int, compile_max_n: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ceilings = measure_ceilings()
+    print(f"ceilings: exp2 {ceilings['exp2_per_s']:.3e}/s, bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} "
+          f"TFLOP/s, copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    records: list[Record] = []
+    for shape in time_grid(quick):
+        t0 = time.time()
+        inputs = make_inputs(shape)
+        targets = _grad_targets(inputs)
+        fwd, _ = streamkl_fns(shape, inputs)
+        recs = time_fwd_bwd("streamkl", shape, fwd, targets)
+        det_fwd, _ = streamkl_fns(shape, inputs, deterministic=True)
+        recs += [r for r in time_fwd_bwd("streamkl-deterministic", shape, det_fwd, targets) if r.mode == "bwd"]
+        if shape.dtype == "bfloat16" and shape.h_kt is None and shape.d_s is None and not shape.teacher_grad:
+            for name, backend in (("sdpa-default", None), ("sdpa-flash", "FLASH_ATTENTION")):
+                sfn, sin = sdpa_fn(shape, backend)
+                recs += time_fwd_bwd(name, shape, sfn, list(sin))
+                del sin
+            if shape.n <= naive_max_n:
+                recs += time_fwd_bwd("naive-eager", shape, naive_fn(shape, inputs, False), targets)
+            if shape.n <= compile_max_n and shape.d == 64 and shape.h == 16:
+                recs += time_fwd_bwd("naive-compile", shape, naive_fn(shape, inputs, True), targets)
+        for r in recs:
+            r.extra.update(bounds(shape, ceilings))
+        records += recs
+        del inputs, targets
+        gc.collect()
+        torch.cuda.empty_cache()
+        summary = {f"{r.provider}/{r.mode}": (round(r.ms, 3) if r.ms is not None else r.status) for r in recs}
+        print(f"{shape}: {summary} ({time.time() - t0:.0f}s)", flush=True)
+    for shape in memory_grid(quick):
+        def make_streamkl(shape=shape):
+            inputs = make_inputs(shape)
+            return streamkl_fns(shape, inputs)[0], _grad_targets(inputs)
+
+        def make_naive(shape=shape):
+            inputs = make_inputs(shape)
+            return naive_fn(shape, inputs, False), _grad_targets(inputs)
+
+        for provider, make in (("streamkl", make_streamkl), ("naive-eager", make_naive)):
+            rec = peak_memory(provider, shape, make)
+            records.append(rec)
+            print(f"mem {provider} {shape}: {rec.peak_bytes if rec.status == 'ok' else rec.status}", flush=True)
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "host": platform.node(),
+        "ceilings": ceilings,
+        "records": [asdict(r) for r in records],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/<gpu>.json)")
+    parser.add_argument("--naive-max-n", type=int, default=8192, help="largest N for the eager naive loss")
+    parser.add_argument("--compile-max-n", type=int, default=8192, help="largest N for the compiled naive loss")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention_kl.py needs a CUDA GPU.")
+    result = run(args.quick, args.naive_max_n, args.compile_max_n)
+    gpu = "".join(c if c.isalnum() else "-" for c in result["device"].lower()).strip("-")
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{gpu}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Compile the attention-KL kernels for a GPU target *without a GPU* and report their resources.
+
+Triton compiles to PTX and cubin on any machine (its wheel bundles ptxas/cuobjdump/nvdisasm), so
+registers, spills (stack bytes), shared memory and the SASS instruction mix of each configuration can be
+read for free before spending GPU time:
+
+    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py                  # default configs, sm_90
+    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --sweep-forward   # candidate forward tiles
+
+Counts are per kernel (whole SASS), with the instruction classes that matter for this op: MUFU.EX2 (the
+exponential unit), HGMMA/HMMA (tensor cores), FFMA/FADD/FMUL/FMNMX (FMA pipe) and local-memory traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from streamkl._triton.backward import _attention_kl_bwd_dk_kernel, _attention_kl_bwd_dq_kernel
+from streamkl._triton.forward import _attention_kl_fwd_kernel
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_FLOAT_ARGS = re.compile(r"^(qk_scale|scale)_")
+
+
+def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90):
+    """``triton.compile`` one specialisation of ``fn`` for ``sm_<arch>``; returns the compiled kernel.
+
+    It mimics the specialisation a real launch on contiguous inputs gets: unit strides (the head-dim
+    stride, the mask strides) become the constant 1, and pointers, the other strides and the sequence
+    lengths are marked divisible by 16 (true for power-of-two N and head dims >= 16).
+    """
+    signature, attrs = {}, {}
+    constexprs = dict(constexprs)
+    for name in fn.arg_names:
+        if name.startswith("stride_") and (name.endswith("_d") or name in ("stride_km_n", "stride_qm_n")):
+            constexprs.setdefault(name, 1)
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointer_types:
+            signature[name] = pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif _FLOAT_ARGS.match(name):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") or name in ("N_Q", "N_K"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    src = ASTSource(fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resources(compiled) -> dict:
+    """Registers, stack (spill) bytes, shared memory and an instruction histogram from the cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        path = f.name
+    try:
+        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-sass", path],
+                              capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        hit = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+        if hit:
+            ops[hit.group(1).split(".")[0]] += 1
+    return {
+        "regs": int(m.group(1)) if m else None,
+        "stack": int(m.group(2)) if m else None,
+        "shared": compiled.metadata.shared,
+        "MUFU": ops["MUFU"], "HGMMA": ops["HGMMA"], "HMMA": ops["HMMA"],
+        "FFMA": ops["FFMA"], "FMUL": ops["FMUL"], "FADD": ops["FADD"], "FMNMX": ops["FMNMX"],
+        "LDL/STL": ops["LDL"] + ops["STL"], "total": sum(ops.values()),
+    }
+
+
+def _pointers(dtype: str, names_in: list[str], names_fp32: list[str], masks: list[str]) -> dict:
+    out = {n: f"*{dtype}" for n in names_in}
+    out.update({n: "*fp32" for n in names_fp32})
+    out.update({n: "*u8" for n in masks})
+    return out
+
+
+def forward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
+                      dtype: str = "bf16") -> dict:
+    ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B"], ["KL", "LSE_A", "LSE_B"], ["KEY_MASK", "QUERY_MASK"])
+    cx = dict(D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d, IS_CAUSAL=causal,
+              HAS_KEY_MASK=False, HAS_QUERY_MASK=False, DOT_PRECISION_A="tf32", DOT_PRECISION_B="tf32",
+              INTERPRET=False)
+    return resources(compile_kernel(_attention_kl_fwd_kernel, ptrs, cx, warps, stages))
+
+
+def backward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
+                       atomic: bool = True, dtype: str = "bf16") -> dict:
+    common = dict(D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d, IS_CAUSAL=causal,
+                  HAS_KEY_MASK=False, NEED_A=False, NEED_B=True, DOT_PRECISION_A="tf32",
+                  DOT_PRECISION_B="tf32", INTERPRET=False)
+    ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B", "DK_A", "DK_B"],
+                     ["GRAD", "KL", "LSE_A", "LSE_B", "DQ_A", "DQ_B"], ["KEY_MASK"])
+    dk = resources(compile_kernel(_attention_kl_bwd_dk_kernel, ptrs,
+                                  dict(common, DK_A_PER_HEAD=False, DK_B_PER_HEAD=False, ATOMIC_DQ=atomic),
+                                  warps, stages))
+    if atomic:
+        return {"dk+atomic dq": dk}
+    ptrs_q = dict(ptrs, DQ_A=f"*{dtype}", DQ_B=f"*{dtype}")
+    dq = resources(compile_kernel(_attention_kl_bwd_dq_kernel, ptrs_q, common, warps, stages))
+    return {"dk": dk, "dq": dq}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep-forward", action="store_true")
+    parser.add_argument("--sweep-backward", action="store_true")
+    args = parser.parse_args()
+    if args.sweep_forward:
+        for d in (64, 128):
+            for bm, bn, w, s in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                                 (64, 128, 4, 3), (128, 32, 4, 3), (256, 64, 8, 2)]:
+                print(f"fwd D={d} BM={bm} BN={bn} warps={w} stages={s}:", forward_resources(d, bm, bn, w, s))
+        return
+    if args.sweep_backward:
+        for d in (64, 128):
+            for bm, bn, w, s in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 8, 2), (128, 128, 8, 1)]:
+                print(f"bwd D={d} BM={bm} BN={bn} warps={w} stages={s}:", backward_resources(d, bm, bn, w, s))
+        return
+    from streamkl._triton.configs import backward_config, forward_config
+
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            f = forward_config(d, d, causal)
+            b = backward_config(d, d, causal)
+            print(f"D={d} causal={causal} fwd {f}: {forward_resources(d, f.block_m, f.block_n, f.num_warps, f.num_stages, causal)}")
+            print(f"D={d} causal={causal} bwd {b}: "
+                  f"{backward_resources(d, b.block_m, b.block_n, b.num_warps, b.num_stages, causal)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""GPU suite: the Triton kernels at realistic shapes against the float64 oracle (skipped without CUDA).
+
+Run on a GPU machine with ``python -m pytest -m gpu tests/streamkl/test_gpu.py``. Up to N=2048 the oracle
+is the materialising ``naive_attention_kl``; beyond, the chunked reference in float64 (itself checked
+against the naive oracle to 1e-10 in test_reference.py). Allocations are NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from streamkl import attention_kl, reference
+from tests._helpers import assert_close
+from tests.streamkl.cases import Case, make_inputs, params
+from tests.streamkl.oracle import TOLERANCES, counted_rows
+from tests.streamkl.test_triton import poison_allocations  # noqa: F401  (autouse fixture)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+G = Case(b=1, h=4, h_kt=4, h_ks=4, n_q=8192, n_k=8192, d_t=64, d_s=64)
+GPU_CASES = [
+    (G, torch.bfloat16),
+    (replace(G, causal=True), torch.bfloat16),
+    (replace(G, n_q=4096, n_k=4096, d_t=128, d_s=128, causal=True, h_kt=1, h_ks=2), torch.bfloat16),
+    (replace(G, n_q=4096, n_k=4096, d_t=128, d_s=64, causal=True, teacher_grad=True, layout="bnhd"), torch.bfloat16),
+    (replace(G, n_q=2048, n_k=2048, causal=True, key_mask="random", query_mask=True), torch.float16),
+    (replace(G, n_q=2048, n_k=2048, d_t=128, d_s=128, direction="reverse", teacher_grad=True), torch.float16),
+    (replace(G, n_q=1024, n_k=1024, d_t=128, d_s=128, direction="reverse", teacher_grad=True, causal=True), torch.float32),
+    (replace(G, n_q=2048, n_k=2048, key_mask="empty_batch", b=2), torch.float32),
+    (replace(G, n_q=1000, n_k=3000, causal=True, h_kt=2, d_t=96, d_s=80), torch.float16),
+    (replace(G, n_q=3001, n_k=1003, causal=True, d_t=256, d_s=256, h=2, h_kt=2, h_ks=2), torch.bfloat16),
+    (replace(G, n_q=2048, n_k=2048, sharpness=8.0, temperature=2.0, causal=True), torch.bfloat16),
+]
+
+
+def _oracle(case, inputs, kpm, qm, grad_out):
+    """float64 per-row KL and gradients of Σ grad_out·KL, by the naive map or the fp64 chunked reference."""
+    ref_inputs = [x.detach().double().requires_grad_(x.requires_grad) for x in inputs]
+    kw = case.kwargs()
+    if case.n_q * case.n_k <= 2048 * 2048:
+        from streamkl import naive_attention_kl
+
+        ref = naive_attention_kl(*ref_inputs, key_padding_mask=kpm, query_mask=qm, reduction="none", **kw)
+    else:
+        ref = attention_kl(*ref_inputs, key_padding_mask=kpm, query_mask=qm, reduction="none",
+                           backend="reference", **kw)
+    (ref * grad_out).sum().backward()
+    return ref.detach(), [x.grad for x in ref_inputs]
+
+
+@pytest.mark.parametrize(("case", "dtype"), [pytest.param(c, d, id=f"{c.id}-{d}".replace("torch.", ""))
+                                             for c, d in GPU_CASES])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gpu_matches_float64_oracle(case: Case, dtype: torch.dtype, deterministic: bool, monkeypatch):
+    monkeypatch.setattr(reference, "DEFAULT_CHUNK_SIZE", 1024)
+    inputs_and_masks = make_inputs(case, dtype, "cuda")
+    inputs, (kpm, qm) = inputs_and_masks[:4], inputs_and_masks[4:]
+    out = attention_kl(*inputs, key_padding_mask=kpm, query_mask=qm, reduction="none", backend="triton",
+                       deterministic=deterministic, **case.kwargs())
+    grad_out = torch.randn(out.shape, dtype=torch.float64, device="cuda")
+    (out * grad_out.float()).sum().backward()
+    ref, ref_grads = _oracle(case, inputs, kpm, qm, grad_out)
+    rtol_fwd, rtol_grad = TOLERANCES[dtype]
+    assert_close(out, ref, rtol_fwd, "kl")
+    empty = ~counted_rows(case, kpm, qm).cuda()
+    assert torch.all(out[empty.expand_as(out)] == 0)
+    for name, x, g in zip(("q_t", "k_t", "q_s", "k_s"), inputs, ref_grads):
+        if g is None:
+            assert x.grad is None
+        else:
+            assert_close(x.grad, g, rtol_grad, f"d{name}")
+
+
+def test_gpu_memory_is_linear_in_n():
+    """Peak extra memory of forward+backward at N=16384 (B=1, H=16, D=64, bf16) beyond inputs and grads."""
+    b, h, n, d = 1, 16, 16384, 64
+    q_t, k_t, q_s, k_s = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q_s.requires_grad_(True)
+    k_s.requires_grad_(True)
+    q_s.grad = torch.zeros_like(q_s)
+    k_s.grad = torch.zeros_like(k_s)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    attention_kl(q_t, k_t, q_s, k_s, causal=True).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    rows = b * h * n
+    per_row = extra / rows
+    print(f"peak extra bytes: {extra} = {per_row:.1f} bytes per (b, h, query row)")
+    # fp32 dQ accumulator (4·D bytes/row) + saved kl/lse (12 bytes/row) + the gradient being formed (2·D)
+    assert per_row <= 4 * d + 2 * d + 64
+    assert extra < 2 * b * h * n * n / 1000  # far below one materialised map
+
+
+def test_gpu_64bit_offsets():
+    """B·H·N_q·D > 2^31 elements: rows past the 2^31st element are computed and differentiated correctly."""
+    n_q, n_k, d = (1 << 25) + 100, 64, 64  # q has 2^31 + 6400 elements
+    q_t = torch.randn(1, 1, n_q, d, device="cuda", dtype=torch.bfloat16)
+    q_s = torch.randn(1, 1, n_q, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k_t, k_s = (torch.randn(1, 1, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = attention_kl(q_t, k_t, q_s, k_s, reduction="none", backend="triton")
+    out[..., -200:].sum().backward()
+    tail = slice(n_q - 200, n_q)
+    qs_tail = q_s.detach()[:, :, tail].double().requires_grad_(True)
+    ref = attention_kl(q_t[:, :, tail].double(), k_t.double(), qs_tail, k_s.double(), reduction="none",
+                       backend="reference")
+    ref.sum().backward()
+    assert_close(out[..., tail], ref, 2e-2, "kl tail")
+    assert_close(q_s.grad[:, :, tail], qs_tail.grad, 2e-2, "dq tail")
+    assert torch.all(q_s.grad[:, :, : n_q - 200] == 0)
