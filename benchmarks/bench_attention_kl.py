@@ -109,7 +109,6 @@ def measure_ceilings() -> dict:
     dst = torch.empty_like(src)
     ms = _do_bench(lambda: dst.copy_(src))
     copy_bw = 2 * src.numel() / (ms * 1e-3)
-    del a, bm, src, dst, x, y
     return {"exp2_per_s": exp_rate, "bf16_matmul_flops": mm_rate, "copy_bytes_per_s": copy_bw}
 
 
@@ -188,7 +187,7 @@ def time_fwd_bwd(provider: str, shape: Shape, make_fwd, targets) -> list[Record]
         grad = torch.randn_like(y) if y.dim() else None
         ms_b = _do_bench(lambda: torch.autograd.grad(y, targets, grad, retain_graph=True))
         out.append(Record(provider, "bwd", sd, ms=ms_b))
-        del y
+        y = None  # free the retained graph before timing forward+backward
 
         def fb():
             z = fwd()

@@ -99,7 +99,8 @@ def _pointers(dtype: str, names_in: list[str], names_fp32: list[str], masks: lis
 def forward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
                       dtype: str = "bf16") -> dict:
     ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B"], ["KL", "LSE_A", "LSE_B"], ["KEY_MASK", "QUERY_MASK"])
-    cx = dict(D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d, IS_CAUSAL=causal,
+    cx = dict(WIDE=False, PIPELINE=False, D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d,
+              IS_CAUSAL=causal,
               HAS_KEY_MASK=False, HAS_QUERY_MASK=False, DOT_PRECISION_A="tf32", DOT_PRECISION_B="tf32",
               INTERPRET=False)
     return resources(compile_kernel(_attention_kl_fwd_kernel, ptrs, cx, warps, stages))
@@ -107,7 +108,7 @@ def forward_resources(d: int, block_m: int, block_n: int, warps: int, stages: in
 
 def backward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
                        atomic: bool = True, dtype: str = "bf16") -> dict:
-    common = dict(D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d, IS_CAUSAL=causal,
+    common = dict(WIDE=False, D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d, IS_CAUSAL=causal,
                   HAS_KEY_MASK=False, NEED_A=False, NEED_B=True, DOT_PRECISION_A="tf32",
                   DOT_PRECISION_B="tf32", INTERPRET=False)
     ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B", "DK_A", "DK_B"],
@@ -138,15 +139,18 @@ def main() -> None:
             for bm, bn, w, s in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 8, 2), (128, 128, 8, 1)]:
                 print(f"bwd D={d} BM={bm} BN={bn} warps={w} stages={s}:", backward_resources(d, bm, bn, w, s))
         return
-    from streamkl._triton.configs import backward_config, forward_config
+    from streamkl._triton.configs import dk_config, dq_config, forward_config
 
     for d in (64, 128, 256):
         for causal in (False, True):
             f = forward_config(d, d, causal)
-            b = backward_config(d, d, causal)
-            print(f"D={d} causal={causal} fwd {f}: {forward_resources(d, f.block_m, f.block_n, f.num_warps, f.num_stages, causal)}")
-            print(f"D={d} causal={causal} bwd {b}: "
-                  f"{backward_resources(d, b.block_m, b.block_n, b.num_warps, b.num_stages, causal)}")
+            k, q = dk_config(d, d, causal), dq_config(d, d, causal)
+            fwd = forward_resources(d, f.block_m, f.block_n, f.num_warps, f.num_stages, causal)
+            dk = backward_resources(d, k.block_m, k.block_n, k.num_warps, k.num_stages, causal, atomic=False)["dk"]
+            dq = backward_resources(d, q.block_m, q.block_n, q.num_warps, q.num_stages, causal, atomic=False)["dq"]
+            print(f"D={d} causal={causal} fwd {f}: {fwd}")
+            print(f"D={d} causal={causal} dk {k}: {dk}")
+            print(f"D={d} causal={causal} dq {q}: {dq}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def attention_kl(
     layout: str = "bhnd",
     backend: str = "auto",
     allow_tf32: bool = False,
-    deterministic: bool | None = None,
+    deterministic: bool = True,
 ) -> torch.Tensor:
     r"""KL divergence between a teacher's and a student's attention distributions, never materialised.
 
@@ -106,8 +106,11 @@ def attention_kl(
             Default: ``"auto"``.
         allow_tf32: let float32 inputs use TF32 tensor-core products (Triton backend). Default: ``False``
             (true fp32 products).
-        deterministic: bitwise-reproducible gradients. Default: ``None``, which follows
-            ``torch.are_deterministic_algorithms_enabled()``.
+        deterministic: bitwise-reproducible gradients. ``True`` runs the two-pass backward (a key-stationary
+            pass for dK, a query-stationary pass for dQ, no atomics), which was also the faster design on an
+            H100 at D=64/128 (docs/perf-notes.md). ``False`` runs the one-pass backward that adds dQ with fp32
+            atomics (the last bits vary from run to run); it is ignored while
+            ``torch.use_deterministic_algorithms(True)`` is on. Default: ``True``.
 
     Returns:
         The per-row KL ``[B, H, N_q]`` for ``reduction="none"``, else a scalar; float32 (float64 when an
@@ -149,12 +152,9 @@ def attention_kl(
     )
     if not isinstance(allow_tf32, bool):
         raise TypeError(f"Expected argument `allow_tf32` to be a bool, but got {type(allow_tf32).__name__}.")
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    elif not isinstance(deterministic, bool):
-        raise TypeError(
-            f"Expected argument `deterministic` to be None or a bool, but got {type(deterministic).__name__}."
-        )
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"Expected argument `deterministic` to be a bool, but got {type(deterministic).__name__}.")
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     impl = resolve_backend(
         backend,
         problem.q_t.device,

@@ -41,7 +41,7 @@ class AttentionKLLoss(nn.Module):
         layout: str = "bhnd",
         backend: str = "auto",
         allow_tf32: bool = False,
-        deterministic: bool | None = None,
+        deterministic: bool = True,
     ) -> None:
         super().__init__()
         check_options(

@@ -84,7 +84,7 @@ def test_deterministic_backward_matches_oracle_and_is_bitwise_stable(case: Case)
         assert_close(x.grad, g_det, 1e-5, "deterministic vs atomic")
 
 
-def test_deterministic_follows_torch_global_flag(monkeypatch):
+def test_torch_deterministic_mode_overrides_atomic_request(monkeypatch):
     seen = {}
     from streamkl._triton import backward
 
@@ -96,9 +96,11 @@ def test_deterministic_follows_torch_global_flag(monkeypatch):
 
     monkeypatch.setattr(backward, "attention_kl_bwd", spy)
     q = torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True)
+    attention_kl(q, q.detach(), q, q.detach() * 2, backend="triton", deterministic=False).backward()
+    assert seen["deterministic"] is False
     torch.use_deterministic_algorithms(True)
     try:
-        attention_kl(q, q.detach(), q, q.detach() * 2, backend="triton").backward()
+        attention_kl(q, q.detach(), q, q.detach() * 2, backend="triton", deterministic=False).backward()
     finally:
         torch.use_deterministic_algorithms(False)
     assert seen["deterministic"] is True
@@ -131,3 +133,34 @@ def test_triton_rejects_float64_and_huge_heads():
     big = torch.randn(1, 1, 4, 264, device=DEVICE)
     with pytest.raises(ValueError, match="head dims up to 256, but got D_t, D_s = \\(264, 264\\)"):
         attention_kl(big, big, big, big, backend="triton")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pipelined_forward_variant_matches_reference(causal):
+    """The software-pipelined forward loop (next tile's products issued first) computes the same KL."""
+    from streamkl import reference
+    from streamkl._triton.configs import LaunchConfig
+    from streamkl._triton.forward import attention_kl_fwd
+
+    q_t, k_t, q_s, k_s = (torch.randn(2, 2, n, 16, device=DEVICE) for n in (37, 53, 37, 53))
+    kpm = torch.rand(2, 53, device=DEVICE) > 0.2
+    cfg = LaunchConfig(16, 16, 4, 2, pipeline=True)
+    got = attention_kl_fwd(q_t, k_t, q_s, k_s, kpm, None, causal, 0.3, 0.2, config=cfg)
+    want = reference.chunked_attention_kl_fwd(q_t, k_t, q_s, k_s, kpm, None, causal, 0.3, 0.2)
+    for g, w, name in zip(got, want, ("kl", "lse_a", "lse_b")):
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g)), name
+        assert_close(g[finite], w[finite], 1e-5, name)
+
+
+def test_wide_offset_path_matches_oracle(monkeypatch):
+    """Regression: in-slice offsets ``row * stride`` overflowed int32 once a (batch, head) slice held more
+    than 2^31 elements (illegal address on an H100). The 64-bit path is forced here on small inputs."""
+    from streamkl._triton import backward, forward
+
+    monkeypatch.setattr(forward, "needs_wide_offsets", lambda *x: True)
+    monkeypatch.setattr(backward, "needs_wide_offsets", lambda *x: True)
+    case = replace(BASE, n_q=37, n_k=29, causal=True, key_mask="random", teacher_grad=True)
+    check_against_oracle(case, torch.float32, "triton", DEVICE, reduction_checks=False)
+    check_against_oracle(replace(case, layout="bnhd", direction="reverse"), torch.float32, "triton", DEVICE,
+                         reduction_checks=False)

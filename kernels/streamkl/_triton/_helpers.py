@@ -50,6 +50,23 @@ def _allowed_keys(
     return allowed
 
 
+@triton.jit
+def _offset(index, stride, WIDE: tl.constexpr):
+    """``index * stride`` inside one (batch, head) slice; 64-bit only when the slice can exceed 2^31
+    elements (decided on the host by :func:`needs_wide_offsets`), 32-bit otherwise (fewer registers)."""
+    if WIDE:
+        return tl.cast(index, tl.int64) * stride
+    else:
+        return index * stride
+
+
+def needs_wide_offsets(*tensors: torch.Tensor) -> bool:
+    """True when an in-slice offset ``row * stride_n`` of some ``(B, H, N, D)`` input can overflow int32."""
+    return any(
+        x.shape[2] * max(abs(x.stride(2)), x.shape[3]) + x.shape[3] * abs(x.stride(3)) >= 2**31 for x in tensors
+    )
+
+
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     """``tl.dot`` input precision: true fp32 ("ieee") for float32 unless TF32 is allowed."""
     return "tf32" if dtype != torch.float32 or allow_tf32 else "ieee"

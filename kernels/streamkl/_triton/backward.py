@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from .._constants import LOG2E
-from ._helpers import _allowed_keys, _dot, as_uint8_mask, dot_precision
-from .configs import backward_config, interpreting, padded_head_dim
+from ._helpers import _allowed_keys, _dot, _offset, as_uint8_mask, dot_precision, needs_wide_offsets
+from .configs import LaunchConfig, dk_config, dq_config, interpreting, padded_head_dim
 
 
 @triton.jit
@@ -77,13 +77,13 @@ def _attention_kl_bwd_dk_tile(
     D_A: tl.constexpr, D_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     NEED_A: tl.constexpr, NEED_B: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One query tile against this program's key tile, computed transposed ([keys, queries])."""
     offs_m = m0 + offs_m_base
     row_in = offs_m < N_Q
-    qt_a = tl.load(qa_ptrs + m0 * stride_qa_n, mask=row_in[None, :] & (offs_da < D_A)[:, None], other=0.0)
-    qt_b = tl.load(qb_ptrs + m0 * stride_qb_n, mask=row_in[None, :] & (offs_db < D_B)[:, None], other=0.0)
+    qt_a = tl.load(qa_ptrs + _offset(m0, stride_qa_n, WIDE), mask=row_in[None, :] & (offs_da < D_A)[:, None], other=0.0)
+    qt_b = tl.load(qb_ptrs + _offset(m0, stride_qb_n, WIDE), mask=row_in[None, :] & (offs_db < D_B)[:, None], other=0.0)
     rows = row_ptr + offs_m
     lse2_a = tl.load(LSE_A + rows, mask=row_in, other=float("inf")) * 1.4426950408889634
     lse2_b = tl.load(LSE_B + rows, mask=row_in, other=float("inf")) * 1.4426950408889634
@@ -106,13 +106,13 @@ def _attention_kl_bwd_dk_tile(
         dk_b += _dot(ds, tl.trans(qt_b), DOT_PRECISION_B, INTERPRET)
         if ATOMIC_DQ:
             dq = _dot(tl.trans(ds), k_b, DOT_PRECISION_B, INTERPRET) * scale_b
-            tl.atomic_add(dqb_ptrs + m0 * D_B, dq, mask=row_in[:, None] & (offs_db < D_B)[None, :], sem="relaxed")
+            tl.atomic_add(dqb_ptrs + _offset(m0, D_B, WIDE), dq, mask=row_in[:, None] & (offs_db < D_B)[None, :], sem="relaxed")
     if NEED_A:
         ds = dst_a.to(qt_a.dtype)
         dk_a += _dot(ds, tl.trans(qt_a), DOT_PRECISION_A, INTERPRET)
         if ATOMIC_DQ:
             dq = _dot(tl.trans(ds), k_a, DOT_PRECISION_A, INTERPRET) * scale_a
-            tl.atomic_add(dqa_ptrs + m0 * D_A, dq, mask=row_in[:, None] & (offs_da < D_A)[None, :], sem="relaxed")
+            tl.atomic_add(dqa_ptrs + _offset(m0, D_A, WIDE), dq, mask=row_in[:, None] & (offs_da < D_A)[None, :], sem="relaxed")
     return dk_a, dk_b
 
 
@@ -137,7 +137,7 @@ def _attention_kl_bwd_dk_kernel(
     IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     NEED_A: tl.constexpr, NEED_B: tl.constexpr, DK_A_PER_HEAD: tl.constexpr, DK_B_PER_HEAD: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
-    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -197,15 +197,19 @@ def _attention_kl_bwd_dk_kernel(
                 km_ptr, stride_km_n, m0, offs_m_base, keys, offs_da, offs_db, stride_qa_n, stride_qb_n,
                 dk_a, dk_b, qk_scale_a, qk_scale_b, scale_a, scale_b, N_Q, N_K, D_A, D_B,
                 IS_CAUSAL, True, HAS_KEY_MASK, NEED_A, NEED_B, ATOMIC_DQ,
-                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET,
+                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
-        for m0 in range(m_full, N_Q, BLOCK_M):
+        # Programs start at different query tiles (staggered by key tile) so that their atomic dQ
+        # updates do not all hit the same rows at the same time.
+        num_full = tl.cdiv(N_Q - m_full, BLOCK_M)
+        for i in range(0, num_full):
+            m0 = m_full + ((i + pid_n) % num_full) * BLOCK_M
             dk_a, dk_b = _attention_kl_bwd_dk_tile(
                 k_a, k_b, qa_ptrs, qb_ptrs, row_ptr, GRAD, KL, LSE_A, LSE_B, dqa_ptrs, dqb_ptrs,
                 km_ptr, stride_km_n, m0, offs_m_base, keys, offs_da, offs_db, stride_qa_n, stride_qb_n,
                 dk_a, dk_b, qk_scale_a, qk_scale_b, scale_a, scale_b, N_Q, N_K, D_A, D_B,
                 IS_CAUSAL, False, HAS_KEY_MASK, NEED_A, NEED_B, ATOMIC_DQ,
-                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET,
+                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
         # a side whose key heads are grouped differently writes its dK per query head
         if NEED_A and DK_A_PER_HEAD:
@@ -239,12 +243,12 @@ def _attention_kl_bwd_dq_tile(
     D_A: tl.constexpr, D_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     NEED_A: tl.constexpr, NEED_B: tl.constexpr,
-    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     keys = n0 + offs_n
     key_in = keys < N_K
-    kt_a = tl.load(ka_ptrs + n0 * stride_ka_n, mask=key_in[None, :] & (offs_da < D_A)[:, None], other=0.0)
-    kt_b = tl.load(kb_ptrs + n0 * stride_kb_n, mask=key_in[None, :] & (offs_db < D_B)[:, None], other=0.0)
+    kt_a = tl.load(ka_ptrs + _offset(n0, stride_ka_n, WIDE), mask=key_in[None, :] & (offs_da < D_A)[:, None], other=0.0)
+    kt_b = tl.load(kb_ptrs + _offset(n0, stride_kb_n, WIDE), mask=key_in[None, :] & (offs_db < D_B)[:, None], other=0.0)
     x = _dot(q_a, kt_a, DOT_PRECISION_A, INTERPRET)
     y = _dot(q_b, kt_b, DOT_PRECISION_B, INTERPRET)
     if CHECK_BOUNDS or HAS_KEY_MASK:
@@ -278,7 +282,7 @@ def _attention_kl_bwd_dq_kernel(
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
-    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -324,13 +328,13 @@ def _attention_kl_bwd_dq_kernel(
         dq_a, dq_b = _attention_kl_bwd_dq_tile(
             q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, n0, offs_m, offs_n, offs_da, offs_db,
             stride_ka_n, stride_kb_n, lse2_a, lse2_b, kl, g, dq_a, dq_b, qk_scale_a, qk_scale_b, N_Q, N_K,
-            D_A, D_B, IS_CAUSAL, False, HAS_KEY_MASK, NEED_A, NEED_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET,
+            D_A, D_B, IS_CAUSAL, False, HAS_KEY_MASK, NEED_A, NEED_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
     for n0 in range(full_end, hi, BLOCK_N):
         dq_a, dq_b = _attention_kl_bwd_dq_tile(
             q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, n0, offs_m, offs_n, offs_da, offs_db,
             stride_ka_n, stride_kb_n, lse2_a, lse2_b, kl, g, dq_a, dq_b, qk_scale_a, qk_scale_b, N_Q, N_K,
-            D_A, D_B, IS_CAUSAL, True, HAS_KEY_MASK, NEED_A, NEED_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET,
+            D_A, D_B, IS_CAUSAL, True, HAS_KEY_MASK, NEED_A, NEED_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
     if NEED_A:
         ptrs = DQ_A + (row_ptr + rows64[:, None]) * D_A + offs_da[None, :]
@@ -356,9 +360,14 @@ def attention_kl_bwd(
     need_grad_a: bool,
     need_grad_b: bool,
     allow_tf32: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = True,
+    dk_launch: LaunchConfig | None = None,
+    dq_launch: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed)."""
+    """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed).
+
+    ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script).
+    """
     batch, heads, n_q, d_a = q_a.shape
     d_b = q_b.shape[-1]
     h_ka, n_k = k_a.shape[1], k_a.shape[2]
@@ -371,7 +380,10 @@ def attention_kl_bwd(
         return zeros(q_a, need_grad_a), zeros(k_a, need_grad_a), zeros(q_b, need_grad_b), zeros(k_b, need_grad_b)
 
     grad_kl = grad_kl.to(torch.float32).contiguous()
-    cfg = backward_config(d_a, d_b, causal, max(q_a.element_size(), q_b.element_size()))
+    esize = max(q_a.element_size(), q_b.element_size())
+    atomic = not deterministic
+    cfg = dk_launch or dk_config(d_a, d_b, causal, esize, atomic_dq=atomic)
+    cfg_q = dq_launch or dq_config(d_a, d_b, causal, esize)
     km = as_uint8_mask(key_padding_mask)
     km_strides = km.stride() if km is not None else (0, 0)
     h_kg = h_kb if need_grad_b else h_ka
@@ -387,22 +399,23 @@ def attention_kl_bwd(
 
     dk_a = dk_buffer(k_a, need_grad_a, dk_a_per_head)
     dk_b = dk_buffer(k_b, need_grad_b, dk_b_per_head)
-    atomic = not deterministic
     dq_acc_a = torch.zeros(q_a.shape, dtype=torch.float32, device=device) if need_grad_a and atomic else None
     dq_acc_b = torch.zeros(q_b.shape, dtype=torch.float32, device=device) if need_grad_b and atomic else None
     strides = (*q_a.stride(), *k_a.stride(), *q_b.stride(), *k_b.stride(), *km_strides)
     common = dict(
-        D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
+        D_A=d_a, D_B=d_b, BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
         IS_CAUSAL=causal, HAS_KEY_MASK=km is not None, NEED_A=need_grad_a, NEED_B=need_grad_b,
         DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
-        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERPRET=interpreting(), WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
     )
+    launch_dk = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch_dq = dict(BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, num_warps=cfg_q.num_warps,
+                     num_stages=cfg_q.num_stages)
     scales = (scale_a * LOG2E, scale_b * LOG2E, scale_a, scale_b)
     _attention_kl_bwd_dk_kernel[(triton.cdiv(n_k, cfg.block_n), batch * h_kg)](
         q_a, k_a, q_b, k_b, km, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a, dq_acc_b, *strides,
         heads, n_q, n_k, heads // h_ka, heads // h_kb, h_kg, *scales,
-        DK_A_PER_HEAD=dk_a_per_head, DK_B_PER_HEAD=dk_b_per_head, ATOMIC_DQ=atomic, **common,
+        DK_A_PER_HEAD=dk_a_per_head, DK_B_PER_HEAD=dk_b_per_head, ATOMIC_DQ=atomic, **common, **launch_dk,
     )
     if atomic:
         dq_a = dq_acc_a.to(q_a.dtype) if need_grad_a else None
@@ -410,9 +423,9 @@ def attention_kl_bwd(
     else:
         dq_a = torch.empty(q_a.shape, dtype=q_a.dtype, device=device) if need_grad_a else None
         dq_b = torch.empty(q_b.shape, dtype=q_b.dtype, device=device) if need_grad_b else None
-        _attention_kl_bwd_dq_kernel[(triton.cdiv(n_q, cfg.block_m), batch * heads)](
+        _attention_kl_bwd_dq_kernel[(triton.cdiv(n_q, cfg_q.block_m), batch * heads)](
             q_a, k_a, q_b, k_b, km, grad_kl, kl, lse_a, lse_b, dq_a, dq_b, *strides,
-            heads, n_q, n_k, heads // h_ka, heads // h_kb, *scales, **common,
+            heads, n_q, n_k, heads // h_ka, heads // h_kb, *scales, **common, **launch_dq,
         )
     if dk_a_per_head:
         dk_a = dk_a.view(batch, h_ka, heads // h_ka, n_k, d_a).sum(2).to(k_a.dtype)

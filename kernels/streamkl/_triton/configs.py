@@ -26,6 +26,7 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    pipeline: bool = False  # forward only: issue the next tile's products before this tile's softmax
 
 
 def interpreting() -> bool:
@@ -43,26 +44,46 @@ def _width(d_a: int, d_b: int, element_size: int) -> int:
     return max(padded_head_dim(d_a), padded_head_dim(d_b)) * element_size // 2
 
 
+# Measured on an H100 (bf16, B=1, H=16, N=8192) by benchmarks/tune_kernels.py over the candidates that
+# benchmarks/kernel_resources.py finds spill-free; see docs/perf-notes.md. Wider tiles (fp32, D > 128)
+# use the smallest spill-free shapes.
+
+
 def forward_config(d_a: int, d_b: int, causal: bool, element_size: int = 2) -> LaunchConfig:
-    """Tiles for the forward kernel (query tile x key tile); chosen spill-free on sm_90 (see
-    benchmarks/kernel_resources.py and docs/perf-notes.md)."""
+    """Tiles for the forward kernel (query tile x key tile)."""
     if interpreting():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
     if w <= 64:
-        return LaunchConfig(128, 64, 8, 3)
+        return LaunchConfig(64, 64, 4, 3)
     if w <= 128:
-        return LaunchConfig(128, 64, 8, 2)
+        return LaunchConfig(128, 128, 8, 2) if element_size == 2 else LaunchConfig(128, 64, 8, 2)
     if w <= 256:
         return LaunchConfig(64, 32, 4, 2)
     return LaunchConfig(32, 32, 4, 1)
 
 
-def backward_config(d_a: int, d_b: int, causal: bool, element_size: int = 2) -> LaunchConfig:
-    """Tiles for the backward kernels (the same shape serves the key- and the query-stationary pass)."""
+def dk_config(d_a: int, d_b: int, causal: bool, element_size: int = 2, atomic_dq: bool = False) -> LaunchConfig:
+    """Tiles of the key-stationary backward pass (``BLOCK_N`` keys per program, ``BLOCK_M`` rows per step)."""
     if interpreting():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
+    if w <= 64:
+        if atomic_dq:
+            return LaunchConfig(64, 128, 8, 3)
+        return LaunchConfig(32, 64, 4, 3) if causal else LaunchConfig(64, 64, 4, 2)
+    if w <= 128 and element_size == 2:
+        return LaunchConfig(32, 128, 8, 3)
+    return LaunchConfig(32, 32, 4, 1)
+
+
+def dq_config(d_a: int, d_b: int, causal: bool, element_size: int = 2) -> LaunchConfig:
+    """Tiles of the query-stationary dQ pass of the deterministic backward."""
+    if interpreting():
+        return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
+    w = _width(d_a, d_b, element_size)
+    if w <= 64:
+        return LaunchConfig(64, 64, 4, 3) if causal else LaunchConfig(128, 64, 8, 3)
     if w <= 128:
-        return LaunchConfig(64, 64, 8, 2)
+        return LaunchConfig(64, 64, 4, 2)
     return LaunchConfig(32, 32, 4, 1)

@@ -14,26 +14,19 @@ import triton
 import triton.language as tl
 
 from .._constants import LOG2E
-from ._helpers import NEG_BIG, _allowed_keys, _dot, as_uint8_mask, dot_precision
-from .configs import forward_config, interpreting, padded_head_dim
+from ._helpers import NEG_BIG, _allowed_keys, _dot, _offset, as_uint8_mask, dot_precision, needs_wide_offsets
+from .configs import LaunchConfig, forward_config, interpreting, padded_head_dim
 
 
 @triton.jit
-def _attention_kl_fwd_tile(
+def _attention_kl_fwd_scores(
     q_a, q_b,  # [BLOCK_M, BLOCK_DA], [BLOCK_M, BLOCK_DB] query tiles (input dtype)
     ka_ptrs, kb_ptrs,  # [BLOCK_DA, BLOCK_N], [BLOCK_DB, BLOCK_N] pointers of the transposed key tiles at key 0
-    km_ptr, stride_km_n,  # key padding mask row (uint8) of this batch
-    n0, offs_m, offs_n, offs_da, offs_db,
-    stride_ka_n, stride_kb_n,
-    m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state (fp32; maxima in base-2 units)
-    qk_scale_a, qk_scale_b,  # scale * log2(e)
-    N_Q, N_K,
-    D_A: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
+    n0, offs_n, offs_da, offs_db, stride_ka_n, stride_kb_n, N_K,
+    D_A: tl.constexpr, D_B: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """Fold one key tile into the running state of both distributions."""
+    """Load one key tile of each side and return the raw products ``(q_a·k_aᵀ, q_b·k_bᵀ)`` (fp32)."""
     keys = n0 + offs_n
     if CHECK_BOUNDS:
         kmask_a = (keys < N_K)[None, :] & (offs_da < D_A)[:, None]
@@ -41,12 +34,29 @@ def _attention_kl_fwd_tile(
     else:
         kmask_a = (offs_da < D_A)[:, None]
         kmask_b = (offs_db < D_B)[:, None]
-    k_a = tl.load(ka_ptrs + n0 * stride_ka_n, mask=kmask_a, other=0.0)
-    k_b = tl.load(kb_ptrs + n0 * stride_kb_n, mask=kmask_b, other=0.0)
-    x = _dot(q_a, k_a, DOT_PRECISION_A, INTERPRET) * qk_scale_a  # [BLOCK_M, BLOCK_N], base-2 scores
-    y = _dot(q_b, k_b, DOT_PRECISION_B, INTERPRET) * qk_scale_b
+    k_a = tl.load(ka_ptrs + _offset(n0, stride_ka_n, WIDE), mask=kmask_a, other=0.0)
+    k_b = tl.load(kb_ptrs + _offset(n0, stride_kb_n, WIDE), mask=kmask_b, other=0.0)
+    x = _dot(q_a, k_a, DOT_PRECISION_A, INTERPRET)
+    y = _dot(q_b, k_b, DOT_PRECISION_B, INTERPRET)
+    return x, y
+
+
+@triton.jit
+def _attention_kl_fwd_update(
+    x, y,  # [BLOCK_M, BLOCK_N] raw products of one key tile (fp32)
+    km_ptr, stride_km_n, n0, offs_m, offs_n,
+    m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state: maxima of the raw products, sums, coupled accumulator
+    qk_scale_a, qk_scale_b,  # scale * log2(e), > 0
+    N_Q, N_K,
+    IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+):
+    """Fold one key tile into the running state of both distributions.
+
+    The running max is taken on the raw products (the scales are > 0), so each exponent is one FMA:
+    ``exp2(x·c − m·c)``. ``acc`` accumulates ``Σ e^(x−m)(x·c_a − y·c_b)`` in base-2 units.
+    """
     if CHECK_BOUNDS or HAS_KEY_MASK:
-        allowed = _allowed_keys(offs_m[:, None], keys[None, :], km_ptr, stride_km_n, N_Q, N_K,
+        allowed = _allowed_keys(offs_m[:, None], (n0 + offs_n)[None, :], km_ptr, stride_km_n, N_Q, N_K,
                                 IS_CAUSAL, CHECK_BOUNDS, HAS_KEY_MASK)
         x_m = tl.where(allowed, x, float("-inf"))
         y_m = tl.where(allowed, y, float("-inf"))
@@ -54,13 +64,15 @@ def _attention_kl_fwd_tile(
         x_m = x
         y_m = y
     m_a_new = tl.maximum(m_a, tl.max(x_m, 1))
-    alpha_a = tl.exp2(m_a - m_a_new)
-    p_a = tl.exp2(x_m - m_a_new[:, None])  # exactly 0 on masked keys
+    mc_a = tl.maximum(m_a_new * qk_scale_a, NEG_BIG)  # the clamp keeps an empty row finite for any scale
+    alpha_a = tl.exp2(tl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
+    p_a = tl.exp2(x_m * qk_scale_a - mc_a[:, None])  # exactly 0 on masked keys
     z_a = z_a * alpha_a + tl.sum(p_a, 1)
-    acc = acc * alpha_a + tl.sum(p_a * (x - y), 1)  # raw (finite) scores: 0 * finite on masked keys
+    acc = acc * alpha_a + tl.sum(p_a * (x * qk_scale_a - y * qk_scale_b), 1)  # raw scores: 0·finite when masked
     m_b_new = tl.maximum(m_b, tl.max(y_m, 1))
-    alpha_b = tl.exp2(m_b - m_b_new)
-    z_b = z_b * alpha_b + tl.sum(tl.exp2(y_m - m_b_new[:, None]), 1)
+    mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
+    alpha_b = tl.exp2(tl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
+    z_b = z_b * alpha_b + tl.sum(tl.exp2(y_m * qk_scale_b - mc_b[:, None]), 1)
     return m_a_new, z_a, acc, m_b_new, z_b
 
 
@@ -81,6 +93,7 @@ def _attention_kl_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
+    PIPELINE: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -110,7 +123,7 @@ def _attention_kl_fwd_kernel(
     else:
         km_ptr = KEY_MASK
 
-    m_a = tl.full((BLOCK_M,), NEG_BIG, tl.float32)
+    m_a = tl.full((BLOCK_M,), NEG_BIG, tl.float32)  # raw-product maxima (finite sentinel: see NEG_BIG)
     m_b = tl.full((BLOCK_M,), NEG_BIG, tl.float32)
     z_a = tl.zeros((BLOCK_M,), tl.float32)
     z_b = tl.zeros((BLOCK_M,), tl.float32)
@@ -123,19 +136,43 @@ def _attention_kl_fwd_kernel(
         first_row_limit = tl.maximum(m_start + (N_K - N_Q) + 1, 0)  # keys < this are visible to every row
         full_end = tl.minimum((first_row_limit // BLOCK_N) * BLOCK_N, full_end)
         hi = tl.maximum(tl.minimum(N_K, m_start + BLOCK_M + (N_K - N_Q)), 0)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_tile(
-            q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, n0, offs_m, offs_n, offs_da, offs_db,
-            stride_ka_n, stride_kb_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, N_Q, N_K,
-            D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, IS_CAUSAL, False, HAS_KEY_MASK,
-            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET,
-        )
+    if PIPELINE:
+        # software pipelining: the products of tile j+1 are issued before the softmax work of tile j
+        x, y = _attention_kl_fwd_scores(q_a, q_b, ka_ptrs, kb_ptrs, 0, offs_n, offs_da, offs_db, stride_ka_n,
+                                        stride_kb_n, N_K, D_A, D_B, True, DOT_PRECISION_A, DOT_PRECISION_B,
+                                        INTERPRET, WIDE)
+        for n0 in range(0, full_end - BLOCK_N, BLOCK_N):
+            x_next, y_next = _attention_kl_fwd_scores(
+                q_a, q_b, ka_ptrs, kb_ptrs, n0 + BLOCK_N, offs_n, offs_da, offs_db, stride_ka_n, stride_kb_n,
+                N_K, D_A, D_B, False, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+            )
+            m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
+                x, y, km_ptr, stride_km_n, n0, offs_m, offs_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b,
+                N_Q, N_K, IS_CAUSAL, False, HAS_KEY_MASK,
+            )
+            x = x_next
+            y = y_next
+        if full_end > 0:
+            m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
+                x, y, km_ptr, stride_km_n, full_end - BLOCK_N, offs_m, offs_n, m_a, z_a, acc, m_b, z_b,
+                qk_scale_a, qk_scale_b, N_Q, N_K, IS_CAUSAL, False, HAS_KEY_MASK,
+            )
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            x, y = _attention_kl_fwd_scores(q_a, q_b, ka_ptrs, kb_ptrs, n0, offs_n, offs_da, offs_db,
+                                            stride_ka_n, stride_kb_n, N_K, D_A, D_B, False, DOT_PRECISION_A,
+                                            DOT_PRECISION_B, INTERPRET, WIDE)
+            m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
+                x, y, km_ptr, stride_km_n, n0, offs_m, offs_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b,
+                N_Q, N_K, IS_CAUSAL, False, HAS_KEY_MASK,
+            )
     for n0 in range(full_end, hi, BLOCK_N):
-        m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_tile(
-            q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, n0, offs_m, offs_n, offs_da, offs_db,
-            stride_ka_n, stride_kb_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, N_Q, N_K,
-            D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, IS_CAUSAL, True, HAS_KEY_MASK,
-            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET,
+        x, y = _attention_kl_fwd_scores(q_a, q_b, ka_ptrs, kb_ptrs, n0, offs_n, offs_da, offs_db, stride_ka_n,
+                                        stride_kb_n, N_K, D_A, D_B, True, DOT_PRECISION_A, DOT_PRECISION_B,
+                                        INTERPRET, WIDE)
+        m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
+            x, y, km_ptr, stride_km_n, n0, offs_m, offs_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b,
+            N_Q, N_K, IS_CAUSAL, True, HAS_KEY_MASK,
         )
 
     valid = row_in & (z_a > 0.0)
@@ -144,8 +181,8 @@ def _attention_kl_fwd_kernel(
         valid = valid & (qm != 0)
     z_a_safe = tl.where(valid, z_a, 1.0)
     z_b_safe = tl.where(valid, z_b, 1.0)
-    lse2_a = m_a + tl.log2(z_a_safe)
-    lse2_b = m_b + tl.log2(z_b_safe)
+    lse2_a = m_a * qk_scale_a + tl.log2(z_a_safe)
+    lse2_b = m_b * qk_scale_b + tl.log2(z_b_safe)
     kl = tl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * 0.6931471805599453, 0.0)
     out = pid_bh.to(tl.int64) * N_Q + offs_m
     tl.store(KL + out, kl, mask=row_in)
@@ -164,11 +201,13 @@ def attention_kl_fwd(
     scale_a: float,
     scale_b: float,
     allow_tf32: bool = False,
+    config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused forward; returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (nats).
 
     Inputs are ``(B, H, N, D)`` views with any strides (nothing is copied); see
     :func:`streamkl.reference.chunked_attention_kl_fwd` for the exact semantics it reproduces.
+    ``config`` overrides the tile heuristic (used by the tuning script).
     """
     batch, heads, n_q, d_a = q_a.shape
     d_b = q_b.shape[-1]
@@ -178,7 +217,7 @@ def attention_kl_fwd(
     lse_b = torch.empty_like(kl)
     if kl.numel() == 0:
         return kl, lse_a, lse_b
-    cfg = forward_config(d_a, d_b, causal, max(q_a.element_size(), q_b.element_size()))
+    cfg = config or forward_config(d_a, d_b, causal, max(q_a.element_size(), q_b.element_size()))
     km, qm = as_uint8_mask(key_padding_mask), as_uint8_mask(query_mask)
     km_strides = km.stride() if km is not None else (0, 0)
     qm_strides = qm.stride() if qm is not None else (0, 0)
@@ -192,7 +231,7 @@ def attention_kl_fwd(
         BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
         IS_CAUSAL=causal, HAS_KEY_MASK=km is not None, HAS_QUERY_MASK=qm is not None,
         DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
-        INTERPRET=interpreting(),
+        INTERPRET=interpreting(), PIPELINE=cfg.pipeline, WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return kl, lse_a, lse_b
