@@ -8,7 +8,7 @@ copy bandwidth) in the same run and derives the exp-bound and matmul-bound times
 memory of each forward+backward (``"OOM"`` when it does not fit).
 
     python benchmarks/bench_attention_kl.py                 # full grid -> benchmarks/results/<gpu>.json
-    python benchmarks/bench_attention_kl.py --quick         # a few shapes, printed
+    python benchmarks/bench_attention_kl.py --quick         # a few shapes
     python benchmarks/report.py                             # tables + plots under docs/
 
 Run it from an installed checkout (``pip install -e .``) or with ``PYTHONPATH=kernels``.
@@ -145,7 +145,7 @@ def _grad_targets(inputs):
     return [x for x in inputs if x.requires_grad]
 
 
-def streamkl_fns(shape: Shape, inputs, deterministic: bool = False):
+def streamkl_fns(shape: Shape, inputs, deterministic: bool = True):
     kw = dict(causal=shape.causal, backend="triton", deterministic=deterministic)
     fwd = lambda: attention_kl(*inputs, **kw)
     return fwd, kw
@@ -250,37 +250,25 @@ def memory_grid(quick: bool) -> list[Shape]:
     return shapes
 
 
-def run(quick: bool, naive_max_n: int, compile_max_n: int) -> dict:
+def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     ceilings = measure_ceilings()
     print(f"ceilings: exp2 {ceilings['exp2_per_s']:.3e}/s, bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} "
           f"TFLOP/s, copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     records: list[Record] = []
-    for shape in time_grid(quick):
-        t0 = time.time()
-        inputs = make_inputs(shape)
-        targets = _grad_targets(inputs)
-        fwd, _ = streamkl_fns(shape, inputs)
-        recs = time_fwd_bwd("streamkl", shape, fwd, targets)
-        det_fwd, _ = streamkl_fns(shape, inputs, deterministic=True)
-        recs += [r for r in time_fwd_bwd("streamkl-deterministic", shape, det_fwd, targets) if r.mode == "bwd"]
-        if shape.dtype == "bfloat16" and shape.h_kt is None and shape.d_s is None and not shape.teacher_grad:
-            for name, backend in (("sdpa-default", None), ("sdpa-flash", "FLASH_ATTENTION")):
-                sfn, sin = sdpa_fn(shape, backend)
-                recs += time_fwd_bwd(name, shape, sfn, list(sin))
-                del sin
-            if shape.n <= naive_max_n:
-                recs += time_fwd_bwd("naive-eager", shape, naive_fn(shape, inputs, False), targets)
-            if shape.n <= compile_max_n and shape.d == 64 and shape.h == 16:
-                recs += time_fwd_bwd("naive-compile", shape, naive_fn(shape, inputs, True), targets)
-        for r in recs:
-            r.extra.update(bounds(shape, ceilings))
-        records += recs
-        del inputs, targets
-        gc.collect()
-        torch.cuda.empty_cache()
-        summary = {f"{r.provider}/{r.mode}": (round(r.ms, 3) if r.ms is not None else r.status) for r in recs}
-        print(f"{shape}: {summary} ({time.time() - t0:.0f}s)", flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "host": platform.node(),
+        "ceilings": ceilings,
+    }
+
+    def save():  # after every shape, so an interrupted run keeps what it measured
+        if out:
+            with open(out, "w") as f:
+                json.dump({**meta, "records": [asdict(r) for r in records]}, f, indent=1)
+
     for shape in memory_grid(quick):
         def make_streamkl(shape=shape):
             inputs = make_inputs(shape)
@@ -294,14 +282,34 @@ def run(quick: bool, naive_max_n: int, compile_max_n: int) -> dict:
             rec = peak_memory(provider, shape, make)
             records.append(rec)
             print(f"mem {provider} {shape}: {rec.peak_bytes if rec.status == 'ok' else rec.status}", flush=True)
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "host": platform.node(),
-        "ceilings": ceilings,
-        "records": [asdict(r) for r in records],
-    }
+            save()
+    for shape in time_grid(quick):
+        t0 = time.time()
+        inputs = make_inputs(shape)
+        targets = _grad_targets(inputs)
+        fwd, _ = streamkl_fns(shape, inputs)
+        recs = time_fwd_bwd("streamkl", shape, fwd, targets)
+        atomic_fwd, _ = streamkl_fns(shape, inputs, deterministic=False)
+        recs += [r for r in time_fwd_bwd("streamkl-atomic", shape, atomic_fwd, targets) if r.mode == "bwd"]
+        if shape.dtype == "bfloat16" and shape.h_kt is None and shape.d_s is None and not shape.teacher_grad:
+            for name, backend in (("sdpa-default", None), ("sdpa-flash", "FLASH_ATTENTION")):
+                sfn, sin = sdpa_fn(shape, backend)
+                recs += time_fwd_bwd(name, shape, sfn, list(sin))
+                del sin
+            if shape.n <= naive_max_n:
+                recs += time_fwd_bwd("naive-eager", shape, naive_fn(shape, inputs, False), targets)
+            if shape.n == compile_n and shape.d == 64 and shape.h == 16:
+                recs += time_fwd_bwd("naive-compile", shape, naive_fn(shape, inputs, True), targets)
+        for r in recs:
+            r.extra.update(bounds(shape, ceilings))
+        records += recs
+        del inputs, targets
+        gc.collect()
+        torch.cuda.empty_cache()
+        summary = {f"{r.provider}/{r.mode}": (round(r.ms, 3) if r.ms is not None else r.status) for r in recs}
+        print(f"{shape}: {summary} ({time.time() - t0:.0f}s)", flush=True)
+        save()
+    return {**meta, "records": [asdict(r) for r in records]}
 
 
 def main() -> None:
@@ -309,14 +317,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/<gpu>.json)")
     parser.add_argument("--naive-max-n", type=int, default=8192, help="largest N for the eager naive loss")
-    parser.add_argument("--compile-max-n", type=int, default=8192, help="largest N for the compiled naive loss")
+    parser.add_argument("--compile-n", type=int, default=8192,
+                        help="the N at which the torch.compile'd naive loss is timed (compiling costs ~1 min a shape)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention_kl.py needs a CUDA GPU.")
-    result = run(args.quick, args.naive_max_n, args.compile_max_n)
-    gpu = "".join(c if c.isalnum() else "-" for c in result["device"].lower()).strip("-")
+    gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{gpu}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    result = run(args.quick, args.naive_max_n, args.compile_n, out)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
