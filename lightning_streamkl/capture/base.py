@@ -1,0 +1,252 @@
+r"""
+Attention capture
+^^^^^^^^^^^^^^^^^
+
+The base class every adapter subclasses: it records the queries and keys of selected attention layers of one
+model while a :meth:`AttentionCapture.recording` block runs, and holds nothing else (no attention maps).
+
+An adapter implements one method, :meth:`AttentionCapture.find_layers` (the ordered module paths it can
+capture), and installs whatever hooks it needs in :meth:`~AttentionCapture._attach` /
+:meth:`~AttentionCapture._detach`; it hands each layer's tensors to :meth:`AttentionCapture.record`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: The captures whose :meth:`AttentionCapture.recording` block is open, innermost last. Module-level
+#: :func:`lightning_streamkl.capture.record` calls go to these.
+_RECORDING: list[AttentionCapture] = []
+
+
+@dataclass
+class CapturedAttention:
+    """The queries and keys of one attention call, in the layout :func:`streamkl.attention_kl` takes ("bhnd").
+
+    Attributes:
+        q: queries ``[B, H, N_q, D]`` as the attention computed them (after RoPE, if any).
+        k: keys ``[B, H_k, N_k, D]`` before any GQA repetition (``H`` divisible by ``H_k``).
+        scale: the score scale the layer used; ``None`` means ``1 / sqrt(D)``.
+        causal: whether the layer masks future keys; ``None`` when the adapter cannot tell.
+        key_padding_mask: ``[B, N_k]`` bool, True for real keys, when the layer call carried its own padding
+            mask (``nn.MultiheadAttention``); ``None`` to use the batch's mask.
+        exact: False when the layer's attention is more than ``softmax(q kᵀ · scale)`` under causal and
+            padding masks (a sliding window, a soft cap, a position bias, an arbitrary mask), so the KL computed
+            from ``q`` and ``k`` differs from the one between the layer's own probabilities.
+        note: why ``exact`` is False.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float | None = None
+    causal: bool | None = None
+    key_padding_mask: torch.Tensor | None = None
+    exact: bool = True
+    note: str | None = None
+
+
+def closest(name: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """The up-to-``n`` closest names in ``choices`` (difflib), for "did you mean" messages.
+
+    Example:
+        >>> closest("model.layer.1.self_attn", ["model.layers.0.self_attn", "model.layers.1.self_attn"], n=1)
+        ['model.layers.1.self_attn']
+    """
+    return difflib.get_close_matches(str(name), list(choices), n=n, cutoff=0.4)
+
+
+class AttentionCapture(ABC):
+    """Record ``(q, k)`` of selected attention layers of ``model`` while :meth:`recording` is open.
+
+    Subclasses implement :meth:`find_layers` and, when they need hooks, :meth:`_attach`/:meth:`_detach`
+    (called when the outermost :meth:`recording` block opens and closes). Captured tensors stay in
+    :attr:`records` until :meth:`pop` or :meth:`clear`; callers release them every step.
+
+    Args:
+        model: the module whose attention layers are captured; layer paths are relative to it.
+        exclude: submodules of ``model`` to ignore (e.g. a teacher stored inside the student's
+            LightningModule), with everything below them.
+
+    Attributes:
+        records: ``{layer path: CapturedAttention}`` of the layers recorded since the last :meth:`pop`.
+        selected: the layer paths to record, or ``None`` for every layer.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_streamkl.capture import RecorderCapture, record
+        >>> capture = RecorderCapture(nn.Identity(), names=["attn0"])
+        >>> with capture.recording():
+        ...     record("attn0", torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), causal=True)
+        >>> sorted(capture.pop()), capture.records
+        (['attn0'], {})
+    """
+
+    #: Short name used in messages ("hf", "mha", "recorder").
+    kind: str = "custom"
+
+    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Expected argument `model` to be a torch.nn.Module, but got {type(model).__name__}.")
+        self.model = model
+        self._exclude_ids = {id(m) for m in exclude if m is not model}
+        self.records: dict[str, CapturedAttention] = {}
+        self.selected: set[str] | None = None
+        self._depth = 0
+        self._paths: dict[int, str] | None = None
+        self._layers: list[str] | None = None
+
+    # ---------------------------------------------------------------- what subclasses provide
+    @abstractmethod
+    def find_layers(self) -> list[str]:
+        """The module paths of the attention layers this adapter captures, in module order."""
+
+    def _attach(self) -> None:  # noqa: B027 - optional hook
+        """Install hooks; called when the outermost :meth:`recording` block opens."""
+
+    def _detach(self) -> None:  # noqa: B027 - optional hook
+        """Remove what :meth:`_attach` installed; called when the outermost block closes (also on error)."""
+
+    # ---------------------------------------------------------------- layers
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """``model.named_modules()`` without the excluded subtrees."""
+        skip: list[str] = []
+        for name, module in self.model.named_modules():
+            if any(name == s or name.startswith(s + ".") for s in skip):
+                continue
+            if id(module) in self._exclude_ids:
+                skip.append(name)
+                continue
+            yield name, module
+
+    def layer_names(self) -> list[str]:
+        """:meth:`find_layers`, computed once."""
+        if self._layers is None:
+            self._layers = list(self.find_layers())
+        return self._layers
+
+    def module_path(self, module: nn.Module) -> str | None:
+        """The path of ``module`` inside the captured model, or ``None`` when it is not part of it."""
+        if self._paths is None:
+            self._paths = {id(m): name for name, m in self.named_modules()}
+        return self._paths.get(id(module))
+
+    def resolve(self, layer: str | int, *, role: str = "layer") -> str:
+        """Map a layer reference (module path, or index into :meth:`layer_names`, negative from the end).
+
+        Raises:
+            ValueError: an unknown path (the message lists the closest layer names) or an index out of range.
+        """
+        names = self.layer_names()
+        if isinstance(layer, int) and not isinstance(layer, bool):
+            if not names:
+                raise ValueError(
+                    f"The {role} {layer} is an index, but no attention layers were found in "
+                    f"{type(self.model).__name__} by the {self.kind!r} capture; address layers by name."
+                )
+            if not -len(names) <= layer < len(names):
+                raise ValueError(
+                    f"The {role} index {layer} is out of range: {type(self.model).__name__} has {len(names)} "
+                    f"attention layers ({self.kind!r} capture): {names}."
+                )
+            return names[layer]
+        if layer in names:
+            return layer
+        near = closest(layer, names)
+        hint = f" Closest: {near}." if near else ""
+        raise ValueError(
+            f"Unknown {role} {layer!r}: {type(self.model).__name__} has no such attention layer "
+            f"({self.kind!r} capture found {len(names)}: {_abbrev(names)}).{hint}"
+        )
+
+    def select(self, names: Iterable[str] | None) -> None:
+        """Record only these layer paths (``None``: all)."""
+        self.selected = None if names is None else set(names)
+
+    # ---------------------------------------------------------------- recording
+    def record(
+        self,
+        name: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        scale: float | None = None,
+        causal: bool | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        exact: bool = True,
+        note: str | None = None,
+    ) -> None:
+        """Store the ``(q, k)`` of layer ``name`` (ignored when the layer is not selected).
+
+        A layer that runs twice in one recording (a module reused across depths) keeps its last call.
+        """
+        if self.selected is not None and name not in self.selected:
+            return
+        self.records[name] = CapturedAttention(q, k, scale, causal, key_padding_mask, exact, note)
+
+    @property
+    def is_recording(self) -> bool:
+        """True while a :meth:`recording` block is open."""
+        return self._depth > 0
+
+    @contextmanager
+    def recording(self) -> Iterator[AttentionCapture]:
+        """Capture the layers' ``(q, k)`` for the forward passes run inside the block (re-entrant)."""
+        if self._depth == 0:
+            self._attach()
+        self._depth += 1
+        _RECORDING.append(self)
+        try:
+            yield self
+        finally:
+            # remove this instance (the innermost occurrence), even if blocks close out of order
+            for i in range(len(_RECORDING) - 1, -1, -1):
+                if _RECORDING[i] is self:
+                    del _RECORDING[i]
+                    break
+            self._depth -= 1
+            if self._depth == 0:
+                self._detach()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop recording inside the block (e.g. while a teacher runs in the middle of a student step)."""
+        depth = self._depth
+        if depth == 0:
+            yield
+            return
+        _RECORDING[:] = [c for c in _RECORDING if c is not self]
+        self._depth = 0
+        self._detach()
+        try:
+            yield
+        finally:
+            self._attach()
+            self._depth = depth
+            _RECORDING.extend([self] * depth)
+
+    def pop(self) -> dict[str, CapturedAttention]:
+        """Hand over the records and forget them."""
+        records, self.records = self.records, {}
+        return records
+
+    def clear(self) -> None:
+        """Drop every record (releases the captured tensors)."""
+        self.records = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={type(self.model).__name__}, layers={len(self.layer_names())})"
+
+
+def _abbrev(names: list[str], n: int = 6) -> str:
+    return str(names) if len(names) <= n else str(names[:n])[:-1] + f", ... ({len(names) - n} more)]"

@@ -1,0 +1,319 @@
+r"""
+Layer-pair loss
+^^^^^^^^^^^^^^^
+
+Assemble the distillation loss from captured ``(q, k)``: resolve each :class:`~lightning_streamkl.LayerPair`
+against the teacher's and the student's captures, map heads, decide causality and masks, call
+:func:`streamkl.attention_kl` per pair and return the weighted sum together with per-pair sums and row counts
+(what the metric accumulates). Also the helpers for common pairings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from streamkl import attention_kl
+
+from .capture.base import AttentionCapture, CapturedAttention, closest
+from .config import LayerPair, StreamKLConfig, validate_config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "last_to_last", "uniform_pairs"]
+
+
+def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
+    """One pair: the teacher's last attention layer to the student's last (MiniLM's choice).
+
+    Example:
+        >>> [(p.teacher, p.student, p.label) for p in last_to_last()]
+        [(-1, -1, 'last')]
+    """
+    return [LayerPair(teacher=-1, student=-1, weight=weight, name=name, **options)]
+
+
+def uniform_pairs(num_teacher_layers: int, num_student_layers: int, *, weight: float = 1.0,
+                  **options: object) -> list[LayerPair]:
+    """Pair every student layer with a teacher layer at the same relative depth.
+
+    Student layer ``i`` (of ``L_s``) takes teacher layer ``round((i + 1) · L_t / L_s) - 1``, so the last
+    layers are paired and the others are spread evenly. Each pair gets ``weight / L_s``, so the sum is
+    ``weight`` times the mean over pairs.
+
+    Example:
+        >>> [(p.teacher, p.student, p.weight) for p in uniform_pairs(12, 4)]
+        [(2, 0, 0.25), (5, 1, 0.25), (8, 2, 0.25), (11, 3, 0.25)]
+    """
+    for arg, value in (("num_teacher_layers", num_teacher_layers), ("num_student_layers", num_student_layers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Expected `{arg}` to be an int >= 1, but got {value!r}.")
+    if num_student_layers > num_teacher_layers:
+        raise ValueError(
+            f"Expected `num_student_layers` <= `num_teacher_layers`, but got {num_student_layers} > "
+            f"{num_teacher_layers}; pair layers explicitly with LayerPair."
+        )
+    return [
+        LayerPair(teacher=round((i + 1) * num_teacher_layers / num_student_layers) - 1, student=i,
+                  weight=weight / num_student_layers, **options)
+        for i in range(num_student_layers)
+    ]
+
+
+def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
+               key_padding_mask: torch.Tensor | None = None, query_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The number of query rows :func:`streamkl.attention_kl` averages over with ``reduction="mean"``.
+
+    A row counts when it has at least one allowed key (causal: key ``j <= i + N_k - N_q``; real per
+    ``key_padding_mask``) and ``query_mask`` keeps it; every head counts it. Returns a float32 scalar tensor.
+
+    Example:
+        >>> pad = torch.tensor([[True, True, False]])
+        >>> count_rows(1, 2, 3, 3, causal=True, device=torch.device("cpu"), key_padding_mask=pad)
+        tensor(6.)
+        >>> count_rows(1, 2, 2, 3, causal=True, device=torch.device("cpu"), query_mask=torch.tensor([[False, True]]))
+        tensor(2.)
+    """
+    if key_padding_mask is None:
+        real = torch.full((batch, n_q), n_k, device=device, dtype=torch.long)
+        if causal:
+            limit = torch.arange(n_q, device=device) + (n_k - n_q)  # last allowed key per row
+            real = (limit + 1).clamp(0, n_k).expand(batch, n_q)
+    else:
+        cum = key_padding_mask.to(device=device, dtype=torch.long).cumsum(-1)  # real keys among 0..j
+        if causal:
+            limit = torch.arange(n_q, device=device) + (n_k - n_q)
+            idx = limit.clamp(0, n_k - 1).expand(batch, n_q)
+            real = torch.gather(cum, 1, idx) * (limit >= 0)
+        else:
+            real = cum[:, -1:].expand(batch, n_q)
+    valid = real > 0
+    if query_mask is not None:
+        valid = valid & query_mask.to(device=device, dtype=torch.bool)
+    return valid.sum().to(torch.float32) * heads
+
+
+@dataclass
+class LossOutput:
+    """What :class:`AttentionDistillationLoss` returns for one batch.
+
+    Attributes:
+        total: ``Σ_p weight_p · KL_p`` (differentiable; before the config's global ``weight`` and warm-up).
+        per_pair: ``{pair name: KL_p}``, the mean KL over counted rows of each pair (differentiable).
+        kl_sums: ``[P]`` float32, the per-pair KL summed over counted rows (detached), for the metric.
+        rows: ``[P]`` float32, the per-pair counted rows (for the metric).
+    """
+
+    total: torch.Tensor
+    per_pair: dict[str, torch.Tensor]
+    kl_sums: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class _ResolvedPair:
+    pair: LayerPair
+    teacher: str
+    student: str
+
+
+class AttentionDistillationLoss:
+    """The weighted sum of per-pair :func:`streamkl.attention_kl` terms between two captures' records.
+
+    Args:
+        config: a :class:`~lightning_streamkl.StreamKLConfig` or a mapping (validated).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_streamkl.capture import RecorderCapture
+        >>> teacher, student = RecorderCapture(nn.Identity(), names=["a"]), RecorderCapture(nn.Identity(), names=["b"])
+        >>> loss_fn = AttentionDistillationLoss({"pairs": [{"teacher": "a", "student": "b"}], "causal": True})
+        >>> loss_fn.resolve(teacher, student)
+        [('a', 'b')]
+        >>> q = torch.randn(2, 4, 8, 16)
+        >>> out = loss_fn({"a": CapturedAttention(q, q)}, {"b": CapturedAttention(q.clone(), q.clone())})
+        >>> round(float(out.total), 6), out.rows.tolist()
+        (0.0, [64.0])
+    """
+
+    def __init__(self, config: StreamKLConfig | Mapping[str, object]) -> None:
+        self.config = validate_config(config)
+        self.pair_names = [p.label for p in self.config.pairs]
+        self.weights = [p.weight for p in self.config.pairs]
+        self._resolved: list[_ResolvedPair] | None = None
+        self._warned: set[str] = set()
+
+    def resolve(self, teacher: AttentionCapture, student: AttentionCapture) -> list[tuple[str, str]]:
+        """Map every pair's layer references to module paths, and make the captures record only those.
+
+        Raises:
+            ValueError: an unknown layer path (listing the closest names) or an index out of range, naming the pair.
+        """
+        resolved = []
+        for i, pair in enumerate(self.config.pairs):
+            where = f"pairs[{i}] ({pair.label!r})"
+            resolved.append(_ResolvedPair(
+                pair,
+                teacher.resolve(pair.teacher, role=f"teacher layer of {where}"),
+                student.resolve(pair.student, role=f"student layer of {where}"),
+            ))
+        self._resolved = resolved
+        teacher.select({r.teacher for r in resolved})
+        student.select({r.student for r in resolved})
+        return [(r.teacher, r.student) for r in resolved]
+
+    def __call__(
+        self,
+        teacher_records: Mapping[str, CapturedAttention],
+        student_records: Mapping[str, CapturedAttention],
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        query_mask: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """Compute every pair's term from the records of one forward pass of each model.
+
+        Args:
+            teacher_records: ``{layer path: CapturedAttention}`` of the teacher.
+            student_records: the same for the student.
+            key_padding_mask: ``[B, N_k]`` bool, True = real key (from the batch), used when a record carries none.
+            query_mask: ``[B, N_q]`` bool, False excludes a query row.
+
+        Raises:
+            RuntimeError: a paired layer was not recorded during the forward pass (the message lists what was).
+            ValueError: paired layers whose batch size or sequence lengths differ, or whose head counts differ
+                under ``head_map="error"`` (or are not multiples of each other), or whose causality disagrees.
+        """
+        if self._resolved is None:
+            self._resolved = [_ResolvedPair(p, p.teacher, p.student) for p in self.config.pairs]
+        per_pair: dict[str, torch.Tensor] = {}
+        sums, rows = [], []
+        total = None
+        for r in self._resolved:
+            t = _lookup(teacher_records, r.teacher, "teacher", r.pair.label)
+            s = _lookup(student_records, r.student, "student", r.pair.label)
+            kl_sum, n = self._pair_term(r, t, s, key_padding_mask, query_mask)
+            mean = kl_sum / n.clamp_min(1.0)
+            per_pair[r.pair.label] = mean
+            sums.append(kl_sum.detach().float())
+            rows.append(n)
+            term = mean * r.pair.weight
+            total = term if total is None else total + term
+        assert total is not None
+        return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))
+
+    # ------------------------------------------------------------------------------------------ one pair
+    def _pair_term(self, r: _ResolvedPair, t: CapturedAttention, s: CapturedAttention,
+                   key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, pair = self.config, r.pair
+        label = f"pair {pair.label!r} (teacher {r.teacher!r}, student {r.student!r})"
+        for rec, side in ((t, "teacher"), (s, "student")):
+            if not rec.exact and side + r.pair.label not in self._warned:
+                self._warned.add(side + r.pair.label)
+                rank_zero_warn(f"StreamKL {label}: {rec.note}; the KL is computed from softmax(q kᵀ · scale) only.")
+        q_t, k_t, q_s, k_s = t.q, t.k, s.q, s.k
+        if q_t.dim() != 4 or q_s.dim() != 4 or k_t.dim() != 4 or k_s.dim() != 4:
+            raise ValueError(
+                f"StreamKL {label}: expected 4-d [B, H, N, D] queries and keys, but got teacher q {tuple(q_t.shape)}, "
+                f"k {tuple(k_t.shape)} and student q {tuple(q_s.shape)}, k {tuple(k_s.shape)}."
+            )
+        (b_t, h_t, n_qt, _), (b_s, h_s, n_qs, _) = q_t.shape, q_s.shape
+        if (b_t, n_qt, k_t.shape[2]) != (b_s, n_qs, k_s.shape[2]):
+            raise ValueError(
+                f"StreamKL {label}: the paired layers see different shapes: teacher q {tuple(q_t.shape)}, "
+                f"k {tuple(k_t.shape)} vs student q {tuple(q_s.shape)}, k {tuple(k_s.shape)} ([B, H, N, D]); "
+                "both models must see the same batch and sequence lengths (same tokenizer)."
+            )
+        if h_t != h_s:
+            q_t, q_s = self._map_heads(pair, label, q_t, q_s)
+
+        causal = pair.causal if pair.causal is not None else cfg.causal
+        if causal is None:
+            if t.causal is not None and s.causal is not None and t.causal != s.causal:
+                raise ValueError(
+                    f"StreamKL {label}: the teacher layer is {'causal' if t.causal else 'bidirectional'} but the "
+                    f"student layer is {'causal' if s.causal else 'bidirectional'}; set `causal` in the pair or the "
+                    "config to choose one masking for both."
+                )
+            causal = t.causal if t.causal is not None else s.causal
+            if causal is None:
+                raise ValueError(
+                    f"StreamKL {label}: neither capture knows whether the layers are causal; pass causal= to "
+                    "record() or set `causal` in the pair or the config."
+                )
+
+        kpm = _combine(t.key_padding_mask, s.key_padding_mask)
+        n_k = k_t.shape[2]
+        if kpm is None and key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (b_t, n_k):
+                raise ValueError(
+                    f"StreamKL {label}: the batch's padding mask has shape {tuple(key_padding_mask.shape)}, but the "
+                    f"layers have B={b_t} and N_k={n_k}."
+                )
+            kpm = key_padding_mask
+        qm = query_mask if query_mask is not None and tuple(query_mask.shape) == (b_t, n_qt) else None
+        device = q_s.device
+        kpm = None if kpm is None else kpm.to(device=device, dtype=torch.bool)
+        qm = None if qm is None else qm.to(device=device, dtype=torch.bool)
+        if k_t.dtype != q_t.dtype:
+            k_t = k_t.to(q_t.dtype)
+        if k_s.dtype != q_s.dtype:
+            k_s = k_s.to(q_s.dtype)
+        # the op computes in fp32 itself; autocast must not downcast its internal products
+        with torch.autocast(device_type=device.type, enabled=False):
+            kl_sum = attention_kl(
+                q_t, k_t, q_s, k_s, causal=bool(causal), scale_t=t.scale, scale_s=s.scale,
+                temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
+                direction=pair.direction or cfg.direction, reduction="sum",
+                key_padding_mask=kpm, query_mask=qm, backend=cfg.backend,
+            )
+        n = count_rows(b_t, q_t.shape[1], n_qt, n_k, causal=bool(causal), device=device,
+                       key_padding_mask=kpm, query_mask=qm)
+        return kl_sum, n
+
+    def _map_heads(self, pair: LayerPair, label: str, q_t: torch.Tensor, q_s: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        h_t, h_s = q_t.shape[1], q_s.shape[1]
+        mode = pair.head_map or self.config.head_map
+        if mode == "error":
+            raise ValueError(
+                f"StreamKL {label}: the teacher layer has {h_t} query heads and the student layer {h_s}; "
+                "attention_kl compares head by head. Pair layers with equal head counts, or set head_map='group' "
+                "(when one count is a multiple of the other) to compare each head with its group's head."
+            )
+        big, small = max(h_t, h_s), min(h_t, h_s)
+        if big % small:
+            raise ValueError(
+                f"StreamKL {label}: head_map='group' needs one head count to be a multiple of the other, but the "
+                f"teacher layer has {h_t} query heads and the student layer {h_s}."
+            )
+        # Repeat the queries of the side with fewer heads; its keys keep their heads, since the op maps query head h
+        # to key head h // (H // H_k), which is the right key head for the repeated query.
+        if h_t < h_s:
+            return q_t.repeat_interleave(big // small, dim=1), q_s
+        return q_t, q_s.repeat_interleave(big // small, dim=1)
+
+
+def _combine(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return a.to(torch.bool) & b.to(device=a.device, dtype=torch.bool)
+
+
+def _lookup(records: Mapping[str, CapturedAttention], name: str, side: str, label: str) -> CapturedAttention:
+    if name in records:
+        return records[name]
+    near = closest(name, records)
+    hint = f" Closest: {near}." if near else ""
+    raise RuntimeError(
+        f"StreamKL pair {label!r}: the {side} layer {name!r} was not recorded during the {side}'s forward pass "
+        f"(recorded: {sorted(records)}).{hint} Check the layer path, that the layer runs on this batch, and for "
+        "custom modules that they call lightning_streamkl.capture.record()."
+    )
+
+

@@ -1,0 +1,109 @@
+"""Tiny models, data and LightningModules shared by the lightning_streamkl tests (CPU, no downloads)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB = 50
+
+
+def tiny_llama(*, hidden: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2, seed: int = 0,
+               impl: str = "sdpa", dtype: torch.dtype = torch.float32, init: float = 0.02):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      num_hidden_layers=layers, intermediate_size=2 * hidden, vocab_size=VOCAB,
+                      max_position_embeddings=64, attn_implementation=impl, pad_token_id=0,
+                      initializer_range=init)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def tiny_bert(*, hidden: int = 32, heads: int = 4, layers: int = 2, seed: int = 0, impl: str = "sdpa",
+              dtype: torch.dtype = torch.float32, init: float = 0.02):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers,
+                     intermediate_size=2 * hidden, vocab_size=VOCAB, max_position_embeddings=64,
+                     attn_implementation=impl, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     initializer_range=init)
+    return BertModel(cfg, add_pooling_layer=False).to(dtype)
+
+
+def token_batch(batch: int = 2, length: int = 12, *, pad: str = "right", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids with one padded sequence (``pad`` = "right", "left" or "none")."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if pad == "right":
+        mask[-1, length - 4:] = 0
+    elif pad == "left":
+        mask[-1, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class TokenDataset(Dataset):
+    """A fixed set of sequences with a learnable pattern (each token predicts the next: t -> (t * 7 + 3) % V)."""
+
+    def __init__(self, n: int = 16, length: int = 12, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(1, VOCAB, (n, 1), generator=g)
+        seq = [start]
+        for _ in range(length - 1):
+            seq.append((seq[-1] * 7 + 3) % (VOCAB - 1) + 1)
+        self.ids = torch.cat(seq, 1)
+        self.mask = torch.ones_like(self.ids)
+        self.mask[1::2, length - 3:] = 0  # every other sequence has 3 padding tokens
+        self.ids = self.ids.masked_fill(self.mask == 0, 0)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].masked_fill(self.mask[i] == 0, -100)
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": labels}
+
+
+class CausalLM(L.LightningModule):
+    """A LightningModule around a Hugging Face causal LM; logs and returns the task loss."""
+
+    def __init__(self, model: nn.Module | None = None, lr: float = 0.05, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.model = model if model is not None else tiny_llama(hidden=16, heads=4, kv_heads=1, seed=1)
+        self.lr = lr
+        self.optimizer = optimizer
+        self.task_losses: list[float] = []
+        self.step_losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.task_losses.append(float(loss))
+        self.log("train/task_loss", loss)
+        return loss
+
+    def on_before_backward(self, loss):
+        self.step_losses.append(float(loss))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/task_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def loader(n: int = 8, batch_size: int = 4, length: int = 12, seed: int = 0) -> DataLoader:
+    return DataLoader(TokenDataset(n, length, seed), batch_size=batch_size, shuffle=False)
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
