@@ -1,3 +1,33 @@
-"""Lightning integration of StreamKL attention distillation (callback, mixin, metrics, configs)."""
+"""Lightning integration of StreamKL attention distillation.
 
-__all__: list[str] = []
+Three ways in: the :class:`StreamKLDistillation` callback (add it to ``Trainer(callbacks=[...])``), the
+:class:`AttentionDistillationMixin` (call ``self.attention_distillation_loss()`` from your own step), and
+LightningCLI YAML (``class_path: lightning_streamkl.StreamKLDistillation``). Layer pairs, weights and options
+are :class:`StreamKLConfig` structured configs; :class:`AttentionKLDivergence` logs per-pair divergence.
+"""
+
+from .callback import StreamKLDistillation
+from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCapture, RecorderCapture, record
+from .config import LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
+from .loss import AttentionDistillationLoss, last_to_last, uniform_pairs
+from .metrics import AttentionKLDivergence
+from .mixin import AttentionDistillationMixin
+
+__all__ = [
+    "AttentionCapture",
+    "AttentionDistillationLoss",
+    "AttentionDistillationMixin",
+    "AttentionKLDivergence",
+    "HFAttentionCapture",
+    "LayerPair",
+    "MultiheadAttentionCapture",
+    "RecorderCapture",
+    "StreamKLConfig",
+    "StreamKLDistillation",
+    "last_to_last",
+    "load_config",
+    "record",
+    "to_yaml",
+    "uniform_pairs",
+    "validate_config",
+]

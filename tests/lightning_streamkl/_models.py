@@ -82,12 +82,12 @@ class CausalLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
-        self.task_losses.append(float(loss))
+        self.task_losses.append(float(loss.detach()))
         self.log("train/task_loss", loss)
         return loss
 
     def on_before_backward(self, loss):
-        self.step_losses.append(float(loss))
+        self.step_losses.append(float(loss.detach()))
 
     def validation_step(self, batch, batch_idx):
         self.log("val/task_loss", self.model(**batch).loss)
