@@ -1,17 +1,19 @@
-"""The attention-KL op registered with ``torch.library``: custom forward/backward ops, fake
-(meta) implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it.
+"""Autograd for the attention-KL op, two ways over one implementation.
 
-Two ops, both over the canonical ``(B, H, N, D)`` views and computing ``KL(P_a ‖ P_b)``:
+* Eager mode: :class:`AttentionKLFunction`, a plain ``torch.autograd.Function`` (a few microseconds of
+  host overhead per call).
+* Under ``torch.compile``: the same forward/backward registered with ``torch.library`` as the custom
+  ops ``streamkl::attention_kl_fwd`` / ``streamkl::attention_kl_bwd`` with fake (meta) implementations
+  and autograd, so ``torch.compile(fullgraph=True)`` traces through without graph breaks. (A Python
+  custom op costs tens of microseconds of dispatch per call in eager mode, which is why eager calls
+  take the Function.)
 
-* ``streamkl::attention_kl_fwd`` -> ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for
-  fp64 inputs): the per-row KL and the two log-sum-exps (nats) that the backward needs. This is all
-  the state that is saved: three numbers per query row.
-* ``streamkl::attention_kl_bwd`` -> ``(dq_a, dk_a, dq_b, dk_b)``; a gradient that was not asked for
-  is returned as an empty tensor (custom ops cannot return None).
-
+Both compute ``KL(P_a ‖ P_b)`` over canonical ``(B, H, N, D)`` views. The forward returns
+``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for fp64 inputs): the per-row KL and the two
+log-sum-exps (nats), which is all the state saved for the backward: three numbers per query row.
 ``backend`` is ``"reference"`` (chunked PyTorch, any device) or ``"triton"`` (fused kernels);
-``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only); ``deterministic`` asks the
-backward for bitwise-reproducible gradients (the reference is always deterministic).
+``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only); ``deterministic`` selects the
+atomic-free backward (the reference is always deterministic).
 """
 
 from __future__ import annotations
@@ -30,6 +32,70 @@ def _triton_kernels():
     return forward, backward
 
 
+def forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, backend, allow_tf32):
+    """``(kl, lse_a, lse_b)`` from the selected backend."""
+    if backend == "triton":
+        return _triton_kernels()[0].attention_kl_fwd(
+            q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, allow_tf32
+        )
+    return reference.chunked_attention_kl_fwd(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a,
+                                              scale_b)
+
+
+def backward_impl(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
+                  need_grad_a, need_grad_b, backend, allow_tf32, deterministic):
+    """``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes, None where not requested."""
+    if backend == "triton":
+        grads = _triton_kernels()[1].attention_kl_bwd(
+            grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
+            need_grad_a, need_grad_b, allow_tf32, deterministic,
+        )
+    else:
+        grads = reference.chunked_attention_kl_bwd(
+            grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
+            need_grad_a, need_grad_b,
+        )
+    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q_a, k_a, q_b, k_b)))
+
+
+class AttentionKLFunction(torch.autograd.Function):
+    """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a,
+    scale_b, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only ``kl`` is differentiable.
+
+    Example:
+        >>> q = torch.randn(1, 2, 5, 8, requires_grad=True)
+        >>> kl, lse_a, lse_b = AttentionKLFunction.apply(q, q.detach(), q, q.detach() * 2, None, None, False,
+        ...                                              0.3, 0.3, "reference", False, True)
+        >>> kl.sum().backward()
+        >>> tuple(q.grad.shape)
+        (1, 2, 5, 8)
+    """
+
+    @staticmethod
+    def forward(ctx, q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, backend,
+                allow_tf32, deterministic):
+        kl, lse_a, lse_b = forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b,
+                                        backend, allow_tf32)
+        ctx.save_for_backward(q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b)
+        ctx.options = (causal, scale_a, scale_b, backend, allow_tf32, deterministic)
+        ctx.mark_non_differentiable(lse_a, lse_b)
+        return kl, lse_a, lse_b
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
+        q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b = ctx.saved_tensors
+        causal, scale_a, scale_b, backend, allow_tf32, deterministic = ctx.options
+        need = ctx.needs_input_grad
+        need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
+        if grad_kl is None or not (need_a or need_b):
+            return (None,) * 12
+        grads = backward_impl(grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal,
+                              scale_a, scale_b, need_a, need_b, backend, allow_tf32, deterministic)
+        return (*grads, *(None,) * 8)
+
+
+# ------------------------------------------------------------------------------ torch.library custom ops
 @torch.library.custom_op("streamkl::attention_kl_fwd", mutates_args=())
 def attention_kl_fwd_op(
     q_a: torch.Tensor,
@@ -46,13 +112,8 @@ def attention_kl_fwd_op(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` (see the module docstring)."""
-    if backend == "triton":
-        return _triton_kernels()[0].attention_kl_fwd(
-            q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, allow_tf32
-        )
-    return reference.chunked_attention_kl_fwd(
-        q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b
-    )
+    return forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, backend,
+                        allow_tf32)
 
 
 @attention_kl_fwd_op.register_fake
@@ -83,21 +144,11 @@ def attention_kl_bwd_op(
     allow_tf32: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``Σ grad_kl · KL`` (empty tensors for the side that was not asked for)."""
-    if backend == "triton":
-        grads = _triton_kernels()[1].attention_kl_bwd(
-            grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
-            need_grad_a, need_grad_b, allow_tf32, deterministic,
-        )
-    else:
-        grads = reference.chunked_attention_kl_bwd(
-            grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
-            need_grad_a, need_grad_b,
-        )
-    inputs = (q_a, k_a, q_b, k_b)
-    return tuple(
-        x.new_empty(_EMPTY_SHAPE) if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)
-    )
+    """Gradients of ``Σ grad_kl · KL``; a gradient that was not asked for is an empty tensor (custom ops
+    cannot return None)."""
+    grads = backward_impl(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a,
+                          scale_b, need_grad_a, need_grad_b, backend, allow_tf32, deterministic)
+    return tuple(x.new_empty(_EMPTY_SHAPE) if g is None else g for g, x in zip(grads, (q_a, k_a, q_b, k_b)))
 
 
 @attention_kl_bwd_op.register_fake
@@ -116,21 +167,20 @@ def _setup_context(ctx, inputs, output) -> None:
      deterministic) = inputs
     kl, lse_a, lse_b = output
     ctx.save_for_backward(q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b)
-    ctx.causal, ctx.scale_a, ctx.scale_b = causal, scale_a, scale_b
-    ctx.backend, ctx.allow_tf32 = backend, allow_tf32
-    ctx.deterministic = deterministic
+    ctx.options = (causal, scale_a, scale_b, backend, allow_tf32, deterministic)
     ctx.mark_non_differentiable(lse_a, lse_b)
 
 
 def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
     q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b = ctx.saved_tensors
+    causal, scale_a, scale_b, backend, allow_tf32, deterministic = ctx.options
     need = ctx.needs_input_grad
     need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
     if grad_kl is None or not (need_a or need_b):
         return (None,) * 12
     dq_a, dk_a, dq_b, dk_b = attention_kl_bwd_op(
-        grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, ctx.causal,
-        ctx.scale_a, ctx.scale_b, need_a, need_b, ctx.backend, ctx.allow_tf32, ctx.deterministic,
+        grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
+        need_a, need_b, backend, allow_tf32, deterministic,
     )
     return (
         dq_a if need_a else None,
@@ -142,3 +192,9 @@ def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
 
 attention_kl_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
+
+def attention_kl_per_row(*args):
+    """Dispatch: the custom op while ``torch.compile`` traces, the autograd Function in eager mode."""
+    if torch.compiler.is_compiling():
+        return attention_kl_fwd_op(*args)
+    return AttentionKLFunction.apply(*args)
