@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -92,7 +93,7 @@ class Distiller:
         self.teacher_ref = teacher
         self.config = config
         self.teacher_forward = teacher_forward or default_teacher_forward
-        self.padding_mask = padding_mask or (lambda batch: padding_mask_from_batch(batch, config.mask_key))
+        self.padding_mask = padding_mask or functools.partial(padding_mask_from_batch, key=config.mask_key)
         self.loss = AttentionDistillationLoss(config)
         self.teacher: nn.Module | None = None
         self.teacher_capture: AttentionCapture | None = None

@@ -247,6 +247,8 @@ def validate_config(config: StreamKLConfig | Mapping[str, Any] | DictConfig) -> 
         raise _fail("pairs", "a non-empty list of layer pairs", pairs, exc)
     checked = [_check_pair(p, f"pairs[{i}]") for i, p in enumerate(pairs)]
     labels = [p.label for p in checked]
+    if "total" in labels:
+        raise ValueError("Expected no pair to be named 'total' (the sum of all pairs is logged under that name).")
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
         raise ValueError(f"Expected `pairs` to have unique names, but {dupes} occur more than once; set their `name`.")

@@ -33,8 +33,8 @@ class AttentionDistillationMixin:
     ``train/<name>/<pair>`` and ``train/<name>/total``, epoch values (row-weighted, synced across processes)
     from the metrics registered as ``self.train_attention_kl`` and ``self.val_attention_kl``.
 
-    The mixin's ``__init__`` takes no arguments and calls ``super().__init__()``; put it before
-    ``LightningModule`` in the bases.
+    Put the mixin before ``LightningModule`` (or your existing module class) in the bases; its ``__init__``
+    takes nothing of its own and passes any arguments on to ``super().__init__``.
 
     Example::
 
@@ -60,8 +60,8 @@ class AttentionDistillationMixin:
         (True, True)
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._streamkl: Distiller | None = None
         self._streamkl_batch: Any = None
         self._streamkl_recording: AbstractContextManager[Any] | None = None

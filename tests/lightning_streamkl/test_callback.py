@@ -12,10 +12,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 pytest.importorskip("transformers")
 
-from lightning_streamkl import HFAttentionCapture, StreamKLDistillation  # noqa: E402
-from streamkl import attention_kl  # noqa: E402
+from lightning_streamkl import HFAttentionCapture, StreamKLDistillation
+from streamkl import attention_kl
 
-from ._models import CausalLM, TokenDataset, loader, tiny_llama, trainer  # noqa: E402
+from ._models import CausalLM, TokenDataset, loader, tiny_llama, trainer
 
 LAST = {"teacher": -1, "student": -1, "name": "last"}
 
@@ -267,7 +267,7 @@ def test_manual_optimization_is_rejected():
         def training_step(self, batch, batch_idx):
             self.manual_backward(self.model(**batch).loss)
 
-    with pytest.raises(MisconfigurationException, match="manual optimization.*AttentionDistillationMixin"):
+    with pytest.raises(MisconfigurationException, match=r"manual optimization.*AttentionDistillationMixin"):
         trainer(max_steps=1, callbacks=[StreamKLDistillation(make_teacher(), pairs=[LAST])]).fit(Manual(), loader(4, 4))
 
 

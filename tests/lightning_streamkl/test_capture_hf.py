@@ -8,11 +8,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_streamkl import AttentionDistillationLoss, HFAttentionCapture  # noqa: E402
-from lightning_streamkl.capture.hf import CAPTURE_PREFIX  # noqa: E402
-from streamkl import attention_kl  # noqa: E402
+from lightning_streamkl import AttentionDistillationLoss, HFAttentionCapture
+from lightning_streamkl.capture.hf import CAPTURE_PREFIX
+from streamkl import attention_kl
 
-from ._models import tiny_bert, tiny_llama, token_batch  # noqa: E402
+from ._models import tiny_bert, tiny_llama, token_batch
 
 F64 = torch.float64
 
@@ -145,7 +145,7 @@ def test_eager_implementation_is_delegated_and_restored():
     batch = token_batch(2, 7, pad="left")
     with torch.no_grad():
         expected = model(**batch).logits
-    capture, records, impl, out = capture_records(model, batch)
+    _, records, impl, out = capture_records(model, batch)
     assert impl == CAPTURE_PREFIX + "eager" and model.config._attn_implementation == "eager"
     # (HF's eager softmax gives NaN on the fully masked rows of left padding in float64; both runs do)
     torch.testing.assert_close(out.logits, expected, rtol=0, atol=0, equal_nan=True)

@@ -1,0 +1,100 @@
+"""AttentionDistillationMixin: the same capture and loss, called from the module's own training_step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lightning_streamkl import AttentionDistillationMixin, AttentionKLDivergence, StreamKLDistillation
+
+from ._models import CausalLM, loader, tiny_llama, trainer
+from .test_callback import LAST, Recorder, make_teacher
+
+
+class DistilledLM(AttentionDistillationMixin, CausalLM):
+    def __init__(self, teacher, **options):
+        super().__init__(tiny_llama(hidden=16, heads=4, kv_heads=1, layers=2, seed=1), lr=0.05)
+        self.configure_attention_distillation(teacher, pairs=[LAST], **options)
+
+    def training_step(self, batch, batch_idx):
+        task_loss = self.model(**batch).loss
+        self.task_losses.append(float(task_loss.detach()))
+        return task_loss + self.attention_distillation_loss()
+
+    def validation_step(self, batch, batch_idx):
+        self.model(**batch)
+        self.log("val/kl", self.attention_distillation_loss())
+
+
+def test_mixin_matches_the_callback_step_for_step():
+    teacher = make_teacher()
+    mixed = DistilledLM(teacher, weight=0.5, temperature=2.0)
+    rec = Recorder("train/attn_kl/last", "train/attn_kl/total")
+    trainer(max_steps=3, callbacks=[rec], log_every_n_steps=1).fit(mixed, loader(12, 4))
+
+    plain = CausalLM(tiny_llama(hidden=16, heads=4, kv_heads=1, layers=2, seed=1), lr=0.05)
+    cb = StreamKLDistillation(make_teacher(), pairs=[LAST], weight=0.5, temperature=2.0)
+    trainer(max_steps=3, callbacks=[cb]).fit(plain, loader(12, 4))
+
+    assert mixed.step_losses == pytest.approx(plain.step_losses, rel=1e-6)
+    for task, step, total in zip(mixed.task_losses, mixed.step_losses, rec.values["train/attn_kl/total"]):
+        assert step == pytest.approx(task + 0.5 * total, rel=1e-6)
+    # the teacher is frozen and not a submodule (not in the checkpoint, not in the optimizer)
+    assert not any(k.startswith("_streamkl") for k in mixed.state_dict())
+    assert all(p.requires_grad is False for p in teacher.parameters())
+    assert isinstance(mixed.train_attention_kl, AttentionKLDivergence)
+
+
+def test_mixin_validation_and_epoch_metrics():
+    model = DistilledLM(make_teacher())
+    data = loader(8, 4)
+    t = trainer(max_epochs=1, limit_val_batches=None)
+    t.fit(model, data, data)
+    assert {"val/attn_kl/last", "val/attn_kl/total", "train/attn_kl/last", "val/kl"} <= set(t.callback_metrics)
+    assert float(t.callback_metrics["val/attn_kl/last"]) > 0
+
+
+def test_mixin_with_manual_optimization():
+    class Manual(DistilledLM):
+        def __init__(self, teacher):
+            super().__init__(teacher)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            task_loss = self.model(**batch).loss
+            self.task_losses.append(float(task_loss.detach()))
+            loss = task_loss + self.attention_distillation_loss()
+            self.manual_backward(loss)
+            opt.step()
+
+    model = Manual(make_teacher())
+    trainer(max_steps=2).fit(model, loader(8, 4))
+    assert len(model.step_losses) == 2 and all(s > t for s, t in zip(model.step_losses, model.task_losses))
+
+
+def test_mixin_errors():
+    class Unconfigured(AttentionDistillationMixin, CausalLM):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"configure_attention_distillation\(teacher, pairs=...\) first"):
+        Unconfigured().attention_distillation_loss({})
+
+    model = DistilledLM(make_teacher())
+    with pytest.raises(RuntimeError, match="student's paired layers were not recorded"):
+        model.attention_distillation_loss({"input_ids": torch.ones(1, 4, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"Expected `weight` to be a finite number >= 0, but got -1.0"):
+        DistilledLM(make_teacher(), weight=-1.0)
+
+
+def test_mixin_outside_a_trainer():
+    model = DistilledLM(make_teacher())
+    batch = next(iter(loader(4, 4)))
+    with model.capture_student_attention():
+        task = model.model(**batch).loss
+    loss = task + model.attention_distillation_loss(batch)
+    loss.backward()
+    assert model.model.model.layers[1].self_attn.q_proj.weight.grad is not None
