@@ -59,8 +59,8 @@ def plain(h, d, causal, n, dtype="bfloat16"):
 
 
 def headline(meta, t) -> list[str]:
-    lines = ["| D | causal | streamkl fwd | bwd | fwd+bwd | cuDNN fwd | bwd | FA2 fwd | bwd | naive eager fwd | fwd+bwd "
-             "| naive compile fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| D | causal | streamkl fwd | bwd | fwd+bwd | cuDNN fwd | bwd | FA2 fwd | bwd | naive eager fwd "
+             "| fwd+bwd | naive compile fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in (64, 128):
         for causal in (False, True):
             r = t.get(plain(16, d, causal, 8192), {})
@@ -124,8 +124,8 @@ def grid(meta, t) -> list[str]:
             for causal in (False, True):
                 title = f"**H={h}, D={d}, {'causal' if causal else 'non-causal'}** (ms; ratios are streamkl / baseline)"
                 lines += [f"\n{title}\n",
-                          "| N | fwd | bwd | fwd+bwd | atomic bwd | cuDNN fwd | cuDNN bwd | FA2 fwd | FA2 bwd | fwd/cuDNN "
-                          "| fwd/FA2 | bwd/cuDNN | fwd bound | fwd % bound |",
+                          "| N | fwd | bwd | fwd+bwd | atomic bwd | cuDNN fwd | cuDNN bwd | FA2 fwd | FA2 bwd "
+                          "| fwd/cuDNN | fwd/FA2 | bwd/cuDNN | fwd bound | fwd % bound |",
                           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
                 for n in (1024, 2048, 4096, 8192, 16384, 32768):
                     r = t.get(plain(h, d, causal, n))
@@ -252,7 +252,8 @@ def main() -> None:
         c = meta["ceilings"]
         doc += [f"## {meta['device']} (torch {meta['torch']}, triton {meta['triton']})", "",
                 f"Ceilings measured in the run: exp2 {c['exp2_per_s']:.3e}/s, bf16 matmul "
-                f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s, device copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s.", ""]
+                f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s, device copy "
+                f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s.", ""]
         for img in plots(meta, t, tag):
             rel = os.path.relpath(img, DOCS)
             doc += [f"![{os.path.basename(img)}]({rel})", ""]

@@ -68,6 +68,7 @@ def attention_kl(
     backend: str = "auto",
     allow_tf32: bool = False,
     deterministic: bool = True,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     r"""KL divergence between a teacher's and a student's attention distributions, never materialised.
 
@@ -111,6 +112,9 @@ def attention_kl(
             H100 at D=64/128 (docs/perf-notes.md). ``False`` runs the one-pass backward that adds dQ with fp32
             atomics (the last bits vary from run to run); it is ignored while
             ``torch.use_deterministic_algorithms(True)`` is on. Default: ``True``.
+        check_finite: raise a ValueError naming the first input that holds a NaN or an infinity (costs one
+            device synchronisation). Without it, non-finite inputs propagate: the rows they touch come out
+            NaN (or inf) and the call never hangs or crashes. Default: ``False``.
 
     Returns:
         The per-row KL ``[B, H, N_q]`` for ``reduction="none"``, else a scalar; float32 (float64 when an
@@ -150,6 +154,15 @@ def attention_kl(
         layout=layout,
         backend=backend,
     )
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"Expected argument `check_finite` to be a bool, but got {type(check_finite).__name__}.")
+    if check_finite:
+        for name, x in (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s)):
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(
+                    f"Expected argument `{name}` to hold only finite values (check_finite=True), but it contains "
+                    f"{int(torch.isnan(x).sum())} NaN and {int(torch.isinf(x).sum())} infinite entries."
+                )
     if not isinstance(allow_tf32, bool):
         raise TypeError(f"Expected argument `allow_tf32` to be a bool, but got {type(allow_tf32).__name__}.")
     if not isinstance(deterministic, bool):

@@ -17,7 +17,7 @@ class AttentionKLLoss(nn.Module):
 
     Args:
         causal, scale_t, scale_s, temperature, direction, reduction, layout, backend, allow_tf32,
-        deterministic: as in :func:`streamkl.attention_kl`.
+        deterministic, check_finite: as in :func:`streamkl.attention_kl`.
 
     Example:
         >>> import torch
@@ -42,6 +42,7 @@ class AttentionKLLoss(nn.Module):
         backend: str = "auto",
         allow_tf32: bool = False,
         deterministic: bool = True,
+        check_finite: bool = False,
     ) -> None:
         super().__init__()
         check_options(
@@ -64,6 +65,7 @@ class AttentionKLLoss(nn.Module):
         self.backend = backend
         self.allow_tf32 = allow_tf32
         self.deterministic = deterministic
+        self.check_finite = check_finite
 
     def forward(
         self,
@@ -92,6 +94,7 @@ class AttentionKLLoss(nn.Module):
             backend=self.backend,
             allow_tf32=self.allow_tf32,
             deterministic=self.deterministic,
+            check_finite=self.check_finite,
         )
 
     def extra_repr(self) -> str:
