@@ -227,6 +227,33 @@ def plots(meta, t, tag: str) -> list[str]:
     fig.savefig(path, dpi=110)
     out.append(path)
     plt.close("all")
+
+    # README figure: memory and time against the naive loss, side by side (H=16, D=64, causal)
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_m.plot(*zip(*s), marker="o", label="streamkl")
+    if ok:
+        ax_m.plot(*zip(*ok), marker="o", color="tab:red", label="naive KL (materialised)")
+    if oom:
+        ax_m.scatter(oom, [80] * len(oom), marker="x", color="tab:red", label="naive: out of memory (80 GB)")
+    ax_m.set(xscale="log", yscale="log", xlabel="context length N", ylabel="extra GiB (fwd+bwd)", title="memory")
+    ts = [(n, t[plain(16, 64, True, n)].get("streamkl/fwd+bwd")) for n in ns if plain(16, 64, True, n) in t]
+    tn = [(n, t[plain(16, 64, True, n)].get("naive-eager/fwd+bwd")) for n in ns if plain(16, 64, True, n) in t]
+    ta = [(n, t[plain(16, 64, True, n)].get("sdpa-default/fwd+bwd")) for n in ns if plain(16, 64, True, n) in t]
+    for pts, label, color in ((ts, "streamkl", "tab:blue"), (tn, "naive KL (materialised)", "tab:red"),
+                              (ta, "for scale: one attention, cuDNN", "tab:gray")):
+        pts = [(n, v) for n, v in pts if isinstance(v, float)]
+        if pts:
+            ax_t.plot(*zip(*pts), marker="o", label=label, color=color)
+    ax_t.set(xscale="log", yscale="log", xlabel="context length N", ylabel="ms (fwd+bwd)", title="time")
+    for ax in (ax_m, ax_t):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"attention KL, H=16, D=64, bf16, causal, {meta['device']}", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(IMG, "readme_memory_time.png")
+    fig.savefig(path, dpi=110)
+    out.append(path)
+    plt.close("all")
     return out
 
 
