@@ -141,7 +141,7 @@ class AttentionDistillationMixin:
         stage = self._streamkl_stage()
         trainer = self._streamkl_trainer()
         step = trainer.global_step if trainer is not None else 0
-        if stage in ("train", "val"):
+        if stage == "train" or (stage == "val" and distiller.config.validation):
             metric = self._streamkl_metric(stage)
             metric.to(terms.rows.device)
             metric.update(terms.kl_sums, terms.rows)
@@ -164,10 +164,8 @@ class AttentionDistillationMixin:
 
     def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_validation_batch_start(batch, batch_idx, dataloader_idx)  # type: ignore[misc]
-        trainer = self._streamkl_trainer()
-        sanity = trainer is not None and trainer.sanity_checking
-        if self._streamkl is not None and self._streamkl.config.validation and not sanity:
-            self._streamkl_start(batch)
+        if self._streamkl is not None:
+            self._streamkl_start(batch)  # (sanity-check batches are computed but not counted in the metric)
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         super().on_validation_batch_end(outputs, batch, batch_idx, dataloader_idx)  # type: ignore[misc]
