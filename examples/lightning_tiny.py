@@ -36,7 +36,7 @@ class CausalLMModule(L.LightningModule):
     def __init__(self, hidden_size: int = 16, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 1,
                  lr: float = 0.01, seed: int = 1) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters("hidden_size", "num_layers", "num_heads", "num_kv_heads", "lr", "seed")
         torch.manual_seed(seed)
         self.model = LlamaForCausalLM(llama_config(hidden_size, num_layers, num_heads, num_kv_heads))
 

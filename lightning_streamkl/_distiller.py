@@ -108,7 +108,7 @@ class Distiller:
         """Load and freeze the teacher, build both captures and resolve the layer pairs (idempotent)."""
         if self.student_capture is not None and self.student_capture.model is student:
             return
-        teacher = load_teacher(self.teacher_ref)
+        teacher = self.teacher if self.teacher is not None else load_teacher(self.teacher_ref)
         if teacher is student:
             raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher.")
         teacher.eval()

@@ -188,6 +188,8 @@ class StreamKLDistillation(Callback):
     # ------------------------------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage not in ("fit", "validate"):
+            return
         self._check_trainer(trainer, pl_module, stage)
         self._distiller.setup(pl_module)
         self._module = pl_module

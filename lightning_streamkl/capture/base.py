@@ -165,8 +165,8 @@ class AttentionCapture(ABC):
         near = closest(layer, names)
         hint = f" Closest: {near}." if near else ""
         raise ValueError(
-            f"Unknown {role} {layer!r}: {type(self.model).__name__} has no such attention layer "
-            f"({self.kind!r} capture found {len(names)}: {_abbrev(names)}).{hint}"
+            f"Unknown {role}: {type(self.model).__name__} has no attention layer {layer!r} "
+            f"(the {self.kind!r} capture found {len(names)}: {_abbrev(names)}).{hint}"
         )
 
     def select(self, names: Iterable[str] | None) -> None:

@@ -34,7 +34,7 @@ def test_mha_capture_matches_the_layers_own_probabilities(batch_first):
     x_s = torch.randn(2, 9, 16, dtype=F64)
     pad = torch.zeros(2, 9, dtype=torch.bool)
     pad[1, 6:] = True  # torch convention: True = padding
-    causal = nn.Transformer.generate_square_subsequent_mask(9, dtype=F64)
+    causal = torch.ones(9, 9, dtype=torch.bool).triu(1)  # True = masked, like the padding mask
     if not batch_first:
         x_t, x_s = x_t.transpose(0, 1), x_s.transpose(0, 1)
 
@@ -139,7 +139,7 @@ def test_recorder_with_module_and_named_records():
     record("main", t.q, t.k)
     assert list(named.records) == ["indexer"] and not _RECORDING
     assert named.resolve(1) == "main"
-    with pytest.raises(ValueError, match=r"Unknown layer 'mian'.*Closest: \['main'\]"):
+    with pytest.raises(ValueError, match=r"Unknown layer: Identity has no attention layer 'mian'.*Closest: \['main'\]"):
         named.resolve("mian")
     with pytest.raises(ValueError, match="no declared layer names"):
         RecorderCapture(nn.Identity()).resolve(0)

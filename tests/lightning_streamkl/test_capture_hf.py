@@ -188,7 +188,7 @@ def test_two_captures_on_a_shared_config_restore_it():
 
 def test_unknown_layer_lists_close_matches():
     capture = HFAttentionCapture(tiny_llama(layers=2))
-    with pytest.raises(ValueError, match=r"Unknown layer 'model.layer.1.self_attn'.*Closest: \['model.layers.1.self_attn'"):
+    with pytest.raises(ValueError, match=r"Unknown layer: LlamaForCausalLM has no attention layer 'model.layer.1.self_attn'.*Closest: \['model.layers.1.self_attn'"):
         capture.resolve("model.layer.1.self_attn")
     with pytest.raises(ValueError, match=r"index 5 is out of range: LlamaForCausalLM has 2 attention layers"):
         capture.resolve(5)

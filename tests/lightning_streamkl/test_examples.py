@@ -22,6 +22,7 @@ QUIET = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable
 @pytest.fixture(autouse=True)
 def _examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setattr("sys.argv", ["lightning_cli.py"])  # LightningCLI(args=...) warns about pytest's own argv
 
 
 def test_callback_example():
