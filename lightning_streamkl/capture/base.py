@@ -44,6 +44,7 @@ class CapturedAttention:
             padding masks (a sliding window, a soft cap, a position bias, an arbitrary mask), so the KL computed
             from ``q`` and ``k`` differs from the one between the layer's own probabilities.
         note: why ``exact`` is False.
+        layer_idx: the layer's ``layer_idx`` when the module has one (Hugging Face attention modules).
     """
 
     q: torch.Tensor
@@ -53,6 +54,7 @@ class CapturedAttention:
     key_padding_mask: torch.Tensor | None = None
     exact: bool = True
     note: str | None = None
+    layer_idx: int | None = None
 
 
 def closest(name: str, choices: Iterable[str], n: int = 3) -> list[str]:
@@ -185,6 +187,7 @@ class AttentionCapture(ABC):
         key_padding_mask: torch.Tensor | None = None,
         exact: bool = True,
         note: str | None = None,
+        layer_idx: int | None = None,
     ) -> None:
         """Store the ``(q, k)`` of layer ``name`` (ignored when the layer is not selected).
 
@@ -192,7 +195,7 @@ class AttentionCapture(ABC):
         """
         if self.selected is not None and name not in self.selected:
             return
-        self.records[name] = CapturedAttention(q, k, scale, causal, key_padding_mask, exact, note)
+        self.records[name] = CapturedAttention(q, k, scale, causal, key_padding_mask, exact, note, layer_idx)
 
     @property
     def is_recording(self) -> bool:

@@ -157,7 +157,7 @@ class HFAttentionCapture(AttentionCapture):
     ``model.layers.<i>.self_attn``, BERT's ``encoder.layer.<i>.attention.self``, ...); a layer's index is its
     position in module order, which equals ``layer_idx`` for decoder-only and encoder-only models. The record
     holds the post-RoPE query ``[B, H, N, D]``, the key ``[B, H_kv, N, D]`` before GQA repetition, the layer's
-    ``scaling`` and causality (the ``is_causal`` call argument, else ``module.is_causal``).
+    ``scaling``, its causality (the ``is_causal`` call argument, else ``module.is_causal``) and ``layer_idx``.
 
     Args:
         model: a ``PreTrainedModel`` or any module containing them (e.g. a LightningModule).
@@ -175,8 +175,8 @@ class HFAttentionCapture(AttentionCapture):
         >>> with capture.recording():
         ...     _ = model(torch.randint(0, 50, (2, 6)))
         >>> r = capture.records["model.layers.1.self_attn"]
-        >>> tuple(r.q.shape), tuple(r.k.shape), r.scale, r.causal, model.config._attn_implementation
-        ((2, 4, 6, 8), (2, 2, 6, 8), 0.3535533905932738, True, 'sdpa')
+        >>> tuple(r.q.shape), tuple(r.k.shape), r.scale, r.causal, r.layer_idx, model.config._attn_implementation
+        ((2, 4, 6, 8), (2, 2, 6, 8), 0.3535533905932738, True, 1, 'sdpa')
     """
 
     kind = "hf"
@@ -255,4 +255,5 @@ class HFAttentionCapture(AttentionCapture):
             note = f"{type(module).__name__} attention uses {odd}, which attention_kl does not model"
         scale = kwargs.get("scaling")
         self.record(name, query, key, scale=None if scale is None else float(scale),
-                    causal=None if causal is None else bool(causal), exact=not odd, note=note)
+                    causal=None if causal is None else bool(causal), exact=not odd, note=note,
+                    layer_idx=getattr(module, "layer_idx", None))

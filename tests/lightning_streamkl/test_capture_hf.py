@@ -74,7 +74,7 @@ def test_llama_gqa_rope_causal_matches_eager_probabilities(pad):
     for t_layer, s_layer in [(0, 0), (2, 1)]:
         t = t_rec[f"model.layers.{t_layer}.self_attn"]
         s = s_rec[f"model.layers.{s_layer}.self_attn"]
-        assert t.causal and s.causal and t.exact and s.exact
+        assert t.causal and s.causal and t.exact and s.exact and (t.layer_idx, s.layer_idx) == (t_layer, s_layer)
         assert tuple(t.k.shape) == (3, 2, 11, 16) and tuple(s.k.shape) == (3, 1, 11, 8)  # keys before GQA repeat
         ours = attention_kl(t.q, t.k, s.q, s.k, causal=True, scale_t=t.scale, scale_s=s.scale,
                             key_padding_mask=qmask, query_mask=qmask, reduction="none")
