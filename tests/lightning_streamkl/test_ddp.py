@@ -14,6 +14,7 @@ from .test_callback import LAST, make_student, make_teacher, manual_kl
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_callback_under_ddp_spawn_syncs_the_validation_metric():
     teacher = make_teacher()
     student = make_student(lr=0.1)

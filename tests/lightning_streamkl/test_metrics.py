@@ -90,6 +90,8 @@ def _ddp_worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_metric_syncs_across_two_processes_gloo():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
