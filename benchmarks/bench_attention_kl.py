@@ -226,7 +226,10 @@ def peak_memory(provider: str, shape: Shape, make) -> Record:
 
 
 # -------------------------------------------------------------------------------------------------- grid
-def time_grid(quick: bool) -> list[Shape]:
+def time_grid(quick: bool, max_n: int | None = None) -> list[Shape]:
+    if max_n is not None:  # re-measure the short-context rows only
+        return [Shape(1, 16, n, d, c) for d in (64, 128) for c in (False, True) for n in (1024, 2048, 4096, 8192)
+                if n <= max_n]
     if quick:
         return [Shape(1, 16, 8192, d, c) for d in (64, 128) for c in (False, True)]
     shapes = [Shape(1, h, n, d, c) for h in (16, 32) for d in (64, 128) for c in (False, True)
@@ -242,7 +245,9 @@ def time_grid(quick: bool) -> list[Shape]:
     return shapes
 
 
-def memory_grid(quick: bool) -> list[Shape]:
+def memory_grid(quick: bool, max_n: int | None = None) -> list[Shape]:
+    if max_n is not None:
+        return []
     if quick:
         return [Shape(1, 16, n, 64, True) for n in (8192, 16384)]
     shapes = [Shape(1, 16, n, 64, True) for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)]
@@ -250,7 +255,8 @@ def memory_grid(quick: bool) -> list[Shape]:
     return shapes
 
 
-def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None) -> dict:
+def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None, max_n: int | None = None,
+        merge: dict | None = None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     ceilings = measure_ceilings()
     print(f"ceilings: exp2 {ceilings['exp2_per_s']:.3e}/s, bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} "
@@ -264,12 +270,22 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None) -
         "ceilings": ceilings,
     }
 
+    def merged() -> dict:
+        new = [asdict(r) for r in records]
+        if merge is None:
+            return {**meta, "records": new}
+        remeasured = {(json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]) for r in new}
+        kept = [r for r in merge["records"]
+                if (json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]) not in remeasured]
+        notes = [*merge.get("notes", []), f"{len(new)} records re-measured with --max-n {max_n} on {meta['torch']}"]
+        return {**{k: v for k, v in merge.items() if k != "records"}, "notes": notes, "records": kept + new}
+
     def save():  # after every shape, so an interrupted run keeps what it measured
         if out:
             with open(out, "w") as f:
-                json.dump({**meta, "records": [asdict(r) for r in records]}, f, indent=1)
+                json.dump(merged(), f, indent=1)
 
-    for shape in memory_grid(quick):
+    for shape in memory_grid(quick, max_n):
         def make_streamkl(shape=shape):
             inputs = make_inputs(shape)
             return streamkl_fns(shape, inputs)[0], _grad_targets(inputs)
@@ -283,7 +299,7 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None) -
             records.append(rec)
             print(f"mem {provider} {shape}: {rec.peak_bytes if rec.status == 'ok' else rec.status}", flush=True)
             save()
-    for shape in time_grid(quick):
+    for shape in time_grid(quick, max_n):
         t0 = time.time()
         inputs = make_inputs(shape)
         targets = _grad_targets(inputs)
@@ -315,6 +331,8 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--max-n", type=int, default=None,
+                        help="only the H=16 rows with N <= this, merged into an existing --out file")
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/<gpu>.json)")
     parser.add_argument("--naive-max-n", type=int, default=8192, help="largest N for the eager naive loss")
     parser.add_argument("--compile-n", type=int, default=8192,
@@ -325,7 +343,11 @@ def main() -> None:
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{gpu}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    result = run(args.quick, args.naive_max_n, args.compile_n, out)
+    merge = None
+    if args.max_n is not None and os.path.exists(out):
+        with open(out) as f:
+            merge = json.load(f)
+    result = run(args.quick, args.naive_max_n, args.compile_n, out, args.max_n, merge)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

@@ -281,6 +281,8 @@ def main() -> None:
                 f"Ceilings measured in the run: exp2 {c['exp2_per_s']:.3e}/s, bf16 matmul "
                 f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s, device copy "
                 f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s.", ""]
+        for note in meta.get("notes", []):
+            doc += [f"Note: {note}.", ""]
         for img in plots(meta, t, tag):
             rel = os.path.relpath(img, DOCS)
             doc += [f"![{os.path.basename(img)}]({rel})", ""]
