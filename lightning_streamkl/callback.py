@@ -244,32 +244,7 @@ class StreamKLDistillation(Callback):
 
     # ------------------------------------------------------------------------------------------ internals
     def _check_trainer(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        strategy = type(trainer.strategy).__name__
-        unsupported = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
-        if any(cls.__name__ in unsupported for cls in type(trainer.strategy).__mro__):
-            raise MisconfigurationException(
-                f"StreamKLDistillation does not support the {strategy} strategy (the teacher is not sharded and the "
-                "captured queries/keys of sharded layers are untested); use 'ddp' or a single device."
-            )
-        if stage == "fit" and not pl_module.automatic_optimization:
-            raise MisconfigurationException(
-                "StreamKLDistillation adds its term to the loss returned by training_step, which manual optimization "
-                "ignores; with `automatic_optimization = False` use AttentionDistillationMixin and add "
-                "`self.attention_distillation_loss()` to the loss you backpropagate."
-            )
-        if stage == "fit" and is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
-            raise MisconfigurationException(
-                "StreamKLDistillation needs the batch passed to training_step; a `dataloader_iter` training_step "
-                "hides it. Use AttentionDistillationMixin instead."
-            )
-        for method in ("training_step", "validation_step"):
-            for other in _hooks.runners(pl_module, method):
-                other_config = getattr(other, "config", None)
-                if other is not self and other_config is not None and other_config.name == self.config.name:
-                    raise MisconfigurationException(
-                        f"Two StreamKLDistillation callbacks use the name {self.config.name!r}; their logs and "
-                        "checkpoint state would collide. Give each a distinct `name`."
-                    )
+        check_trainer(self, trainer, pl_module, stage, alternative="AttentionDistillationMixin")
 
     def _step_begin(self, stage: str, batch: Any) -> bool:
         module = self._module
@@ -310,21 +285,62 @@ class StreamKLDistillation(Callback):
         self._distiller.clear()
 
     def _log_epoch(self, pl_module: LightningModule, metric: AttentionKLDivergence, stage: str) -> None:
-        if metric.update_count == 0:
-            return
-        values = {f"{stage}/{k}": v for k, v in metric.compute().items()}
-        prog = self.config.prog_bar and stage == "val"
-        pl_module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, prog_bar=prog)
-        metric.reset()
+        log_epoch(pl_module, metric, stage, prog_bar=self.config.prog_bar)
 
 
-def _add_to_loss(output: Any, term: torch.Tensor) -> Any:
+def check_trainer(callback: Callback, trainer: Trainer, pl_module: LightningModule, stage: str, *,
+                  alternative: str | None = None) -> None:
+    """The checks every loss-adding StreamKL callback makes in ``setup`` (``callback.config.name`` is its name).
+
+    ``alternative`` is named in the manual-optimization and ``dataloader_iter`` messages as what to use instead.
+    """
+    who = type(callback).__name__
+    strategy = type(trainer.strategy).__name__
+    unsupported = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+    if any(cls.__name__ in unsupported for cls in type(trainer.strategy).__mro__):
+        raise MisconfigurationException(
+            f"{who} does not support the {strategy} strategy (the teacher is not sharded and the "
+            "captured queries/keys of sharded layers are untested); use 'ddp' or a single device."
+        )
+    if stage == "fit" and not pl_module.automatic_optimization:
+        hint = (f"; with `automatic_optimization = False` use {alternative} and add "
+                "`self.attention_distillation_loss()` to the loss you backpropagate") if alternative else ""
+        raise MisconfigurationException(
+            f"{who} adds its term to the loss returned by training_step, which manual optimization ignores{hint}."
+        )
+    if stage == "fit" and is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        hint = f" Use {alternative} instead." if alternative else ""
+        raise MisconfigurationException(
+            f"{who} needs the batch passed to training_step; a `dataloader_iter` training_step hides it.{hint}"
+        )
+    name = callback.config.name
+    for method in ("training_step", "validation_step"):
+        for other in _hooks.runners(pl_module, method):
+            other_config = getattr(other, "config", None)
+            if other is not callback and other_config is not None and other_config.name == name:
+                kinds = who if type(other) is type(callback) else f"{type(other).__name__} and {who}"
+                raise MisconfigurationException(
+                    f"Two {kinds} callbacks use the name {name!r}; their logs and checkpoint state would collide. "
+                    "Give each a distinct `name`."
+                )
+
+
+def log_epoch(pl_module: LightningModule, metric: AttentionKLDivergence, stage: str, *, prog_bar: bool) -> None:
+    """Log ``metric``'s epoch values under ``<stage>/...`` (synced across processes) and reset it."""
+    if metric.update_count == 0:
+        return
+    values = {f"{stage}/{k}": v for k, v in metric.compute().items()}
+    pl_module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, prog_bar=prog_bar and stage == "val")
+    metric.reset()
+
+
+def _add_to_loss(output: Any, term: torch.Tensor, who: str = "StreamKLDistillation") -> Any:
     if isinstance(output, torch.Tensor):
         return output + term
     if isinstance(output, Mapping) and "loss" in output:
         return {**output, "loss": output["loss"] + term}
     what = "a mapping without a 'loss' key" if isinstance(output, Mapping) else type(output).__name__
     raise MisconfigurationException(
-        f"StreamKLDistillation adds its term to the loss returned by training_step, but it returned {what}; "
+        f"{who} adds its term to the loss returned by training_step, but it returned {what}; "
         "return the loss tensor or a dict with a 'loss' entry."
     )
