@@ -213,6 +213,12 @@ class StreamKLDistillation(Callback):
         self._module = None
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a run that raises skips `teardown`: restore the module's step methods anyway, so the module can be trained
+        # again (with or without this callback) after the crash
+        self.teardown(trainer, pl_module, trainer.state.fn or "fit")
+
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._log_epoch(pl_module, self.train_metric, "train")
 
