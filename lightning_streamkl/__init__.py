@@ -4,11 +4,14 @@ Three ways in: the :class:`StreamKLDistillation` callback (add it to ``Trainer(c
 :class:`AttentionDistillationMixin` (call ``self.attention_distillation_loss()`` from your own step), and
 LightningCLI YAML (``class_path: lightning_streamkl.StreamKLDistillation``). Layer pairs, weights and options
 are :class:`StreamKLConfig` structured configs; :class:`AttentionKLDivergence` logs per-pair divergence.
+For continual learning, :class:`ContinualAttentionRegularizer` regularises attention toward frozen snapshots
+of the model taken at task boundaries.
 """
 
 from .callback import StreamKLDistillation
 from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCapture, RecorderCapture, record
 from .config import LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
+from .continual import ContinualAttentionRegularizer, ContinualConfig
 from .loss import AttentionDistillationLoss, last_to_last, uniform_pairs
 from .metrics import AttentionKLDivergence
 from .mixin import AttentionDistillationMixin
@@ -18,6 +21,8 @@ __all__ = [
     "AttentionDistillationLoss",
     "AttentionDistillationMixin",
     "AttentionKLDivergence",
+    "ContinualAttentionRegularizer",
+    "ContinualConfig",
     "HFAttentionCapture",
     "LayerPair",
     "MultiheadAttentionCapture",
