@@ -32,7 +32,7 @@ from .metrics import AttentionKLDivergence
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the training metric's epoch-so-far state
 
 
 class StreamKLDistillation(Callback):
@@ -98,8 +98,9 @@ class StreamKLDistillation(Callback):
 
         then ``Trainer(callbacks=[callback]).fit(student_module)``.
 
-    .. tip:: The callback's ``state_dict`` (step counters and the pair names) is saved in checkpoints under
-        :attr:`state_key`, so a run resumed with ``ckpt_path`` continues with the same warm-up step; the
+    .. tip:: The callback's ``state_dict`` (step counters, the pair names and the training metric's epoch-so-far
+        sums, over all processes) is saved in checkpoints under :attr:`state_key`, so a run resumed with
+        ``ckpt_path`` continues with the same warm-up step and logs the same epoch values; the
         teacher itself is not saved (it is frozen, pass it again). Give each instance its own ``name`` to use
         several at once (e.g. two teachers).
     """
@@ -235,6 +236,7 @@ class StreamKLDistillation(Callback):
             "pairs": list(self._distiller.loss.pair_names),
             "train_batches": self._train_batches,
             "val_batches": self._val_batches,
+            "train_metric": metric_state(self.train_metric, getattr(self._module, "_trainer", None)),
         }
 
     @override
@@ -247,6 +249,8 @@ class StreamKLDistillation(Callback):
                 f"StreamKL {self.config.name!r}: the checkpoint was written with pairs {list(saved)}, this run "
                 f"distils {self._distiller.loss.pair_names}."
             )
+        elif state_dict.get("train_metric") is not None:
+            load_metric_state(self.train_metric, state_dict["train_metric"], getattr(self._module, "_trainer", None))
 
     # ------------------------------------------------------------------------------------------ internals
     def _check_trainer(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -338,6 +342,37 @@ def log_epoch(pl_module: LightningModule, metric: AttentionKLDivergence, stage: 
     values = {f"{stage}/{k}": v for k, v in metric.compute().items()}
     pl_module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, prog_bar=prog_bar and stage == "val")
     metric.reset()
+
+
+def metric_state(metric: AttentionKLDivergence, trainer: Trainer | None) -> dict[str, Any]:
+    """The epoch-so-far state of ``metric`` for a checkpoint, summed over processes.
+
+    Under DDP every process calls ``state_dict`` while a checkpoint is written (Lightning's ``save_checkpoint``
+    must run on all of them), so the sum is one collective; the checkpoint then holds the whole group's state.
+    """
+    state = torch.stack([metric.kl_sum, metric.rows]).detach()
+    updates = int(metric.update_count)
+    if trainer is not None and trainer.training and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        # written after the epoch's last batch but before its end hooks: a run resumed from here starts the next
+        # epoch (Lightning does not run the rest of this one), so nothing of this epoch may be carried over
+        state, updates = torch.zeros_like(state), 0
+    if trainer is not None and trainer.world_size > 1:
+        state = trainer.strategy.reduce(state.to(trainer.strategy.root_device), reduce_op="sum")
+    return {"kl_sum": state[0].cpu(), "rows": state[1].cpu(), "updates": updates}
+
+
+def load_metric_state(metric: AttentionKLDivergence, state: Mapping[str, Any], trainer: Trainer | None) -> None:
+    """Restore what :func:`metric_state` saved: global rank 0 takes the group's sums, the other ranks start from 0,
+    so the synced value over the rest of the epoch is the uninterrupted run's."""
+    kl_sum, rows = state["kl_sum"], state["rows"]
+    if tuple(kl_sum.shape) != tuple(metric.kl_sum.shape):
+        return
+    metric.reset()
+    rank = trainer.global_rank if trainer is not None else 0
+    if rank == 0:
+        metric.kl_sum = kl_sum.to(metric.kl_sum)
+        metric.rows = rows.to(metric.rows)
+    metric._update_count = int(state.get("updates", 0))  # non-zero on every rank: all of them log the epoch
 
 
 def _add_to_loss(output: Any, term: torch.Tensor, who: str = "StreamKLDistillation") -> Any:
