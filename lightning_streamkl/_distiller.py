@@ -111,6 +111,12 @@ class Distiller:
         teacher = self.teacher if self.teacher is not None else load_teacher(self.teacher_ref)
         if teacher is student:
             raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher.")
+        on_meta = [name for name, t in (*teacher.named_parameters(), *teacher.named_buffers()) if t.is_meta]
+        if on_meta:
+            raise ValueError(
+                f"The teacher has {len(on_meta)} parameters/buffers on the meta device (no data), e.g. {on_meta[0]!r}; "
+                "load or materialise its weights (e.g. `to_empty()` then `load_state_dict()`) before training."
+            )
         teacher.eval()
         teacher.requires_grad_(False)
         self.teacher = teacher
@@ -121,9 +127,11 @@ class Distiller:
     def place_teacher(self, device: torch.device, student: nn.Module) -> None:
         """Move the teacher to ``device`` and the configured dtype (cheap when already there)."""
         assert self.teacher is not None
-        param = next(self.teacher.parameters(), None)
         dtype = self._teacher_dtype(student)
-        if param is not None and (param.device != device or (dtype is not None and param.dtype != dtype)):
+        # every tensor is checked, not only the first: a teacher partly on another device or partly cast is moved whole
+        misplaced = any(t.device != device for t in (*self.teacher.parameters(), *self.teacher.buffers()))
+        if misplaced or (dtype is not None and any(p.is_floating_point() and p.dtype != dtype
+                                                   for p in self.teacher.parameters())):
             self.teacher.to(device=device, dtype=dtype)
         if self.teacher.training:
             self.teacher.eval()
