@@ -58,6 +58,29 @@ def backward_impl(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_
     return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q_a, k_a, q_b, k_b)))
 
 
+def _save(ctx, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, options) -> None:
+    """Save the inputs and the three per-row statistics (the only state kept for the backward)."""
+    ctx.save_for_backward(q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b)
+    ctx.options = options  # (causal, scale_a, scale_b, backend, allow_tf32, deterministic)
+    ctx.mark_non_differentiable(lse_a, lse_b)
+
+
+def _backward_from_ctx(ctx, grad_kl, backward_fn) -> tuple:
+    """The 12 input gradients (None for non-tensors and for the side nobody asked for) via ``backward_fn``."""
+    q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b = ctx.saved_tensors
+    causal, scale_a, scale_b, backend, allow_tf32, deterministic = ctx.options
+    need = ctx.needs_input_grad
+    need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
+    if grad_kl is None or not (need_a or need_b):
+        return (None,) * 12
+    dq_a, dk_a, dq_b, dk_b = backward_fn(grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a,
+                                         lse_b, causal, scale_a, scale_b, need_a, need_b, backend, allow_tf32,
+                                         deterministic)
+    side_a = (dq_a, dk_a) if need_a else (None, None)
+    side_b = (dq_b, dk_b) if need_b else (None, None)
+    return (*side_a, *side_b, *(None,) * 8)
+
+
 class AttentionKLFunction(torch.autograd.Function):
     """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a,
     scale_b, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only ``kl`` is differentiable.
@@ -76,23 +99,14 @@ class AttentionKLFunction(torch.autograd.Function):
                 allow_tf32, deterministic):
         kl, lse_a, lse_b = forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b,
                                         backend, allow_tf32)
-        ctx.save_for_backward(q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b)
-        ctx.options = (causal, scale_a, scale_b, backend, allow_tf32, deterministic)
-        ctx.mark_non_differentiable(lse_a, lse_b)
+        _save(ctx, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b,
+              (causal, scale_a, scale_b, backend, allow_tf32, deterministic))
         return kl, lse_a, lse_b
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
-        q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b = ctx.saved_tensors
-        causal, scale_a, scale_b, backend, allow_tf32, deterministic = ctx.options
-        need = ctx.needs_input_grad
-        need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
-        if grad_kl is None or not (need_a or need_b):
-            return (None,) * 12
-        grads = backward_impl(grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal,
-                              scale_a, scale_b, need_a, need_b, backend, allow_tf32, deterministic)
-        return (*grads, *(None,) * 8)
+        return _backward_from_ctx(ctx, grad_kl, backward_impl)
 
 
 # ------------------------------------------------------------------------------ torch.library custom ops
@@ -166,28 +180,12 @@ def _setup_context(ctx, inputs, output) -> None:
     (q_a, k_a, q_b, k_b, key_padding_mask, _query_mask, causal, scale_a, scale_b, backend, allow_tf32,
      deterministic) = inputs
     kl, lse_a, lse_b = output
-    ctx.save_for_backward(q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b)
-    ctx.options = (causal, scale_a, scale_b, backend, allow_tf32, deterministic)
-    ctx.mark_non_differentiable(lse_a, lse_b)
+    _save(ctx, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b,
+          (causal, scale_a, scale_b, backend, allow_tf32, deterministic))
 
 
 def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
-    q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b = ctx.saved_tensors
-    causal, scale_a, scale_b, backend, allow_tf32, deterministic = ctx.options
-    need = ctx.needs_input_grad
-    need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
-    if grad_kl is None or not (need_a or need_b):
-        return (None,) * 12
-    dq_a, dk_a, dq_b, dk_b = attention_kl_bwd_op(
-        grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
-        need_a, need_b, backend, allow_tf32, deterministic,
-    )
-    return (
-        dq_a if need_a else None,
-        dk_a if need_a else None,
-        dq_b if need_b else None,
-        dk_b if need_b else None,
-    ) + (None,) * 8
+    return _backward_from_ctx(ctx, grad_kl, attention_kl_bwd_op)
 
 
 attention_kl_fwd_op.register_autograd(_backward, setup_context=_setup_context)
