@@ -100,8 +100,10 @@ class AttentionKLDivergence(Metric):
     def update(self, kl_sums: Tensor, rows: Tensor) -> None:
         """Accumulate one batch's per-pair KL sums and row counts."""
         kl_sums, rows = _attention_kl_update(kl_sums, rows, len(self.pair_names))
-        self.kl_sum += kl_sums.to(self.kl_sum.device)
-        self.rows += rows.to(self.rows.device)
+        # out of place: under `ddp_spawn` on CPU the state tensors arrive in every process in shared memory (torch's
+        # multiprocessing pickling; Lightning un-shares only parameters and buffers), so `+=` would sum all processes
+        self.kl_sum = self.kl_sum + kl_sums.to(self.kl_sum.device)
+        self.rows = self.rows + rows.to(self.rows.device)
 
     def compute(self) -> dict[str, Tensor]:
         """``{"<prefix><pair>": mean KL}`` (and ``"<prefix>total"`` with weights)."""
