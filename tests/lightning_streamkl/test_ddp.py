@@ -102,6 +102,8 @@ class Probe(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.record["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if "attn_kl" in k}
+        teacher = next(cb for cb in trainer.callbacks if isinstance(cb, StreamKLDistillation)).teacher
+        self.record["teacher_devices"] = sorted({str(p.device) for p in teacher.parameters()})
         torch.save(self.record, self.out / f"{self.tag}-rank{trainer.global_rank}.pt")
 
 
