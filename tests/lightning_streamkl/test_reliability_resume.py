@@ -95,7 +95,8 @@ class Kill(Callback):
 
 
 CHECKPOINTS = {
-    # name: (ModelCheckpoint options, validation loop, kill at step, last checkpoint's step, epoch values after it)
+    # name: (ModelCheckpoint options, validation loop, kill at step, last checkpoint's step, epoch values after it).
+    # Only the mid-epoch case needs the resumable loader; the others use a plain DataLoader.
     "mid-epoch": (dict(every_n_train_steps=3, save_on_train_epoch_end=False), False, 8, 6, 2),
     "last-batch": (dict(every_n_train_steps=4, save_on_train_epoch_end=False), False, 10, 8, 1),
     "validation-end": ({}, True, 10, 8, 1),  # the default with a validation loop: saved after each validation
@@ -113,7 +114,8 @@ def _run(tmp_path, checkpoint, *, kill=False, ckpt_path=None):
         callbacks.append(Kill(kill_at))
     t = trainer(max_steps=12, callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=True,
                 limit_val_batches=None if val else 0)
-    data = ResumableLoader(TokenDataset(8, 12), batch_size=2, shuffle=False)  # 4 batches per epoch
+    loader_cls = ResumableLoader if checkpoint == "mid-epoch" else DataLoader
+    data = loader_cls(TokenDataset(8, 12), batch_size=2, shuffle=False)  # 4 batches per epoch
     val_data = DataLoader(TokenDataset(4, 12, seed=1), batch_size=2) if val else None
     try:
         t.fit(student, data, val_data, ckpt_path=ckpt_path)
