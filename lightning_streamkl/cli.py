@@ -1,0 +1,179 @@
+r"""
+streamkl-distill
+^^^^^^^^^^^^^^^^
+
+The command-line entry point, a :class:`~lightning.pytorch.cli.LightningCLI` whose ``fit`` runs the whole
+:class:`~lightning_streamkl.jobs.DistillationJob` (teacher, student with and without attention KL, evaluation,
+report)::
+
+    streamkl-distill                                   # the built-in default: a CPU run of ~2 minutes
+    streamkl-distill fit --config my.yaml              # overrides on top of the default
+    streamkl-distill fit --config gpu_long             # a built-in config by name (see CONFIGS)
+    streamkl-distill fit --trainer.max_steps 500 --distillation.weight 2.0
+    streamkl-distill fit --print_config                # the resolved config
+
+Configs are YAML with omegaconf interpolation (``${model.init_args.num_heads}``), resolved after merging the
+default, the ``--config`` files and the command line. Sections: ``trainer`` (the students' Trainer; the
+teacher's is the same with ``job.teacher_steps``), ``model`` (the student), ``teacher``, ``data``,
+``distillation`` (the :class:`~lightning_streamkl.StreamKLDistillation` arguments except the teacher) and
+``job`` (:class:`~lightning_streamkl.jobs.JobConfig`).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+
+try:
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+except ImportError as err:  # pragma: no cover - jsonargparse missing
+    raise ImportError(
+        "streamkl-distill needs jsonargparse: pip install 'lightning-streamkl[cli]' "
+        "(or 'jsonargparse[signatures,omegaconf]')."
+    ) from err
+
+from .callback import StreamKLDistillation
+from .jobs import DistillationJob, JobConfig
+
+#: Folder of the built-in configs.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+#: The config every run starts from.
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+
+
+def builtin_configs() -> dict[str, Path]:
+    """The built-in configs by name (``--config <name>`` selects one).
+
+    Example:
+        >>> sorted(builtin_configs())[:2]
+        ['default', 'gpu_long']
+    """
+    return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.yaml"))}
+
+
+_DESCRIPTION = (
+    "Attention distillation with StreamKL: train a teacher, then a student with and a student without attention "
+    "KL (same initial weights, seed, data and steps), evaluate them at several context lengths and write a run "
+    "directory with metrics, plots and report.md. `streamkl-distill` alone runs the built-in default (a CPU run of "
+    "about two minutes)."
+)
+_FIT_DESCRIPTION = (
+    "Run the distillation job. The built-in default config is loaded first; --config files and --section.key "
+    "arguments override it; YAML values may use omegaconf interpolation (${model.init_args.num_heads})."
+)
+
+
+class StreamKLCLI(LightningCLI):
+    """LightningCLI for the distillation job: ``fit`` trains teacher and students and writes the report.
+
+    Adds the ``teacher`` (a LightningModule, like ``model``), ``distillation`` and ``job`` sections, links
+    ``data.vocab_size`` into both models, and loads :data:`DEFAULT_CONFIG` before any other config. After a
+    run, :attr:`results` holds what ``<run_dir>/results.json`` holds.
+    """
+
+    def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        from jsonargparse import set_parsing_settings
+
+        # ${model.init_args.num_heads} is written from the root of a config; under the `fit` subcommand the root
+        # is `fit`, so let omegaconf+ read absolute interpolation paths relative to the subcommand.
+        set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+        self.results: dict[str, Any] | None = None
+        mode = {"parser_mode": "omegaconf+"}
+        names = ", ".join(builtin_configs())
+        parser_kwargs = {
+            **mode, "description": _DESCRIPTION + f" Built-in configs (--config NAME): {names}.",
+            "fit": {**mode, "default_config_files": [str(DEFAULT_CONFIG)], "description": _FIT_DESCRIPTION},
+            **kwargs.pop("parser_kwargs", {}),
+        }
+        super().__init__(
+            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+            save_config_callback=None, auto_configure_optimizers=False, parser_kwargs=parser_kwargs,
+            args=args, run=run, load_from_checkpoint_support=False, **kwargs,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Only ``fit`` (the job)."""
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_subclass_arguments(LightningModule, "teacher", required=True,
+                                      help="The teacher (a LightningModule, trained by the job first).")
+        parser.add_class_arguments(StreamKLDistillation, "distillation", skip={"teacher", "teacher_forward"},
+                                   instantiate=False, sub_configs=True)
+        parser.add_class_arguments(JobConfig, "job")
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", "teacher.init_args.vocab_size", apply_on="instantiate")
+
+    def fit(self, model: LightningModule, datamodule: LightningDataModule | None = None, **_: Any) -> None:
+        """Run the job (replaces ``Trainer.fit`` for this CLI)."""
+        cfg = self.config_init[self.subcommand]
+        config_text = self._parser(self.subcommand).dump(self.config[self.subcommand])
+        job = DistillationJob(
+            teacher=cfg["teacher"], student=model, datamodule=datamodule,
+            distillation=_as_dict(cfg["distillation"]), config=cfg["job"],
+            trainer_factory=self._make_trainer, seed=_seed(cfg.get("seed_everything")), config_text=config_text,
+        )
+        self.results = job.run()
+
+    def _make_trainer(self, **overrides: Any) -> Trainer:
+        """A fresh Trainer from the ``trainer`` section; the section's callbacks are copied for each run."""
+        base = self._get(self.config_init, "trainer", default={})
+        callbacks = [copy.deepcopy(c) for c in (base.get("callbacks") or [])]
+        overrides["callbacks"] = callbacks + list(overrides.get("callbacks", []))
+        return self.trainer_class(**{**base, **overrides})
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    return dict(value)
+
+
+def _seed(value: Any) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _normalise_args(argv: list[str]) -> list[str]:
+    """Insert the ``fit`` subcommand when it is left out, and turn ``--config <builtin name>`` into its path.
+
+    Example:
+        >>> _normalise_args([])
+        ['fit']
+        >>> _normalise_args(["--config", "gpu_long"])[:2], _normalise_args(["--config", "gpu_long"])[2].endswith(
+        ...     "configs/gpu_long.yaml")
+        (['fit', '--config'], True)
+        >>> _normalise_args(["--help"])
+        ['--help']
+    """
+    argv = list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "fit")
+    known = builtin_configs()
+    for i, arg in enumerate(argv):
+        value, prefix = None, ""
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            value, target = argv[i + 1], i + 1
+        elif arg.startswith("--config="):
+            value, target, prefix = arg.split("=", 1)[1], i, "--config="
+        if value is not None and not Path(value).exists():
+            name = value[:-5] if value.endswith(".yaml") else value
+            if name in known:
+                argv[target] = prefix + str(known[name])
+    return argv
+
+
+def main(args: list[str] | None = None) -> StreamKLCLI:
+    """Entry point of ``streamkl-distill`` (``args``: the command line without the program name)."""
+    if args is None:
+        sys.argv[1:] = _normalise_args(sys.argv[1:])
+        return StreamKLCLI()
+    return StreamKLCLI(args=_normalise_args(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,124 @@
+"""The `streamkl-distill` command: argument handling, built-in configs with omegaconf interpolation, errors with the
+config's own messages, and a tiny end-to-end job that writes the whole run directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("jsonargparse")
+
+from lightning_streamkl.cli import DEFAULT_CONFIG, _normalise_args, builtin_configs, main
+
+TINY = ["--trainer.max_steps=6", "--job.teacher_steps=6", "--data.init_args.seq_len=32", "--data.init_args.batch_size=4",
+        "--job.teacher_data={batch_size: 4}", "--job.eval_lengths=[16, 32]", "--job.eval_sequences=8",
+        "--job.eval_batch_size=4", "--job.kl_eval_sequences=4", "--trainer.enable_progress_bar=false",
+        "--model.init_args.d_model=16"]
+
+
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["streamkl-distill"])  # LightningCLI warns when sys.argv has args too
+
+
+def printed_config(capsys, *args: str) -> dict:
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--print_config"])
+    assert info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_normalise_args_inserts_fit_and_resolves_builtin_names(tmp_path):
+    assert _normalise_args([]) == ["fit"]
+    assert _normalise_args(["--trainer.max_steps=3"]) == ["fit", "--trainer.max_steps=3"]
+    assert _normalise_args(["fit", "--config=gpu_long"]) == ["fit", f"--config={builtin_configs()['gpu_long']}"]
+    assert _normalise_args(["-c", "gpu_long.yaml"])[2] == str(builtin_configs()["gpu_long"])
+    own = tmp_path / "gpu_long"  # an existing file wins over the built-in name
+    own.write_text("trainer: {max_steps: 1}")
+    assert _normalise_args(["--config", str(own)])[2] == str(own)
+    assert _normalise_args(["--help"]) == ["--help"]
+
+
+def test_default_config_is_loaded_and_interpolated(capsys):
+    cfg = printed_config(capsys)
+    assert cfg["model"]["class_path"] == "lightning_streamkl.tasks.RecallModel"
+    assert cfg["teacher"]["init_args"]["num_heads"] == cfg["model"]["init_args"]["num_heads"] == 4
+    assert [p["name"] for p in cfg["distillation"]["pairs"]] == ["layer0", "layer1"]
+    assert cfg["job"]["teacher_steps"] == 800 and cfg["trainer"]["max_steps"] == 300
+
+
+def test_interpolation_follows_overrides_from_files_and_command_line(tmp_path, capsys):
+    own = tmp_path / "mine.yaml"
+    own.write_text("model:\n  init_args:\n    num_heads: 2\n")
+    cfg = printed_config(capsys, "fit", "--config", str(own), "--model.init_args.d_model=32")
+    assert cfg["teacher"]["init_args"]["num_heads"] == 2  # ${model.init_args.num_heads}, from the second file
+    assert cfg["teacher"]["init_args"]["d_model"] == 32  # ... and from the command line
+
+
+def test_gpu_long_config_is_long_context_and_parses(capsys):
+    cfg = printed_config(capsys, "--config", "gpu_long")
+    assert cfg["data"]["init_args"]["seq_len"] >= 16384
+    assert cfg["trainer"]["accelerator"] == "gpu" and cfg["trainer"]["precision"] == "bf16-mixed"
+    assert max(cfg["job"]["teacher_data"]["seq_len"]) >= 16384
+    assert cfg["model"]["class_path"] == "lightning_streamkl.tasks.RecallModel"  # the rest comes from the default
+
+
+def test_bad_distillation_value_fails_before_training_with_the_config_message(tmp_path):
+    with pytest.raises(ValueError, match=r"Expected `temperature` to be a finite number > 0, but got -2.0"):
+        main([*TINY, "--distillation.temperature=-2.0", f"--job.run_dir={tmp_path}"])
+    assert not (tmp_path / "teacher").exists()  # nothing was trained
+
+
+def test_tiny_job_writes_the_run_directory(tmp_path):
+    cli = main([*TINY, f"--job.run_dir={tmp_path}"])
+    res = cli.results
+    for name in ("report.md", "results.json", "eval.csv", "steps.csv", "config.yaml", "accuracy.png", "attn_kl.png",
+                 "accuracy_vs_length.png", "student_kl/metrics.csv"):
+        assert (tmp_path / name).is_file(), name
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["runs"]) == {"teacher", "student_kl", "student_base"}
+    assert {r["steps"] for r in saved["runs"].values()} == {6}
+    assert set(saved["eval"]["accuracy"]["student_base"]) == {"16", "32"}
+    assert set(saved["eval"]["attention_kl"]["student_kl"]) == {"layer0", "layer1"}
+    assert any("train/attn_kl/layer1" in row for row in saved["runs"]["student_kl"]["history"])
+    assert not any("train/attn_kl/layer1" in row for row in saved["runs"]["student_base"]["history"])
+    assert saved["naive_loss"]["maps"] == 2 * 2 * 4 * 4 * 4 * 32 * 32  # 2 pairs x 2 maps x B·H·N² x 4 bytes
+    assert res["outcome"]["verdict"] in ("helped", "hurt", "no clear difference", "teacher failed")
+    report = (tmp_path / "report.md").read_text()
+    assert "## Held-out accuracy" in report and "| 32 (training length) |" in report
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_steps"] == 6
+    # both students started from the same weights (the job copies the student before training it)
+    assert saved["setup"]["student_params"] == saved["setup"]["teacher_params"]
+
+
+def test_teacher_checkpoint_is_saved_and_reused(tmp_path):
+    first = tmp_path / "first"
+    main([*TINY, f"--job.run_dir={first}", "--job.save_teacher=true", "--job.baseline=false", "--job.plots=false"])
+    assert (first / "teacher.ckpt").is_file()
+    second = tmp_path / "second"
+    cli = main([*TINY, f"--job.run_dir={second}", f"--job.teacher_checkpoint={first / 'teacher.ckpt'}",
+                "--job.baseline=false", "--job.plots=false"])
+    assert "teacher" not in cli.results["runs"] and cli.results["outcome"]["verdict"] in ("no baseline",
+                                                                                          "teacher failed")
+    a = json.loads((first / "results.json").read_text())["eval"]["accuracy"]["teacher"]
+    assert cli.results["eval"]["accuracy"]["teacher"] == {int(k): v for k, v in a.items()}  # the same teacher
+
+
+SCRIPT = Path(sys.executable).parent / "streamkl-distill"
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="the console script is not installed next to this Python")
+def test_console_script_is_installed():
+    out = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "fit" in out.stdout and "gpu_long" in out.stdout
+
+
+def test_default_config_file_is_package_data():
+    assert DEFAULT_CONFIG.is_file() and DEFAULT_CONFIG.parent.name == "configs"
+    assert {"default", "gpu_long"} <= set(builtin_configs())
+    assert sys.modules["lightning_streamkl.cli"].__name__ == "lightning_streamkl.cli"
