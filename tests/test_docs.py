@@ -1,0 +1,88 @@
+"""The documentation stays true to the code: config listings equal the shipped config files, example excerpts are
+lines of the example files, relative links point at files that exist, and every page is in the mkdocs nav.
+(CI also builds the site with `mkdocs build --strict`.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+
+
+def _fenced(text: str, marker: str) -> list[tuple[str, str]]:
+    return re.findall(rf"<!-- {marker}: (\S+) -->\s*```(?:python|yaml)\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_config_listings_are_the_config_files(page):
+    for file, shown in _fenced(page.read_text(), "config"):
+        assert shown == (ROOT / file).read_text(), f"{page.name}: the listing of {file} is out of date"
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_example_excerpts_are_example_code(page):
+    for file, shown in _fenced(page.read_text(), "example"):
+        source = iter(line.strip() for line in (ROOT / file).read_text().splitlines())
+        for line in (s.strip() for s in shown.splitlines() if s.strip()):
+            assert any(line == s for s in source), f"{page.name}: {line!r} is not (in order) in {file}"
+
+
+def _links(text: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # not inside code blocks
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    for link in _links(page.read_text()):
+        if re.match(r"[a-z]+://|mailto:|#", link):
+            continue
+        target = (page.parent / link.split("#")[0]).resolve()
+        assert target.exists(), f"{page.relative_to(ROOT)} links to {link}, which does not exist"
+
+
+def _nav_files(node) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [f for v in node.values() for f in _nav_files(v)]
+    if isinstance(node, list):
+        return [f for v in node for f in _nav_files(v)]
+    return []
+
+
+def test_every_page_is_in_the_nav():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    nav = _nav_files(config["nav"])
+    assert len(nav) == len(set(nav))
+    for file in nav:
+        assert (DOCS / file).is_file(), f"mkdocs.yml lists {file}, which does not exist"
+    missing = {str(p.relative_to(DOCS)) for p in PAGES} - set(nav)
+    assert not missing, f"pages not in the mkdocs nav: {sorted(missing)}"
+
+
+def test_readme_commands_exist():
+    readme = (ROOT / "README.md").read_text()
+    for script in ("scripts/run", "scripts/test"):
+        assert f"./{script}" in readme and (ROOT / script).stat().st_mode & 0o111, script
+
+
+def test_docstring_rst_is_converted_for_the_api_reference():
+    pytest.importorskip("griffe")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("griffe_rst", DOCS / "griffe_rst.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.convert(
+        "Title\n^^^^^\n\nSee :class:`~lightning_streamkl.LayerPair` and :math:`x^2`.\n\n    .. math::\n\n"
+        "        a = b\n\n    Example::\n\n        >>> 1\n        1\n\n    .. tip:: Save it.\n")
+    assert "**Title**" in text and '<autoref identifier="lightning_streamkl.LayerPair" optional>' in text
+    assert "\\(x^2\\)" in text and "$$\n    a = b\n    $$" in text
+    assert "    Examples:\n        >>> 1" in text and "!!! tip\n        Save it." in text
