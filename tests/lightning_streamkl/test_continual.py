@@ -419,3 +419,19 @@ def test_trainer_conflicts_and_misuse_are_rejected():
     reg = ContinualAttentionRegularizer()
     with pytest.raises(RuntimeError, match=r"snapshot\(\) was called while attention is being captured"):
         fit(SnapshotInsideTheStep(), reg, loader(4, 4))
+
+
+# ------------------------------------------------------------------------------------------------ docs
+def test_the_guide_quick_start_runs(capsys):
+    """The quick-start block of docs/guides/continual.md runs as written and prints what its comment says."""
+    import pathlib
+    import re
+
+    guide = pathlib.Path(__file__).parents[2] / "docs" / "guides" / "continual.md"
+    text = guide.read_text()
+    marker = "<!-- tested: tests/lightning_streamkl/test_continual.py::test_the_guide_quick_start_runs -->"
+    code = re.search(re.escape(marker) + r"\s*```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, str(guide), "exec"), {"__name__": "guide"})
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    expected = re.search(r"print\(.*\)\s*#\s*(.*)", code).group(1).strip()
+    assert printed == expected
