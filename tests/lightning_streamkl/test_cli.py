@@ -16,7 +16,7 @@ pytest.importorskip("jsonargparse")
 from lightning_streamkl.cli import DEFAULT_CONFIG, _normalise_args, builtin_configs, main
 
 TINY = ["--trainer.max_steps=6", "--job.teacher_steps=6", "--data.init_args.seq_len=32", "--data.init_args.batch_size=4",
-        "--job.teacher_data={batch_size: 4}", "--job.eval_lengths=[16, 32]", "--job.eval_sequences=8",
+        "--job.teacher_data={batch_size: 4, seq_len: [16, 32]}", "--job.eval_lengths=[16, 32]", "--job.eval_sequences=8",
         "--job.eval_batch_size=4", "--job.kl_eval_sequences=4", "--trainer.enable_progress_bar=false",
         "--model.init_args.d_model=16"]
 
