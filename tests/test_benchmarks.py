@@ -69,3 +69,28 @@ def test_committed_continual_tables_are_the_scripts_output(continual, tag):
     assert block == continual.markdown(results)
     seeds = {r["seed"] for r in results["runs"]}
     assert seeds == set(results["config"]["seeds"])
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    return _load(ROOT / "benchmarks" / "ablation.py", "ablation_run")
+
+
+def test_committed_ablation_table_is_the_scripts_output(ablation):
+    results = json.loads((RESULTS / "ablation_cpu.json").read_text())
+    doc = (ROOT / "docs" / "guides" / "choosing.md").read_text()
+    block = re.search(r"<!-- ablation:table -->\n(.*?)\n<!-- /ablation -->", doc, re.S).group(1)
+    assert block == ablation.markdown(results)
+    assert {r["variant"] for r in results["runs"]} == set(ablation.VARIANTS)
+
+
+def test_every_ablation_variant_is_a_valid_job_command_line(ablation, capsys):
+    pytest.importorskip("jsonargparse")
+    from lightning_streamkl.cli import main
+
+    for name, overrides in ablation.VARIANTS.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(ablation.COMMON + (overrides or []) + ["--print_config"])
+        assert exit_info.value.code in (0, None), name
+    printed = capsys.readouterr().out
+    assert "direction: reverse" in printed and "temperature: 0.5" in printed
