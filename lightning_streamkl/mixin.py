@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
 
 from ._distiller import Distiller
+from .callback import load_metric_state, metric_state
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .metrics import AttentionKLDivergence
 
@@ -181,7 +182,30 @@ class AttentionDistillationMixin:
         if not (trainer and trainer.sanity_checking):
             self._streamkl_log_epoch("val")
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the training metric's epoch-so-far sums (as the callback does), so that a mid-epoch resume logs
+        the uninterrupted run's epoch values. If you override this hook, call ``super()``."""
+        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
+        distiller = self.__dict__.get("_streamkl")
+        if distiller is not None:
+            checkpoint[self._streamkl_checkpoint_key()] = {
+                "pairs": list(distiller.loss.pair_names),
+                "train_metric": metric_state(self.train_attention_kl, self._streamkl_trainer()),
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore what :meth:`on_save_checkpoint` saved (ignored when the pairs differ). If you override this
+        hook, call ``super()``."""
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+        distiller = self.__dict__.get("_streamkl")
+        saved = checkpoint.get(self._streamkl_checkpoint_key()) if distiller is not None else None
+        if saved is not None and list(saved["pairs"]) == list(distiller.loss.pair_names):
+            load_metric_state(self.train_attention_kl, saved["train_metric"], self._streamkl_trainer())
+
     # ------------------------------------------------------------------------------------------ internals
+    def _streamkl_checkpoint_key(self) -> str:
+        return f"AttentionDistillationMixin[{self._streamkl.config.name}]"  # type: ignore[union-attr]
+
     def _streamkl_ready(self) -> Distiller:
         distiller = self.__dict__.get("_streamkl")
         if distiller is None:

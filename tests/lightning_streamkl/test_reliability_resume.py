@@ -181,3 +181,42 @@ def test_checkpointed_metric_state_goes_to_global_rank_zero_only():
     with pytest.warns(UserWarning, match=r"written with pairs \['last'\], this run distils \['last', 'first'\]"):
         cb.load_state_dict({**cb.state_dict(), "pairs": ["last"], "train_metric": metric_state(metric, None)})
     assert cb.train_metric.update_count == 0  # another set of pairs: the saved sums are not used
+
+
+def _run_mixin(tmp_path, *, kill=False, ckpt_path=None):
+    from .test_mixin import DistilledLM
+
+    torch.manual_seed(0)
+    model = DistilledLM(make_teacher(), weight=2.0, warmup_steps=5)
+    logger = MemoryLogger()
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=-1, every_n_train_steps=3,
+                                 save_on_train_epoch_end=False)]
+    if kill:
+        callbacks.append(Kill(8))
+    t = trainer(max_steps=12, callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=True,
+                limit_val_batches=0)
+    data = ResumableLoader(TokenDataset(8, 12), batch_size=2, shuffle=False)  # 4 batches per epoch
+    try:
+        t.fit(model, data, ckpt_path=ckpt_path)
+    except RuntimeError as err:
+        assert kill and "simulated kill" in str(err)
+    return model, logger
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mixin_resumed_mid_epoch_logs_the_uninterrupted_epoch_values(tmp_path):
+    full, full_log = _run_mixin(tmp_path / "full")
+    _run_mixin(tmp_path / "killed", kill=True)
+    last = tmp_path / "killed" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 6  # in the middle of the second epoch (steps 4-7)
+    assert saved["AttentionDistillationMixin[attn_kl]"]["train_metric"]["updates"] == 2
+    resumed, res_log = _run_mixin(tmp_path / "resumed", ckpt_path=str(last))
+
+    assert resumed.step_losses == full.step_losses[6:]
+    tail = [metrics for step, metrics in full_log.history if step >= 6]
+    assert [metrics for _, metrics in res_log.history] == tail
+    # 6 per-step values (steps 6-11) and 2 epoch values, the first of which includes the 2 batches before the
+    # checkpoint: all equal to the uninterrupted run's
+    assert sum("train/attn_kl/last" in m for m in tail) == 8
