@@ -175,5 +175,13 @@ def main(args: list[str] | None = None) -> StreamKLCLI:
     return StreamKLCLI(args=_normalise_args(args))
 
 
-if __name__ == "__main__":  # pragma: no cover
+def run() -> None:
+    """The ``streamkl-distill`` console script: :func:`main` on ``sys.argv``, exit status 0 when the job finishes.
+
+    (A console script exits with its function's return value, and :func:`main` returns the CLI object.)
+    """
     main()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

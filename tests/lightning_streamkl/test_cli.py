@@ -113,9 +113,14 @@ SCRIPT = Path(sys.executable).parent / "streamkl-distill"
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="the console script is not installed next to this Python")
-def test_console_script_is_installed():
+def test_console_script_is_installed(tmp_path):
     out = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "fit" in out.stdout and "gpu_long" in out.stdout
+    # a whole (tiny) job through the script exits with status 0 (the README's first command relies on it)
+    out = subprocess.run([str(SCRIPT), *TINY, f"--job.run_dir={tmp_path / 'run'}", "--job.plots=false"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "run" / "report.md").is_file()
 
 
 def test_default_config_file_is_package_data():
