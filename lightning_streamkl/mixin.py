@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
 
@@ -202,6 +203,13 @@ class AttentionDistillationMixin:
         if saved is not None and list(saved["pairs"]) == list(distiller.loss.pair_names):
             load_metric_state(self.train_attention_kl, saved["train_metric"], self._streamkl_trainer())
 
+    def configure_callbacks(self) -> Sequence[Callback] | Callback:
+        """Add a callback that closes the student's recording when a run raises (Lightning then skips the
+        batch-end hooks that close it otherwise). If you override this hook, include ``super()``'s callbacks."""
+        own = super().configure_callbacks()  # type: ignore[misc]
+        own = list(own) if isinstance(own, Sequence) else [own]
+        return [*own, _CloseRecordingOnException()]
+
     # ------------------------------------------------------------------------------------------ internals
     def _streamkl_checkpoint_key(self) -> str:
         return f"AttentionDistillationMixin[{self._streamkl.config.name}]"  # type: ignore[union-attr]
@@ -261,3 +269,11 @@ class AttentionDistillationMixin:
         values = {f"{stage}/{k}": v for k, v in metric.compute().items()}
         self.log_dict(values, on_step=False, on_epoch=True, sync_dist=True)  # type: ignore[attr-defined]
         metric.reset()
+
+
+class _CloseRecordingOnException(Callback):
+    """Closes an :class:`AttentionDistillationMixin` module's open recording when a run raises."""
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if isinstance(pl_module, AttentionDistillationMixin):
+            pl_module._streamkl_stop(clear=True)

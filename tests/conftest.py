@@ -15,3 +15,17 @@ def _seed():
     random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_capture_left_recording():
+    """A test must not leave an attention capture recording: the open recording is process-wide state, and later
+    tests (and later fits in a user's process) would see it. Fails the test that leaks it, and clears it."""
+    yield
+    try:
+        from lightning_streamkl.capture.base import _RECORDING
+    except ImportError:  # the op's tests without lightning installed
+        return
+    leaked = list(_RECORDING)
+    _RECORDING.clear()
+    assert not leaked, f"the test left attention captures recording: {leaked}"
