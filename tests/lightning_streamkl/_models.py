@@ -98,6 +98,58 @@ class CausalLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class RecordedAttention(nn.Module):
+    """A bidirectional self-attention block of our own that reports its ``(q, k)`` through ``record()``
+    (only when ``report``); ``qkv_std`` re-initialises the projection's weights with that std."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, report: bool = True, qkv_std: float | None = None) -> None:
+        super().__init__()
+        self.heads, self.report = heads, report
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        if qkv_std is not None:
+            nn.init.normal_(self.qkv.weight, std=qkv_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from lightning_streamkl import record
+
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.report:
+            record(self, q, k, causal=False)
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.out(y.transpose(1, 2).reshape(b, n, d))
+
+
+class Regressor(L.LightningModule):
+    """A plain-PyTorch model on ``(x, y)`` tuple batches: ``nn.TransformerEncoder`` (``kind="mha"``, i.e.
+    nn.MultiheadAttention) or two :class:`RecordedAttention` blocks (``kind="custom"``); records its task and step
+    losses. ``seed`` seeds the initialisation (``None``: the current RNG state)."""
+
+    def __init__(self, kind: str = "mha", report: bool = True, seed: int | None = None) -> None:
+        super().__init__()
+        if seed is not None:
+            torch.manual_seed(seed)
+        if kind == "mha":
+            layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        else:
+            self.encoder = nn.Sequential(RecordedAttention(report=report), RecordedAttention(report=report))
+        self.head = nn.Linear(16, 1)
+        self.task_losses, self.step_losses = [], []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.head(self.encoder(x)).squeeze(-1), y)
+        self.task_losses.append(float(loss.detach()))
+        return loss
+
+    def on_before_backward(self, loss):
+        self.step_losses.append(float(loss.detach()))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
 def loader(n: int = 8, batch_size: int = 4, length: int = 12, seed: int = 0) -> DataLoader:
     return DataLoader(TokenDataset(n, length, seed), batch_size=batch_size, shuffle=False)
 

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from lightning_streamkl import HFAttentionCapture, StreamKLDistillation
 from streamkl import attention_kl
 
-from ._models import CausalLM, TokenDataset, loader, tiny_llama, trainer
+from ._models import CausalLM, RecordedAttention, Regressor, TokenDataset, loader, tiny_llama, trainer
 
 LAST = {"teacher": -1, "student": -1, "name": "last"}
 
@@ -294,53 +294,12 @@ def test_dataset_is_deterministic():
 
 
 # ------------------------------------------------------------------------------------------------ plain PyTorch
-class RecordedAttention(torch.nn.Module):
-    """A custom (bidirectional) attention block that reports its q/k through record()."""
-
-    def __init__(self, dim: int = 16, heads: int = 4) -> None:
-        super().__init__()
-        self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-        torch.nn.init.normal_(self.qkv.weight, std=0.5)
-
-    def forward(self, x):
-        from lightning_streamkl import record
-
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        record(self, q, k, causal=False)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        return x + self.out(y.transpose(1, 2).reshape(b, n, d))
-
-
-class Encoder(L.LightningModule):
-    """A plain-PyTorch student (nn.TransformerEncoder, i.e. nn.MultiheadAttention) on (x, y) tuple batches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(16, 1)
-        self.task_losses, self.step_losses = [], []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.head(self.encoder(x)).squeeze(-1), y)
-        self.task_losses.append(float(loss.detach()))
-        return loss
-
-    def on_before_backward(self, loss):
-        self.step_losses.append(float(loss.detach()))
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-
-
 def test_plain_pytorch_models_with_tuple_batches():
     torch.manual_seed(0)
-    teacher = torch.nn.Sequential(RecordedAttention(), RecordedAttention())
+    teacher = torch.nn.Sequential(RecordedAttention(qkv_std=0.5), RecordedAttention(qkv_std=0.5))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 6, 16), torch.randn(32, 6)),
                                        batch_size=8)
-    student = Encoder()
+    student = Regressor("mha")
     rec = Recorder("train/attn_kl/deep", "train/attn_kl/total")
     cb = StreamKLDistillation(teacher, pairs=[{"teacher": "1", "student": "encoder.layers.1.self_attn", "name": "deep"}])
     trainer(max_steps=12, callbacks=[cb, rec], log_every_n_steps=1).fit(student, data)

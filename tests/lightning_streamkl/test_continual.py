@@ -13,11 +13,11 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from lightning_streamkl import ContinualAttentionRegularizer, HFAttentionCapture, StreamKLDistillation, record
+from lightning_streamkl import ContinualAttentionRegularizer, HFAttentionCapture, StreamKLDistillation
 from lightning_streamkl.continual import _borrowed, validate_continual_config
 from streamkl import attention_kl
 
-from ._models import CausalLM, loader, tiny_llama, trainer
+from ._models import CausalLM, Regressor, loader, tiny_llama, trainer
 
 LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
@@ -226,50 +226,6 @@ def test_checkpoint_round_trip_and_resume_mid_task(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ plain PyTorch
-class CustomAttention(nn.Module):
-    """A self-attention block of our own; it reports (q, k) through record() only when told to."""
-
-    def __init__(self, dim: int = 16, heads: int = 4, report: bool = True) -> None:
-        super().__init__()
-        self.heads, self.report = heads, report
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if self.report:
-            record(self, q, k, causal=False)
-        y = nn.functional.scaled_dot_product_attention(q, k, v)
-        return x + self.out(y.transpose(1, 2).reshape(b, n, d))
-
-
-class Regressor(L.LightningModule):
-    """A plain-PyTorch model on (x, y) tuple batches: nn.TransformerEncoder (MultiheadAttention) or custom blocks."""
-
-    def __init__(self, kind: str = "mha", report: bool = True) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        if kind == "mha":
-            layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
-            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        else:
-            self.encoder = nn.Sequential(CustomAttention(report=report), CustomAttention(report=report))
-        self.head = nn.Linear(16, 1)
-        self.task_losses, self.step_losses = [], []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.head(self.encoder(x)).squeeze(-1), y)
-        self.task_losses.append(float(loss.detach()))
-        return loss
-
-    def on_before_backward(self, loss):
-        self.step_losses.append(float(loss.detach()))
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-
-
 def regression_data(seed: int):
     g = torch.Generator().manual_seed(seed)
     data = torch.utils.data.TensorDataset(torch.randn(24, 6, 16, generator=g), torch.randn(24, 6, generator=g))
@@ -278,7 +234,7 @@ def regression_data(seed: int):
 
 @pytest.mark.parametrize("kind", ["mha", "recorder"])
 def test_plain_pytorch_models(kind):
-    model = Regressor(kind)
+    model = Regressor(kind, seed=0)
     layers = None if kind == "mha" else ["encoder.0", "1"]  # paths relative to the LightningModule or to `module`
     reg = ContinualAttentionRegularizer(layers=layers, module=None if kind == "mha" else "encoder")
     fit(model, reg, regression_data(0))
@@ -294,7 +250,7 @@ def test_whole_lightning_module_snapshot_with_forward():
         def forward(self, x):
             return self.head(self.encoder(x))
 
-    model = WithForward("mha")
+    model = WithForward("mha", seed=0)
     reg = ContinualAttentionRegularizer(module="")
     fit(model, reg, regression_data(0), max_steps=2)
     snap = reg.snapshots[0]
@@ -331,14 +287,14 @@ def test_coexists_with_a_distillation_callback():
 # ------------------------------------------------------------------------------------------------ errors
 def test_a_model_whose_attention_cannot_be_captured_fails_in_setup():
     with pytest.raises(ValueError, match=r"found no attention layer it can capture in Regressor.*record\(self, q, k"):
-        fit(Regressor("custom", report=False), ContinualAttentionRegularizer(), regression_data(0))
+        fit(Regressor("custom", report=False, seed=0), ContinualAttentionRegularizer(), regression_data(0))
 
 
 def test_layers_that_never_record_fail_at_the_first_step_of_the_first_task():
     reg = ContinualAttentionRegularizer(layers=["encoder.0", "encoder.1"])
     with pytest.raises(ValueError, match=r"layers \['encoder.0', 'encoder.1'\] recorded no queries and keys during the "
                                          r"first training step \(recorded: \[\]\)"):
-        fit(Regressor("custom", report=False), reg, regression_data(0))
+        fit(Regressor("custom", report=False, seed=0), reg, regression_data(0))
     assert reg.task == 0  # no boundary after a failed fit
 
 
