@@ -5,10 +5,9 @@ the materialising oracle and ``chunked_attention_kl`` the exact chunked PyTorch 
 depends on torch (and triton for CUDA tensors) only; it never imports lightning.
 """
 
-from .api import attention_kl
+from .api import attention_kl, chunked_attention_kl
 from .naive import naive_attention_kl
 from .nn import AttentionKLLoss
-from .reference import chunked_attention_kl
 
 __all__ = ["AttentionKLLoss", "attention_kl", "chunked_attention_kl", "naive_attention_kl"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Numerical constants shared by the reference and the Triton kernels."""
+"""Numerical constants and option values shared by the reference, the Triton kernels and the public API."""
 
 import math
 
@@ -12,5 +12,9 @@ LN2: float = math.log(2.0)
 #: Options accepted by :func:`streamkl.attention_kl`, in one place so the module and the function agree.
 DIRECTIONS: tuple[str, ...] = ("forward", "reverse")
 REDUCTIONS: tuple[str, ...] = ("none", "sum", "mean")
-LAYOUTS: tuple[str, ...] = ("bhnd", "bnhd")
+#: "thd" is the packed variable-length layout of flash-attn's varlen functions: ``[total_tokens, heads, dim]``.
+LAYOUTS: tuple[str, ...] = ("bhnd", "bnhd", "thd")
 BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
+
+#: Window bound meaning "unbounded" (flash-attn's ``window_size`` convention).
+UNBOUNDED: int = -1

@@ -7,51 +7,15 @@ name the argument, what was expected and what was given.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ._constants import BACKENDS, DIRECTIONS, LAYOUTS, REDUCTIONS
+from ._constants import BACKENDS, DIRECTIONS, LAYOUTS, REDUCTIONS, UNBOUNDED
+from ._problem import AttentionKLProblem
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass(frozen=True)
-class AttentionKLProblem:
-    """Validated inputs in the canonical ``(B, H, N, D)`` view (strided views, never copies).
-
-    ``scale_t``/``scale_s`` already include the division by the temperature: the score of a pair is
-    ``q·k · scale``.
-    """
-
-    q_t: torch.Tensor
-    k_t: torch.Tensor
-    q_s: torch.Tensor
-    k_s: torch.Tensor
-    key_padding_mask: torch.Tensor | None
-    query_mask: torch.Tensor | None
-    causal: bool
-    scale_t: float
-    scale_s: float
-    reverse: bool
-    reduction: str
-
-    @property
-    def batch(self) -> int:
-        return self.q_t.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.q_t.shape[1]
-
-    @property
-    def n_q(self) -> int:
-        return self.q_t.shape[2]
-
-    @property
-    def n_k(self) -> int:
-        return self.k_t.shape[2]
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -87,6 +51,42 @@ def check_scale(name: str, scale: object) -> float | None:
     return value
 
 
+def check_window(window: object) -> tuple[int, int]:
+    """Return ``window`` as ``(left, right)``; None means unbounded on both sides, ``(-1, -1)``."""
+    if window is None:
+        return UNBOUNDED, UNBOUNDED
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or any(isinstance(w, bool) or not isinstance(w, int) for w in window)
+    ):
+        raise TypeError(
+            f"Expected argument `window` to be None or a pair of ints (left, right), each >= -1 (-1 = unbounded), "
+            f"but got {window!r}."
+        )
+    left, right = window
+    if left < UNBOUNDED or right < UNBOUNDED:
+        raise ValueError(
+            f"Expected argument `window` to be a pair of ints (left, right), each >= -1 (-1 = unbounded), "
+            f"but got {tuple(window)!r}."
+        )
+    return left, right
+
+
+def check_softcap(name: str, cap: object) -> float | None:
+    """Return the soft-cap as a float (or None: no capping); it must be finite and > 0."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+        raise TypeError(f"Expected argument `{name}` to be None or a Python float, but got {type(cap).__name__}.")
+    value = float(cap)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(
+            f"Expected argument `{name}` to be None (no capping) or a finite float > 0, but got {cap!r}."
+        )
+    return value
+
+
 def check_options(
     *,
     causal: object,
@@ -97,6 +97,9 @@ def check_options(
     reduction: object,
     layout: object,
     backend: object,
+    window: object = None,
+    softcap_t: object = None,
+    softcap_s: object = None,
 ) -> None:
     """Check every non-tensor option (used by the functional op and the module constructor)."""
     if not isinstance(causal, bool):
@@ -108,9 +111,12 @@ def check_options(
     check_choice("reduction", reduction, REDUCTIONS)
     check_choice("layout", layout, LAYOUTS)
     check_choice("backend", backend, BACKENDS)
+    check_window(window)
+    check_softcap("softcap_t", softcap_t)
+    check_softcap("softcap_s", softcap_s)
 
 
-def _check_tensor(name: str, x: object) -> torch.Tensor:
+def _check_tensor(name: str, x: object, rank: int, layout: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"Expected argument `{name}` to be a torch.Tensor, but got {type(x).__name__}.")
     if x.dtype not in FLOAT_DTYPES:
@@ -118,9 +124,10 @@ def _check_tensor(name: str, x: object) -> torch.Tensor:
             f"Expected argument `{name}` to have a floating dtype (float16, bfloat16, float32 or float64), "
             f"but got {x.dtype}."
         )
-    if x.dim() != 4:
+    if x.dim() != rank:
         raise ValueError(
-            f"Expected argument `{name}` to be a 4-D tensor, but got shape {tuple(x.shape)} ({x.dim()}-D)."
+            f"Expected argument `{name}` to be a {rank}-D tensor (layout {layout!r}), but got shape "
+            f"{tuple(x.shape)} ({x.dim()}-D)."
         )
     return x
 
@@ -144,22 +151,95 @@ def _check_mask(name: str, mask: object, batch: int, length: int, length_name: s
     return mask
 
 
+def _check_sinks(sinks_t: object, sinks_s: object, heads: int, device: torch.device) -> None:
+    if (sinks_t is None) != (sinks_s is None):
+        given, missing = ("sinks_t", "sinks_s") if sinks_s is None else ("sinks_s", "sinks_t")
+        raise ValueError(
+            f"Got `{given}` but `{missing}` is None: a sink is an extra outcome of a softmax, and a sink on one side "
+            f"only has no counterpart on the other, so the KL would compare distributions over different outcomes. "
+            "Pass the sink logits of both sides, or None on both to compare the distributions over the real keys."
+        )
+    for name, sinks in (("sinks_t", sinks_t), ("sinks_s", sinks_s)):
+        if sinks is None:
+            continue
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"Expected argument `{name}` to be None or a torch.Tensor, but got {type(sinks).__name__}.")
+        if sinks.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"Expected argument `{name}` to have a floating dtype, but got {sinks.dtype}.")
+        if tuple(sinks.shape) != (heads,):
+            raise ValueError(
+                f"Expected argument `{name}` to have shape (H,) = ({heads},): one sink logit per query head, "
+                f"but got {tuple(sinks.shape)}."
+            )
+        if sinks.device != device:
+            raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, but got {sinks.device}.")
+
+
+def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, read_values: bool) -> int | None:
+    """Check a ``cu_seqlens`` tensor; returns the longest sequence when the values are read, else None."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(
+            f"Expected argument `{name}` to be a torch.Tensor of int32 cumulative sequence offsets (layout 'thd'), "
+            f"but got {type(cu).__name__}."
+        )
+    if cu.dtype != torch.int32:
+        raise TypeError(f"Expected argument `{name}` to have dtype torch.int32, but got {cu.dtype}.")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"Expected argument `{name}` to be a 1-D tensor [num_seqs + 1] with num_seqs >= 1, but got shape "
+            f"{tuple(cu.shape)}."
+        )
+    if cu.device != device:
+        raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, but got {cu.device}.")
+    if not read_values:
+        return None
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in itertools.pairwise(values)):
+        shown = values if len(values) <= 12 else [*values[:6], "...", *values[-3:]]
+        raise ValueError(
+            f"Expected argument `{name}` to be non-decreasing offsets starting at 0 and ending at the total number of "
+            f"tokens ({total}), but got {shown}."
+        )
+    return max(b - a for a, b in itertools.pairwise(values))
+
+
+def _check_max_seqlen(name: str, value: object, longest: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"Expected argument `{name}` to be None or an int >= 0, but got {value!r}.")
+    if longest is not None and value < longest:
+        raise ValueError(
+            f"Expected argument `{name}` to be at least the longest sequence ({longest}), but got {value}."
+        )
+    return value
+
+
 def prepare_problem(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
     q_s: torch.Tensor,
     k_s: torch.Tensor,
     *,
-    causal: bool,
-    scale_t: float | None,
-    scale_s: float | None,
-    temperature: float,
-    direction: str,
-    reduction: str,
-    key_padding_mask: torch.Tensor | None,
-    query_mask: torch.Tensor | None,
-    layout: str,
+    causal: bool = False,
+    scale_t: float | None = None,
+    scale_s: float | None = None,
+    temperature: float = 1.0,
+    direction: str = "forward",
+    reduction: str = "mean",
+    key_padding_mask: torch.Tensor | None = None,
+    query_mask: torch.Tensor | None = None,
+    layout: str = "bhnd",
     backend: str = "auto",
+    window: tuple[int, int] | None = None,
+    softcap_t: float | None = None,
+    softcap_s: float | None = None,
+    sinks_t: torch.Tensor | None = None,
+    sinks_s: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> AttentionKLProblem:
     """Validate all arguments of :func:`streamkl.attention_kl` and return the canonical problem."""
     check_options(
@@ -171,20 +251,27 @@ def prepare_problem(
         reduction=reduction,
         layout=layout,
         backend=backend,
+        window=window,
+        softcap_t=softcap_t,
+        softcap_s=softcap_s,
     )
+    packed = layout == "thd"
     tensors = {"q_t": q_t, "k_t": k_t, "q_s": q_s, "k_s": k_s}
     for name, x in tensors.items():
-        _check_tensor(name, x)
+        _check_tensor(name, x, 3 if packed else 4, layout)
     device = q_t.device
     for name, x in tensors.items():
         if x.device != device:
             raise ValueError(
                 f"Expected all inputs on one device, but `q_t` is on {device} and `{name}` is on {x.device}."
             )
-    if layout == "bnhd":  # (B, N, H, D) -> (B, H, N, D) strided view, no copy
+    if packed:  # (total, H, D) -> (1, H, total, D) strided view, no copy
+        q_t, k_t, q_s, k_s = (x.transpose(0, 1).unsqueeze(0) for x in (q_t, k_t, q_s, k_s))
+    elif layout == "bnhd":  # (B, N, H, D) -> (B, H, N, D) strided view, no copy
         q_t, k_t, q_s, k_s = (x.transpose(1, 2) for x in (q_t, k_t, q_s, k_s))
-    fmt = "(B, H, N, D)" if layout == "bhnd" else "(B, N, H, D)"
+    fmt = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)", "thd": "(total, H, D)"}[layout]
     shapes = ", ".join(f"{n}={tuple(x.shape)}" for n, x in tensors.items())
+    n_name = "total tokens" if packed else "N"
 
     batch, heads, n_q, _ = q_t.shape
     n_k = k_t.shape[2]
@@ -206,11 +293,13 @@ def prepare_problem(
             )
         if q.shape[2] != n_q:
             raise ValueError(
-                f"Expected `q_t` and `q_s` to have the same number of queries N_q, but got {shapes} (layout {fmt})."
+                f"Expected `q_t` and `q_s` to have the same number of queries ({n_name}), but got {shapes} "
+                f"(layout {fmt})."
             )
         if k.shape[2] != n_k:
             raise ValueError(
-                f"Expected `k_t` and `k_s` to have the same number of keys N_k, but got {shapes} (layout {fmt})."
+                f"Expected `k_t` and `k_s` to have the same number of keys ({n_name}), but got {shapes} "
+                f"(layout {fmt})."
             )
         h_k = k.shape[1]
         if h_k == 0 or heads % h_k != 0:
@@ -225,29 +314,77 @@ def prepare_problem(
                 f"Expected `q_{side}` and `k_{side}` to have the same dtype, but got {q.dtype} and {k.dtype} "
                 "(teacher and student may differ from each other)."
             )
+
+    if packed:
+        for name, mask in (("key_padding_mask", key_padding_mask), ("query_mask", query_mask)):
+            if mask is not None:
+                raise ValueError(
+                    f"Got `{name}` with layout='thd': packed sequences carry no padding, and their boundaries come "
+                    "from `cu_seqlens_q`/`cu_seqlens_k`; drop the mask (or leave the padding tokens out of the pack)."
+                )
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError(
+                "Expected `cu_seqlens_q` and `cu_seqlens_k` (int32 cumulative offsets [num_seqs + 1]) with "
+                f"layout='thd', but got cu_seqlens_q={type(cu_seqlens_q).__name__}, "
+                f"cu_seqlens_k={type(cu_seqlens_k).__name__}."
+            )
+        # Reading the offsets costs a device synchronisation; with both maxima given they are trusted, as in
+        # flash-attn's varlen functions (the kernels still never read outside the tensors).
+        read = max_seqlen_q is None or max_seqlen_k is None
+        longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, n_q, device, read)
+        longest_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_k, device, read)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(
+                f"Expected `cu_seqlens_q` and `cu_seqlens_k` to describe the same number of sequences, but got "
+                f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}."
+            )
+        max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, longest_q)
+        max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
+        max_q = longest_q if max_q is None else max_q
+        max_k = longest_k if max_k is None else max_k
+    else:
+        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                            ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(
+                    f"Got `{name}` with layout={layout!r}: sequence offsets belong to the packed layout; pass "
+                    "layout='thd' with inputs [total_tokens, heads, dim]."
+                )
+        max_q, max_k = n_q, n_k
     key_padding_mask = _check_mask("key_padding_mask", key_padding_mask, batch, n_k, "N_k", device)
     query_mask = _check_mask("query_mask", query_mask, batch, n_q, "N_q", device)
+    _check_sinks(sinks_t, sinks_s, heads, device)
 
-    t = check_temperature(temperature)
+    left, right = check_window(window)
+    if causal:  # flash-attn: causal is a window that ends at the diagonal
+        right = 0
     st = check_scale("scale_t", scale_t)
     ss = check_scale("scale_s", scale_s)
-    st = (1.0 / math.sqrt(q_t.shape[-1]) if st is None else st) / t
-    ss = (1.0 / math.sqrt(q_s.shape[-1]) if ss is None else ss) / t
     return AttentionKLProblem(
         q_t=q_t,
         k_t=k_t,
         q_s=q_s,
         k_s=k_s,
+        sinks_t=sinks_t,
+        sinks_s=sinks_s,
         key_padding_mask=key_padding_mask,
         query_mask=query_mask,
-        causal=causal,
-        scale_t=st,
-        scale_s=ss,
+        cu_seqlens_q=cu_seqlens_q if packed else None,
+        cu_seqlens_k=cu_seqlens_k if packed else None,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        window=(left, right),
+        scale_t=1.0 / math.sqrt(q_t.shape[-1]) if st is None else st,
+        scale_s=1.0 / math.sqrt(q_s.shape[-1]) if ss is None else ss,
+        softcap_t=check_softcap("softcap_t", softcap_t),
+        softcap_s=check_softcap("softcap_s", softcap_s),
+        temperature=check_temperature(temperature),
         reverse=direction == "reverse",
         reduction=reduction,
+        layout=layout,
     )
 
 
 def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 when any input is float64, else float32: the dtype of the per-row KL and of the math."""
-    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors) else torch.float32

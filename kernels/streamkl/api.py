@@ -66,6 +66,15 @@ def attention_kl(
     query_mask: torch.Tensor | None = None,
     layout: str = "bhnd",
     backend: str = "auto",
+    window: tuple[int, int] | None = None,
+    softcap_t: float | None = None,
+    softcap_s: float | None = None,
+    sinks_t: torch.Tensor | None = None,
+    sinks_s: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     allow_tf32: bool = False,
     deterministic: bool = True,
     check_finite: bool = False,
@@ -81,30 +90,59 @@ def attention_kl(
         \mathrm{KL}_i = \sum_j P_{t,ij} \,(\log P_{t,ij} - \log P_{s,ij}) \quad (\text{direction="forward"}),
         \qquad \sum_j P_{s,ij} \,(\log P_{s,ij} - \log P_{t,ij}) \quad (\text{"reverse"}).
 
+    The options that real teachers use change the distributions exactly as their attention does:
+
+    * soft-capping (``softcap_t``/``softcap_s``, Gemma-2): :math:`a_{ij} = c \tanh(q^t_i \cdot k^t_j \cdot
+      \mathrm{scale}_t / c) / T`;
+    * sinks (``sinks_t``/``sinks_s``, gpt-oss): one more outcome per row with logit :math:`\mathrm{sink}_h / T`
+      (never scaled or capped); the KL is then over :math:`N_k + 1` outcomes;
+    * a sliding ``window=(left, right)`` (Mistral, Gemma): query :math:`i`, aligned bottom-right to key
+      :math:`i' = i + N_k - N_q`, sees keys :math:`i' - \mathrm{left} \le j \le i' + \mathrm{right}` (−1 = unbounded,
+      the flash-attn convention; ``causal=True`` sets ``right = 0``);
+    * packed sequences (``layout="thd"`` with ``cu_seqlens_q``/``cu_seqlens_k``, flash-attn's varlen convention):
+      each sequence is its own problem, bottom-right aligned inside it, and nothing crosses a boundary.
+
     The forward pass streams key tiles with online rescaling of both distributions and saves three
     fp32 numbers per row; the backward recomputes the probabilities tile by tile. Memory is ``O(N)``
-    per head: no ``N_q × N_k`` map is ever stored.
+    per head: no ``N_q × N_k`` map is ever stored. Key tiles outside every row's window, and tiles that would
+    cross a packed sequence's boundary, are never visited: the cost follows the allowed band, not ``N²``.
 
     Args:
-        q_t: teacher queries ``[B, H, N_q, D_t]`` (layout "bhnd") or ``[B, N_q, H, D_t]`` ("bnhd").
-        k_t: teacher keys ``[B, H_kt, N_k, D_t]``; ``H`` must be divisible by ``H_kt`` (GQA/MQA: query
-            head ``h`` reads key head ``h // (H // H_kt)``).
+        q_t: teacher queries ``[B, H, N_q, D_t]`` (layout "bhnd"), ``[B, N_q, H, D_t]`` ("bnhd") or
+            ``[total_q, H, D_t]`` ("thd").
+        k_t: teacher keys ``[B, H_kt, N_k, D_t]`` (or the other layouts' analogue); ``H`` must be divisible by
+            ``H_kt`` (GQA/MQA: query head ``h`` reads key head ``h // (H // H_kt)``).
         q_s: student queries ``[B, H, N_q, D_s]``; ``D_s`` may differ from ``D_t``.
         k_s: student keys ``[B, H_ks, N_k, D_s]``.
         causal: mask keys after the query, aligned to the bottom-right corner when ``N_q != N_k``
             (key ``j`` is allowed for query ``i`` iff ``j <= i + N_k - N_q``). Default: ``False``.
         scale_t: teacher score scale. Default: ``1 / sqrt(D_t)``.
         scale_s: student score scale. Default: ``1 / sqrt(D_s)``.
-        temperature: divides both scores, ``> 0`` and finite. Default: ``1.0``.
+        temperature: divides both scores (and sink logits), ``> 0`` and finite. Default: ``1.0``.
         direction: ``"forward"`` for KL(P_t‖P_s), ``"reverse"`` for KL(P_s‖P_t). Default: ``"forward"``.
-        reduction: ``"none"`` (per-row ``[B, H, N_q]``), ``"sum"`` or ``"mean"`` (over counted rows:
-            rows with at least one allowed key that ``query_mask`` keeps; 0 when there are none).
-            Default: ``"mean"``.
-        key_padding_mask: ``[B, N_k]`` bool, True for real keys. Default: ``None``.
-        query_mask: ``[B, N_q]`` bool, False excludes the row (KL 0, zero gradient). Default: ``None``.
-        layout: ``"bhnd"`` or ``"bnhd"``; any strides are accepted, nothing is copied. Default: ``"bhnd"``.
+        reduction: ``"none"`` (per-row ``[B, H, N_q]``; ``[total_q, H]`` for "thd"), ``"sum"`` or ``"mean"``
+            (over counted rows: rows with at least one allowed key that ``query_mask`` keeps, over all sequences;
+            0 when there are none). Default: ``"mean"``.
+        key_padding_mask: ``[B, N_k]`` bool, True for real keys (not with "thd"). Default: ``None``.
+        query_mask: ``[B, N_q]`` bool, False excludes the row: KL 0, zero gradient (not with "thd").
+            Default: ``None``.
+        layout: ``"bhnd"``, ``"bnhd"`` or ``"thd"``; any strides are accepted, nothing is copied.
+            Default: ``"bhnd"``.
         backend: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` or ``"reference"``.
             Default: ``"auto"``.
+        window: ``(left, right)`` sliding window, ints ``>= -1`` (−1 = unbounded). Default: ``None`` (no window).
+        softcap_t: teacher logit soft-cap ``c > 0``, or None. Default: ``None``.
+        softcap_s: student logit soft-cap, or None. Default: ``None``.
+        sinks_t: teacher sink logits ``[H]`` (one per query head), or None; given on one side only it is an error
+            (the sink's mass would have no counterpart). Gradients reach it when it requires grad.
+            Default: ``None``.
+        sinks_s: student sink logits ``[H]``, or None. Default: ``None``.
+        cu_seqlens_q: ``[num_seqs + 1]`` int32 cumulative query offsets (layout "thd"). Default: ``None``.
+        cu_seqlens_k: ``[num_seqs + 1]`` int32 cumulative key offsets (layout "thd"). Default: ``None``.
+        max_seqlen_q: the longest query sequence (layout "thd"). Default: ``None``: read from ``cu_seqlens_q``,
+            which costs a device synchronisation and checks the offsets. With both maxima given the offsets are
+            trusted, as in flash-attn (the kernels still never read outside the tensors).
+        max_seqlen_k: the longest key sequence (layout "thd"). Default: ``None``.
         allow_tf32: let float32 inputs use TF32 tensor-core products (Triton backend). Default: ``False``
             (true fp32 products).
         deterministic: bitwise-reproducible gradients. ``True`` runs the two-pass backward (a key-stationary
@@ -113,19 +151,25 @@ def attention_kl(
             atomics (the last bits vary from run to run); it is ignored while
             ``torch.use_deterministic_algorithms(True)`` is on. Default: ``True``.
         check_finite: raise a ValueError naming the first input that holds a NaN or an infinity (costs one
-            device synchronisation). Without it, non-finite inputs propagate: the rows they touch come out
-            NaN (or inf) and the call never hangs or crashes. Default: ``False``.
+            device synchronisation). Without it, non-finite values in entries a row never sees (padding, masked
+            or out-of-window keys, other packed sequences, excluded rows) never reach that row's KL or any
+            gradient of an allowed entry, and a non-finite value in an allowed entry makes the rows that see it
+            NaN (or inf), gradients included; the call never hangs or crashes. Default: ``False``.
 
     Returns:
-        The per-row KL ``[B, H, N_q]`` for ``reduction="none"``, else a scalar; float32 (float64 when an
-        input is float64). Rows with no allowed key, or excluded by ``query_mask``, are exactly 0.
-        Gradients flow to ``q_s``/``k_s`` and, when they require grad, to ``q_t``/``k_t``.
+        The per-row KL ``[B, H, N_q]`` for ``reduction="none"`` (``[total_q, H]`` for layout "thd"), else a
+        scalar; float32 (float64 when an input is float64). Rows with no allowed key, or excluded by
+        ``query_mask``, are exactly 0. Gradients flow to ``q_s``/``k_s`` (and ``sinks_s``) and, when they require
+        grad, to ``q_t``/``k_t``/``sinks_t``.
 
     Raises:
-        TypeError: a non-tensor or integer tensor input, a mask that is not bool, a non-numeric option.
+        TypeError: a non-tensor or integer tensor input, a mask that is not bool, ``cu_seqlens`` that are not
+            int32, a non-numeric option.
         ValueError: wrong rank, mismatched ``B``/``H``/``N``/``D``, ``H`` not divisible by the key heads,
             masks of the wrong shape or device, mixed devices, an unknown ``direction``/``reduction``/
-            ``layout``/``backend``, a temperature that is not finite and > 0.
+            ``layout``/``backend``, a temperature or soft-cap that is not finite and > 0, a window bound < −1,
+            sinks of the wrong shape or on one side only, offsets that do not start at 0, decrease or do not end
+            at the number of tokens, masks with layout "thd".
 
     Example:
         >>> import torch
@@ -137,6 +181,16 @@ def attention_kl(
         >>> loss.backward()
         >>> bool(loss > 0), tuple(q_s.grad.shape), tuple(k_s.grad.shape)
         (True, (2, 4, 16, 16), (2, 1, 16, 16))
+
+        Two packed documents of 10 and 6 tokens, a 4-token sliding window, a soft-capped teacher with sinks:
+
+        >>> cu = torch.tensor([0, 10, 16], dtype=torch.int32)
+        >>> q_t, k_t, q_s, k_s = (torch.randn(16, 4, 8) for _ in range(4))
+        >>> per_row = attention_kl(q_t, k_t, q_s, k_s, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu,
+        ...                        causal=True, window=(4, 0), softcap_t=30.0, sinks_t=torch.zeros(4),
+        ...                        sinks_s=torch.zeros(4), reduction="none")
+        >>> tuple(per_row.shape)
+        (16, 4)
     """
     problem = prepare_problem(
         q_t,
@@ -153,12 +207,22 @@ def attention_kl(
         query_mask=query_mask,
         layout=layout,
         backend=backend,
+        window=window,
+        softcap_t=softcap_t,
+        softcap_s=softcap_s,
+        sinks_t=sinks_t,
+        sinks_s=sinks_s,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
     if not isinstance(check_finite, bool):
         raise TypeError(f"Expected argument `check_finite` to be a bool, but got {type(check_finite).__name__}.")
     if check_finite:
-        for name, x in (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s)):
-            if not bool(torch.isfinite(x).all()):
+        named = (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s), ("sinks_t", sinks_t), ("sinks_s", sinks_s))
+        for name, x in named:
+            if x is not None and not bool(torch.isfinite(x).all()):
                 raise ValueError(
                     f"Expected argument `{name}` to hold only finite values (check_finite=True), but it contains "
                     f"{int(torch.isnan(x).sum())} NaN and {int(torch.isinf(x).sum())} infinite entries."
@@ -174,27 +238,28 @@ def attention_kl(
         (problem.q_t.dtype, problem.q_s.dtype),
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
-    teacher = (problem.q_t, problem.k_t, problem.scale_t)
-    student = (problem.q_s, problem.k_s, problem.scale_s)
-    (q_a, k_a, scale_a), (q_b, k_b, scale_b) = (student, teacher) if problem.reverse else (teacher, student)
-    kl, lse_a, _ = attention_kl_per_row(
-        q_a, k_a, q_b, k_b, problem.key_padding_mask, problem.query_mask, problem.causal,
-        scale_a, scale_b, impl, allow_tf32, deterministic,
-    )
-    if problem.reduction == "mean" and _every_row_counts(problem):
-        # no mask can empty a row: the count is known on the host (saves four small kernels per call)
+    inputs, spec = problem.kernel_problem()
+    kl, lse_a, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic)
+    if problem.reduction == "mean" and problem.every_row_counts():
+        # no row can be empty: the count is known on the host (saves four small kernels per call)
         return kl.sum() / max(kl.numel(), 1)
-    return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), problem.reduction)
+    result = reduce_per_row_kl(kl, ~torch.isposinf(lse_a), problem.reduction)
+    if problem.reduction == "none" and problem.packed:
+        return result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
+    return result
 
 
-def _every_row_counts(problem) -> bool:
-    """True when no row can be empty: no masks, at least one key, and causal rows all see key 0."""
-    return (
-        problem.key_padding_mask is None
-        and problem.query_mask is None
-        and problem.n_k > 0
-        and (not problem.causal or problem.n_q <= problem.n_k)
-    )
+def chunked_attention_kl(*args, **kwargs) -> torch.Tensor:
+    """:func:`attention_kl` forced onto the chunked PyTorch backend (``backend="reference"``).
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+        >>> float(chunked_attention_kl(q, k, q, k, causal=True))
+        0.0
+    """
+    if "backend" in kwargs:
+        raise TypeError("chunked_attention_kl() always uses backend='reference'; do not pass `backend`.")
+    return attention_kl(*args, backend="reference", **kwargs)
 
 
 def triton_interpreter_enabled() -> bool:

@@ -8,19 +8,23 @@
   custom op costs tens of microseconds of dispatch per call in eager mode, which is why eager calls
   take the Function.)
 
-Both compute ``KL(P_a ‖ P_b)`` over canonical ``(B, H, N, D)`` views. The forward returns
-``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for fp64 inputs): the per-row KL and the two
-log-sum-exps (nats), which is all the state saved for the backward: three numbers per query row.
-``backend`` is ``"reference"`` (chunked PyTorch, any device) or ``"triton"`` (fused kernels);
-``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only); ``deterministic`` selects the
-atomic-free backward (the reference is always deterministic).
+Both compute ``KL(P_a ‖ P_b)`` over the canonical problem of :mod:`streamkl._problem` (:class:`KLInputs`,
+:class:`KLSpec`). The forward returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for fp64 inputs):
+the per-row KL and the two log-sum-exps (nats, sinks included), which is all the state saved for the
+backward: three numbers per query row. ``backend`` is ``"reference"`` (chunked PyTorch, any device) or
+``"triton"`` (fused kernels); ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
+``deterministic`` selects the atomic-free backward (the reference is always deterministic). The sinks'
+gradients are per-row quantities of the saved state (:func:`sink_gradients`), the same for every backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import reference
+from ._problem import KLInputs, KLSpec
 from ._validation import result_dtype
 
 _EMPTY_SHAPE = (0,)
@@ -32,81 +36,116 @@ def _triton_kernels():
     return forward, backward
 
 
-def forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, backend, allow_tf32):
+def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool):
     """``(kl, lse_a, lse_b)`` from the selected backend."""
     if backend == "triton":
-        return _triton_kernels()[0].attention_kl_fwd(
-            q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, allow_tf32
-        )
-    return reference.chunked_attention_kl_fwd(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a,
-                                              scale_b)
+        return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32)
+    return reference.chunked_attention_kl_fwd(inputs, spec)
 
 
-def backward_impl(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
-                  need_grad_a, need_grad_b, backend, allow_tf32, deterministic):
+def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
+                  need_grad_b: bool, backend: str, allow_tf32: bool, deterministic: bool):
     """``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes, None where not requested."""
     if backend == "triton":
-        grads = _triton_kernels()[1].attention_kl_bwd(
-            grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
-            need_grad_a, need_grad_b, allow_tf32, deterministic,
-        )
+        grads = _triton_kernels()[1].attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
+                                                       need_grad_b, allow_tf32, deterministic)
     else:
-        grads = reference.chunked_attention_kl_bwd(
-            grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a, scale_b,
-            need_grad_a, need_grad_b,
-        )
-    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q_a, k_a, q_b, k_b)))
+        grads = reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b)
+    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, inputs[:4]))
 
 
-def _save(ctx, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, options) -> None:
+def sink_gradients(grad_kl, kl, lse_a, lse_b, sink_a, sink_b, need_a: bool, need_b: bool):
+    """Gradients of ``Σ grad_kl · KL`` w.r.t. the sink logits ``[H]`` of each side (None where not requested).
+
+    A sink is one more outcome with score ``σ``: ``∂KL/∂σ_b = P_b(σ) − P_a(σ)`` and
+    ``∂KL/∂σ_a = P_a(σ)[(σ_a − lse_a) − (σ_b − lse_b) − KL]`` per row, with ``P(σ) = exp(σ − lse)`` (0 on rows
+    with no allowed key, whose ``lse`` is +inf), summed over the batch and the rows of each head.
+
+    Example:
+        >>> kl, la, lb = torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)
+        >>> _, d_b = sink_gradients(torch.ones(1, 2, 3), kl, la, lb, torch.zeros(2), torch.zeros(2), False, True)
+        >>> d_b.tolist()  # equal distributions: no gradient
+        [0.0, 0.0]
+    """
+    if not (need_a or need_b) or sink_a is None:
+        return None, None
+    g = grad_kl.to(kl.dtype)
+    sa, sb = sink_a.to(kl.dtype)[None, :, None], sink_b.to(kl.dtype)[None, :, None]
+    p_a, p_b = torch.exp(sa - lse_a), torch.exp(sb - lse_b)
+    d_a = d_b = None
+    if need_b:
+        d_b = (g * (p_b - p_a)).sum((0, 2)).to(sink_b.dtype)
+    if need_a:
+        empty = torch.isposinf(lse_a)
+        la, lb = lse_a.masked_fill(empty, 0.0), lse_b.masked_fill(empty, 0.0)
+        d_a = (g * p_a * ((sa - la) - (sb - lb) - kl)).sum((0, 2)).to(sink_a.dtype)
+    return d_a, d_b
+
+
+def _save(ctx, inputs: KLInputs, kl, lse_a, lse_b, spec: KLSpec, options) -> None:
     """Save the inputs and the three per-row statistics (the only state kept for the backward)."""
-    ctx.save_for_backward(q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b)
-    ctx.options = options  # (causal, scale_a, scale_b, backend, allow_tf32, deterministic)
+    ctx.save_for_backward(*inputs, kl, lse_a, lse_b)
+    ctx.spec = spec
+    ctx.options = options  # (backend, allow_tf32, deterministic)
     ctx.mark_non_differentiable(lse_a, lse_b)
 
 
 def _backward_from_ctx(ctx, grad_kl, backward_fn) -> tuple:
-    """The 12 input gradients (None for non-tensors and for the side nobody asked for) via ``backward_fn``."""
-    q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b = ctx.saved_tensors
-    causal, scale_a, scale_b, backend, allow_tf32, deterministic = ctx.options
+    """The input gradients (None for non-tensors and for what nobody asked for) via ``backward_fn``."""
+    *saved, kl, lse_a, lse_b = ctx.saved_tensors
+    inputs = KLInputs(*saved)
     need = ctx.needs_input_grad
     need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
-    if grad_kl is None or not (need_a or need_b):
-        return (None,) * 12
-    dq_a, dk_a, dq_b, dk_b = backward_fn(grad_kl.contiguous(), q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a,
-                                         lse_b, causal, scale_a, scale_b, need_a, need_b, backend, allow_tf32,
-                                         deterministic)
+    n_inputs = len(need)
+    if grad_kl is None or not any(need[:6]):
+        return (None,) * n_inputs
+    grad_kl = grad_kl.contiguous()
+    dq_a, dk_a, dq_b, dk_b, ds_a, ds_b = backward_fn(grad_kl, inputs, ctx.spec, kl, lse_a, lse_b, need_a, need_b,
+                                                     bool(need[4]), bool(need[5]), *ctx.options)
     side_a = (dq_a, dk_a) if need_a else (None, None)
     side_b = (dq_b, dk_b) if need_b else (None, None)
-    return (*side_a, *side_b, *(None,) * 8)
+    sinks = (ds_a if need[4] else None, ds_b if need[5] else None)
+    return (*side_a, *side_b, *sinks, *(None,) * (n_inputs - 6))
+
+
+def _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
+                    allow_tf32, deterministic):
+    grads = (None,) * 4
+    if need_a or need_b:
+        grads = backward_impl(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, backend, allow_tf32,
+                              deterministic)
+    sinks = sink_gradients(grad_kl, kl, lse_a, lse_b, inputs.sink_a, inputs.sink_b, need_sink_a, need_sink_b)
+    return (*grads, *sinks)
 
 
 class AttentionKLFunction(torch.autograd.Function):
-    """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a,
-    scale_b, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only ``kl`` is differentiable.
+    """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask,
+    cu_seqlens_q, cu_seqlens_k, spec, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only ``kl``
+    is differentiable.
 
     Example:
         >>> q = torch.randn(1, 2, 5, 8, requires_grad=True)
-        >>> kl, lse_a, lse_b = AttentionKLFunction.apply(q, q.detach(), q, q.detach() * 2, None, None, False,
-        ...                                              0.3, 0.3, "reference", False, True)
+        >>> spec = KLSpec(scale_a=0.3, scale_b=0.3)
+        >>> kl, lse_a, lse_b = AttentionKLFunction.apply(q, q.detach(), q, q.detach() * 2, *[None] * 6, spec,
+        ...                                              "reference", False, True)
         >>> kl.sum().backward()
         >>> tuple(q.grad.shape)
         (1, 2, 5, 8)
     """
 
     @staticmethod
-    def forward(ctx, q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, backend,
-                allow_tf32, deterministic):
-        kl, lse_a, lse_b = forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b,
-                                        backend, allow_tf32)
-        _save(ctx, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b,
-              (causal, scale_a, scale_b, backend, allow_tf32, deterministic))
+    def forward(ctx, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
+                spec, backend, allow_tf32, deterministic):
+        inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
+                          cu_seqlens_k)
+        kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32)
+        _save(ctx, inputs, kl, lse_a, lse_b, spec, (backend, allow_tf32, deterministic))
         return kl, lse_a, lse_b
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
-        return _backward_from_ctx(ctx, grad_kl, backward_impl)
+        return _backward_from_ctx(ctx, grad_kl, _eager_backward)
 
 
 # ------------------------------------------------------------------------------ torch.library custom ops
@@ -116,23 +155,32 @@ def attention_kl_fwd_op(
     k_a: torch.Tensor,
     q_b: torch.Tensor,
     k_b: torch.Tensor,
+    sink_a: torch.Tensor | None,
+    sink_b: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     query_mask: torch.Tensor | None,
-    causal: bool,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     scale_a: float,
     scale_b: float,
+    softcap_a: float,
+    softcap_b: float,
+    window_left: int,
+    window_right: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     backend: str,
     allow_tf32: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` (see the module docstring)."""
-    return forward_impl(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b, backend,
-                        allow_tf32)
+    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k)
+    spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
+    return forward_impl(inputs, spec, backend, allow_tf32)
 
 
 @attention_kl_fwd_op.register_fake
-def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, key_padding_mask, query_mask, causal, scale_a, scale_b,
-                           backend, allow_tf32, deterministic):
+def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, *args):
     shape = q_a.shape[:3]
     dtype = result_dtype(q_a, k_a, q_b, k_b)
     return tuple(q_a.new_empty(shape, dtype=dtype) for _ in range(3))
@@ -145,54 +193,77 @@ def attention_kl_bwd_op(
     k_a: torch.Tensor,
     q_b: torch.Tensor,
     k_b: torch.Tensor,
+    sink_a: torch.Tensor | None,
+    sink_b: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     kl: torch.Tensor,
     lse_a: torch.Tensor,
     lse_b: torch.Tensor,
-    causal: bool,
     scale_a: float,
     scale_b: float,
+    softcap_a: float,
+    softcap_b: float,
+    window_left: int,
+    window_right: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     need_grad_a: bool,
     need_grad_b: bool,
+    need_sink_a: bool,
+    need_sink_b: bool,
     backend: str,
     allow_tf32: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``Σ grad_kl · KL``; a gradient that was not asked for is an empty tensor (custom ops
     cannot return None)."""
-    grads = backward_impl(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal, scale_a,
-                          scale_b, need_grad_a, need_grad_b, backend, allow_tf32, deterministic)
-    return tuple(x.new_empty(_EMPTY_SHAPE) if g is None else g for g, x in zip(grads, (q_a, k_a, q_b, k_b)))
+    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k)
+    spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
+    grads = _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b, need_sink_a,
+                            need_sink_b, backend, allow_tf32, deterministic)
+    like = (q_a, k_a, q_b, k_b, kl, kl)
+    return tuple(x.new_empty(_EMPTY_SHAPE) if g is None else g for g, x in zip(grads, like))
 
 
 @attention_kl_bwd_op.register_fake
-def _attention_kl_bwd_fake(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, causal,
-                           scale_a, scale_b, need_grad_a, need_grad_b, backend, allow_tf32, deterministic):
-    need = (need_grad_a, need_grad_a, need_grad_b, need_grad_b)
-    inputs = (q_a, k_a, q_b, k_b)
-    return tuple(
+def _attention_kl_bwd_fake(grad_kl, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
+                           cu_seqlens_k, kl, lse_a, lse_b, *args):
+    need_a, need_b, need_sink_a, need_sink_b = args[8:12]
+    need = (need_a, need_a, need_b, need_b)
+    grads = [
         torch.empty_like(x, memory_format=torch.contiguous_format) if n else x.new_empty(_EMPTY_SHAPE)
-        for n, x in zip(need, inputs)
-    )
+        for n, x in zip(need, (q_a, k_a, q_b, k_b))
+    ]
+    for n, sink in ((need_sink_a, sink_a), (need_sink_b, sink_b)):
+        grads.append(torch.empty_like(sink) if n and sink is not None else kl.new_empty(_EMPTY_SHAPE))
+    return tuple(grads)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q_a, k_a, q_b, k_b, key_padding_mask, _query_mask, causal, scale_a, scale_b, backend, allow_tf32,
-     deterministic) = inputs
+    tensors = KLInputs(*inputs[:10])
+    spec = KLSpec(*inputs[10:18])
     kl, lse_a, lse_b = output
-    _save(ctx, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b,
-          (causal, scale_a, scale_b, backend, allow_tf32, deterministic))
+    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(inputs[18:]))
+
+
+def _compiled_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
+                       allow_tf32, deterministic):
+    return attention_kl_bwd_op(grad_kl, *inputs, kl, lse_a, lse_b, *dataclasses.astuple(spec),
+                               need_a, need_b, need_sink_a, need_sink_b, backend, allow_tf32, deterministic)
 
 
 def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
-    return _backward_from_ctx(ctx, grad_kl, attention_kl_bwd_op)
+    return _backward_from_ctx(ctx, grad_kl, _compiled_backward)
 
 
 attention_kl_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_kl_per_row(*args):
+def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool):
     """Dispatch: the custom op while ``torch.compile`` traces, the autograd Function in eager mode."""
     if torch.compiler.is_compiling():
-        return attention_kl_fwd_op(*args)
-    return AttentionKLFunction.apply(*args)
+        return attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32, deterministic)
+    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic)

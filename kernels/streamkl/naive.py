@@ -1,17 +1,22 @@
 """Materialising oracle for the attention KL divergence: the definition of "correct".
 
-It builds both full ``N_q × N_k`` score maps, applies the masks, takes ``log_softmax`` and sums
-``P (log P - log Q)`` row by row, all through ordinary differentiable torch ops. It needs
-``O(B·H·N_q·N_k)`` memory, so it is only for tests, for small problems and as the baseline that the
-benchmarks beat. Give it float64 inputs (or ``compute_dtype=torch.float64``) to use it as the oracle.
+It builds both full ``N_q × N_k`` score maps, applies soft-capping, the masks (causal, sliding window, key
+padding, packed-sequence boundaries) and the sinks (one extra column per side), takes ``log_softmax`` and sums
+``P (log P - log Q)`` row by row, all through ordinary differentiable torch ops. It needs ``O(B·H·N_q·N_k)``
+memory (packed inputs: ``total_q × total_k``), so it is only for tests, for small problems and as the baseline
+that the benchmarks beat. Give it float64 inputs (or ``compute_dtype=torch.float64``) to use it as the oracle.
+
+Everything here is written from the definitions in :func:`streamkl.attention_kl`'s docstring, independently of
+the streaming backends: the mask is one boolean map, the sink is one more column.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._problem import AttentionKLProblem
 from ._reduction import reduce_per_row_kl
-from ._validation import AttentionKLProblem, prepare_problem, result_dtype
+from ._validation import prepare_problem, result_dtype
 
 
 def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -19,39 +24,75 @@ def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
-def allowed_keys(problem: AttentionKLProblem) -> torch.Tensor | None:
-    """Bool map ``(B or 1, 1, N_q, N_k)`` of allowed (query, key) pairs, or None when all are allowed.
+def _positions(cu_seqlens: torch.Tensor | None, total: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per token: (sequence id, position inside its sequence, length of its sequence)."""
+    if cu_seqlens is None:
+        index = torch.arange(total, device=device)
+        return torch.zeros_like(index), index, torch.full_like(index, total)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    return seq, torch.arange(total, device=device) - cu[seq], lengths[seq]
 
-    Causal masking is aligned to the bottom-right corner (key j is allowed for query i iff
-    ``j <= i + N_k - N_q``), as FlashAttention does when ``N_q != N_k``.
+
+def allowed_keys(problem: AttentionKLProblem) -> torch.Tensor:
+    """Bool map ``(B or 1, 1, N_q, N_k)`` of allowed (query, key) pairs.
+
+    Query ``i`` of a sequence with ``n_q`` queries and ``n_k`` keys sees key ``j`` of the same sequence iff
+    ``i' − left ≤ j ≤ i' + right`` with ``i' = i + n_k − n_q`` (bottom-right alignment, as FlashAttention;
+    −1 = unbounded; causal is ``right = 0``) and the key padding mask keeps ``j``.
     """
-    n_q, n_k, device = problem.n_q, problem.n_k, problem.q_t.device
-    allowed = None
-    if problem.causal:
-        rows = torch.arange(n_q, device=device)[:, None]
-        cols = torch.arange(n_k, device=device)[None, :]
-        allowed = (cols <= rows + (n_k - n_q))[None, None]
+    device = problem.q_t.device
+    seq_q, pos_q, len_q = _positions(problem.cu_seqlens_q, problem.n_q, device)
+    seq_k, pos_k, _len_k = _positions(problem.cu_seqlens_k, problem.n_k, device)
+    if problem.cu_seqlens_q is None:
+        len_k_of_row = torch.full_like(pos_q, problem.n_k)
+    else:
+        cu_k = problem.cu_seqlens_k.to(device=device, dtype=torch.long)
+        len_k_of_row = (cu_k[1:] - cu_k[:-1])[seq_q]
+    aligned = (pos_q + len_k_of_row - len_q)[:, None]  # i' of every row
+    j = pos_k[None, :]
+    allowed = seq_q[:, None] == seq_k[None, :]
+    left, right = problem.window
+    if left >= 0:
+        allowed = allowed & (j >= aligned - left)
+    if right >= 0:
+        allowed = allowed & (j <= aligned + right)
+    allowed = allowed[None, None]
     if problem.key_padding_mask is not None:
-        kpm = problem.key_padding_mask[:, None, None, :]
-        allowed = kpm if allowed is None else allowed & kpm
+        allowed = allowed & problem.key_padding_mask[:, None, None, :]
     return allowed
 
 
-def naive_per_row_kl(problem: AttentionKLProblem, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Per-row KL ``(B, H, N_q)`` of a validated problem, materialising both probability maps."""
-    heads = problem.heads
+def _scores(q: torch.Tensor, k: torch.Tensor, heads: int, scale: float, cap: float | None, temperature: float):
+    raw = q @ _expand_kv(k, heads).transpose(-1, -2)
+    if cap is None:
+        return raw * scale / temperature
+    return cap * torch.tanh(raw * scale / cap) / temperature
+
+
+def naive_per_row_kl(problem: AttentionKLProblem, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL ``(B, H, N_q)`` of a validated problem, materialising both probability maps; also returns the
+    ``(B, 1 or H, N_q)`` bool map of counted rows (at least one allowed key, kept by the query mask)."""
+    heads, t = problem.heads, problem.temperature
     q_t, k_t, q_s, k_s = (x.to(compute_dtype) for x in (problem.q_t, problem.k_t, problem.q_s, problem.k_s))
-    s_t = q_t @ _expand_kv(k_t, heads).transpose(-1, -2) * problem.scale_t
-    s_s = q_s @ _expand_kv(k_s, heads).transpose(-1, -2) * problem.scale_s
-    if problem.reverse:
-        s_t, s_s = s_s, s_t  # KL(P_s || P_t): the expectation is taken under the student
+    s_t = _scores(q_t, k_t, heads, problem.scale_t, problem.softcap_t, t)
+    s_s = _scores(q_s, k_s, heads, problem.scale_s, problem.softcap_s, t)
     allowed = allowed_keys(problem)
-    if allowed is None:
-        allowed = torch.ones((1, 1, problem.n_q, problem.n_k), dtype=torch.bool, device=s_t.device)
     row_valid = allowed.any(-1)
     if problem.query_mask is not None:
         row_valid = row_valid & problem.query_mask[:, None, :]
+    if problem.sinks_t is not None:  # one more outcome per side: the sink, logit sink/T, never masked
+        def with_sink(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+            column = (sinks.to(compute_dtype) / t)[None, :, None, None].expand(*s.shape[:3], 1)
+            return torch.cat([s, column], dim=-1)
+
+        s_t, s_s = with_sink(s_t, problem.sinks_t), with_sink(s_s, problem.sinks_s)
+        allowed = torch.cat([allowed, torch.ones_like(allowed[..., :1])], dim=-1)
+    if problem.reverse:
+        s_t, s_s = s_s, s_t  # KL(P_s || P_t): the expectation is taken under the student
     keep = allowed & row_valid[..., None]
+
     # Masked scores become -inf (probability 0); rows with no allowed key become all-zero rows so that
     # log_softmax stays finite, and every term of such a row is then zeroed by `keep` (KL 0, gradient 0).
     def log_probs(s: torch.Tensor) -> torch.Tensor:
@@ -60,7 +101,7 @@ def naive_per_row_kl(problem: AttentionKLProblem, compute_dtype: torch.dtype) ->
 
     logp, logq = log_probs(s_t), log_probs(s_s)
     p = torch.exp(logp).masked_fill(~keep, 0.0)
-    return (p * (logp - logq)).sum(-1)
+    return (p * (logp - logq)).sum(-1), row_valid
 
 
 def naive_attention_kl(
@@ -78,6 +119,15 @@ def naive_attention_kl(
     key_padding_mask: torch.Tensor | None = None,
     query_mask: torch.Tensor | None = None,
     layout: str = "bhnd",
+    window: tuple[int, int] | None = None,
+    softcap_t: float | None = None,
+    softcap_s: float | None = None,
+    sinks_t: torch.Tensor | None = None,
+    sinks_s: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     r"""KL divergence between two attention distributions, computed by materialising them.
@@ -85,9 +135,12 @@ def naive_attention_kl(
     Same arguments and semantics as :func:`streamkl.attention_kl` (see there), plus ``compute_dtype``:
     the dtype of the math (default float32, float64 when an input is float64). Differentiable through
     plain autograd. Memory is ``O(B·H·N_q·N_k)``: use it as the oracle and as the naive baseline only.
+    Non-finite values in entries a row never sees do not reach that row's KL; in the gradients of this oracle
+    they may (``0 · inf`` in the backward of a masked product), which :func:`streamkl.attention_kl` avoids.
 
     Returns:
-        ``(B, H, N_q)`` per-row KL for ``reduction="none"``, else a scalar, in ``compute_dtype``.
+        ``(B, H, N_q)`` per-row KL for ``reduction="none"`` (``[total_q, H]`` for layout "thd"), else a scalar,
+        in ``compute_dtype``.
 
     Example:
         >>> import torch
@@ -111,14 +164,19 @@ def naive_attention_kl(
         key_padding_mask=key_padding_mask,
         query_mask=query_mask,
         layout=layout,
+        window=window,
+        softcap_t=softcap_t,
+        softcap_s=softcap_s,
+        sinks_t=sinks_t,
+        sinks_s=sinks_s,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
     dtype = compute_dtype or result_dtype(q_t, k_t, q_s, k_s)
-    kl = naive_per_row_kl(problem, dtype)
-    allowed = allowed_keys(problem)
-    counted = torch.ones(problem.batch, 1, problem.n_q, dtype=torch.bool, device=kl.device)
-    if allowed is not None:
-        counted = counted & allowed.any(-1)
-    if problem.query_mask is not None:
-        counted = counted & problem.query_mask[:, None, :]
-    counted = counted.expand(problem.batch, problem.heads, problem.n_q)
-    return reduce_per_row_kl(kl, counted, reduction)
+    kl, counted = naive_per_row_kl(problem, dtype)
+    result = reduce_per_row_kl(kl, counted.expand(problem.batch, problem.heads, problem.n_q), reduction)
+    if reduction == "none" and problem.packed:
+        return result[0].transpose(0, 1)
+    return result

@@ -16,8 +16,9 @@ class AttentionKLLoss(nn.Module):
     value fails where it is written); ``forward`` takes the tensors and the per-batch masks.
 
     Args:
-        causal, scale_t, scale_s, temperature, direction, reduction, layout, backend, allow_tf32,
-        deterministic, check_finite: as in :func:`streamkl.attention_kl`.
+        causal, scale_t, scale_s, temperature, direction, reduction, layout, backend, window, softcap_t,
+        softcap_s, allow_tf32, deterministic, check_finite: as in :func:`streamkl.attention_kl`. The per-batch
+        tensors (masks, sinks, packed-sequence offsets) are arguments of ``forward``.
 
     Example:
         >>> import torch
@@ -40,6 +41,9 @@ class AttentionKLLoss(nn.Module):
         reduction: str = "mean",
         layout: str = "bhnd",
         backend: str = "auto",
+        window: tuple[int, int] | None = None,
+        softcap_t: float | None = None,
+        softcap_s: float | None = None,
         allow_tf32: bool = False,
         deterministic: bool = True,
         check_finite: bool = False,
@@ -54,6 +58,9 @@ class AttentionKLLoss(nn.Module):
             reduction=reduction,
             layout=layout,
             backend=backend,
+            window=window,
+            softcap_t=softcap_t,
+            softcap_s=softcap_s,
         )
         self.causal = causal
         self.scale_t = scale_t
@@ -63,6 +70,9 @@ class AttentionKLLoss(nn.Module):
         self.reduction = reduction
         self.layout = layout
         self.backend = backend
+        self.window = None if window is None else tuple(window)
+        self.softcap_t = softcap_t
+        self.softcap_s = softcap_s
         self.allow_tf32 = allow_tf32
         self.deterministic = deterministic
         self.check_finite = check_finite
@@ -75,8 +85,15 @@ class AttentionKLLoss(nn.Module):
         k_s: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
         query_mask: torch.Tensor | None = None,
+        *,
+        sinks_t: torch.Tensor | None = None,
+        sinks_s: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
-        """Compute the loss; see :func:`streamkl.attention_kl` for shapes and masks."""
+        """Compute the loss; see :func:`streamkl.attention_kl` for shapes, masks, sinks and packed offsets."""
         return attention_kl(
             q_t,
             k_t,
@@ -92,6 +109,15 @@ class AttentionKLLoss(nn.Module):
             query_mask=query_mask,
             layout=self.layout,
             backend=self.backend,
+            window=self.window,
+            softcap_t=self.softcap_t,
+            softcap_s=self.softcap_s,
+            sinks_t=sinks_t,
+            sinks_s=sinks_s,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
             allow_tf32=self.allow_tf32,
             deterministic=self.deterministic,
             check_finite=self.check_finite,
@@ -101,4 +127,7 @@ class AttentionKLLoss(nn.Module):
         return (
             f"causal={self.causal}, temperature={self.temperature}, direction={self.direction!r}, "
             f"reduction={self.reduction!r}, layout={self.layout!r}, backend={self.backend!r}"
+            + (f", window={self.window}" if self.window is not None else "")
+            + (f", softcap_t={self.softcap_t}" if self.softcap_t is not None else "")
+            + (f", softcap_s={self.softcap_s}" if self.softcap_s is not None else "")
         )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from streamkl import attention_kl, naive_attention_kl
+from streamkl._validation import prepare_problem
+from streamkl.naive import allowed_keys
 from tests._helpers import assert_close
-from tests.streamkl.cases import Case, make_inputs
+from tests.streamkl.cases import Case, Inputs, make_inputs
 
 #: Relative L2 tolerances (forward, gradients) of a backend against the float64 oracle, per input dtype.
 TOLERANCES = {
@@ -17,20 +19,16 @@ TOLERANCES = {
 }
 
 
-def counted_rows(case: Case, kpm: torch.Tensor | None, qm: torch.Tensor | None) -> torch.Tensor:
-    """``[B, 1, N_q]`` bool: rows with at least one allowed key that the query mask keeps."""
-    rows = torch.arange(case.n_q)[:, None]
-    cols = torch.arange(case.n_k)[None, :]
-    allowed = torch.ones(case.n_q, case.n_k, dtype=torch.bool)
-    if case.causal:
-        allowed = cols <= rows + (case.n_k - case.n_q)
-    allowed = allowed[None].expand(case.b, -1, -1)
-    if kpm is not None:
-        allowed = allowed & kpm.cpu()[:, None, :]
-    counted = allowed.any(-1)
-    if qm is not None:
-        counted = counted & qm.cpu()
-    return counted[:, None, :]
+def counted_rows(case: Case, inputs: Inputs) -> torch.Tensor:
+    """Bool map of counted rows (at least one allowed key, kept by the query mask), in the layout of the
+    ``reduction="none"`` output, by the oracle's mask (the definition)."""
+    tensors = {n: x.detach() for n, x in inputs.tensors.items()}
+    problem = prepare_problem(**tensors, **inputs.extras, reduction="none", **case.kwargs())
+    counted = allowed_keys(problem).any(-1)  # [B or 1, 1, N_q]
+    if problem.query_mask is not None:
+        counted = counted & problem.query_mask[:, None, :]
+    counted = counted.expand(problem.batch, problem.heads, problem.n_q)
+    return counted[0].transpose(0, 1) if case.packed else counted
 
 
 def check_against_oracle(
@@ -47,24 +45,22 @@ def check_against_oracle(
     the backend is measured. Rows the contract defines as empty must be exactly 0.
     """
     rtol_fwd, rtol_grad = tolerances or TOLERANCES[dtype]
-    q_t, k_t, q_s, k_s, kpm, qm = make_inputs(case, dtype, device)
+    inputs = make_inputs(case, dtype, device)
     kw = case.kwargs()
-    out = attention_kl(q_t, k_t, q_s, k_s, key_padding_mask=kpm, query_mask=qm, reduction="none",
-                       backend=backend, **kw)
+    out = inputs.call(attention_kl, reduction="none", backend=backend, **kw)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     grad_out = torch.randn(out.shape, dtype=torch.float64).to(device)
     (out * grad_out.to(out.dtype)).sum().backward()
 
-    ref_inputs = [x.detach().double().requires_grad_(x.requires_grad) for x in (q_t, k_t, q_s, k_s)]
-    ref = naive_attention_kl(*ref_inputs, key_padding_mask=kpm, query_mask=qm, reduction="none",
-                             compute_dtype=torch.float64, **kw)
+    ref_tensors = inputs.float64_copies()
+    ref = naive_attention_kl(**ref_tensors, **inputs.extras, reduction="none", compute_dtype=torch.float64, **kw)
     (ref * grad_out).sum().backward()
 
     assert_close(out, ref, rtol_fwd, "kl")
-    empty = ~counted_rows(case, kpm, qm).to(out.device)
-    assert torch.all(out.detach()[empty.expand_as(out)] == 0), "rows without keys must be exactly 0"
-    names = ("q_t", "k_t", "q_s", "k_s")
-    for name, x, r in zip(names, (q_t, k_t, q_s, k_s), ref_inputs):
+    empty = ~counted_rows(case, inputs).to(out.device)
+    assert torch.all(out.detach()[empty] == 0), "rows without keys must be exactly 0"
+    for name, x in inputs.tensors.items():
+        r = ref_tensors[name]
         if r.requires_grad:
             assert x.grad is not None, f"{name} requires grad but got none"
             assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
@@ -73,10 +69,11 @@ def check_against_oracle(
             assert x.grad is None, f"{name} does not require grad but received one"
 
     if reduction_checks:
+        detached = {n: x.detach() for n, x in inputs.tensors.items()}
+        ref_detached = {n: x.detach() for n, x in ref_tensors.items()}
         for reduction in ("sum", "mean"):
-            val = attention_kl(q_t.detach(), k_t.detach(), q_s.detach(), k_s.detach(), key_padding_mask=kpm,
-                               query_mask=qm, reduction=reduction, backend=backend, **kw)
-            expect = naive_attention_kl(*(x.detach() for x in ref_inputs), key_padding_mask=kpm,
-                                        query_mask=qm, reduction=reduction, compute_dtype=torch.float64, **kw)
+            val = attention_kl(**detached, **inputs.extras, reduction=reduction, backend=backend, **kw)
+            expect = naive_attention_kl(**ref_detached, **inputs.extras, reduction=reduction,
+                                        compute_dtype=torch.float64, **kw)
             assert val.shape == ()
             assert_close(val, expect, rtol_fwd, reduction)

@@ -18,14 +18,14 @@ def _inputs(b=2, h=4, h_k=4, n_q=8, n_k=8, d_t=16, d_s=8):
 @pytest.mark.parametrize(
     ("mutate", "error", "match"),
     [
-        (lambda x: (x[0][0],) + x[1:], ValueError, r"`q_t` to be a 4-D tensor, but got shape \(4, 8, 16\)"),
+        (lambda x: (x[0][0],) + x[1:], ValueError, r"`q_t` to be a 4-D tensor \(layout 'bhnd'\), but got shape \(4, 8, 16\)"),
         (lambda x: x[:3] + (x[3].long(),), TypeError, r"`k_s` to have a floating dtype .* but got torch.int64"),
         (lambda x: (x[0].numpy(),) + x[1:], TypeError, r"`q_t` to be a torch.Tensor, but got ndarray"),
         (lambda x: (x[0], x[1][..., :15]) + x[2:], ValueError, r"`q_t` and `k_t` to share the head dim D_t"),
         (lambda x: x[:2] + (x[2][:1],) + x[3:], ValueError, r"same batch size B"),
         (lambda x: x[:2] + (x[2][:, :2],) + x[3:], ValueError, r"same number of query heads H"),
-        (lambda x: x[:2] + (x[2][:, :, :5],) + x[3:], ValueError, r"same number of queries N_q"),
-        (lambda x: x[:3] + (x[3][:, :, :5],), ValueError, r"same number of keys N_k"),
+        (lambda x: x[:2] + (x[2][:, :, :5],) + x[3:], ValueError, r"same number of queries \(N\)"),
+        (lambda x: x[:3] + (x[3][:, :, :5],), ValueError, r"same number of keys \(N\)"),
         (lambda x: (x[0], x[1].double()) + x[2:], TypeError, r"`q_t` and `k_t` to have the same dtype, but got torch.float32 and torch.float64"),
         (lambda x: (x[0], x[1][:, :3]) + x[2:], ValueError, r"H=4 to be divisible by the key heads of `k_t` \(H_k=3\)"),
     ],
@@ -47,7 +47,7 @@ def test_shape_error_names_layout_and_shapes():
     [
         (dict(direction="backward"), ValueError, r"`direction` to be one of \['forward', 'reverse'\], but got 'backward'"),
         (dict(reduction="batchmean"), ValueError, r"`reduction` to be one of \['none', 'sum', 'mean'\]"),
-        (dict(layout="bshd"), ValueError, r"`layout` to be one of \['bhnd', 'bnhd'\], but got 'bshd'"),
+        (dict(layout="bshd"), ValueError, r"`layout` to be one of \['bhnd', 'bnhd', 'thd'\], but got 'bshd'"),
         (dict(backend="cuda"), ValueError, r"`backend` to be one of \['auto', 'triton', 'reference'\]"),
         (dict(temperature=0.0), ValueError, r"`temperature` to be finite and > 0, but got 0.0"),
         (dict(temperature=-1), ValueError, r"`temperature` to be finite and > 0, but got -1"),

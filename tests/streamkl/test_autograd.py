@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from streamkl import attention_kl
+from streamkl._problem import KLSpec
 from streamkl.autograd import AttentionKLFunction, attention_kl_fwd_op
 from tests._helpers import assert_close
 
@@ -23,14 +26,24 @@ def _inputs(requires_teacher_grad=False):
     return xs
 
 
+SPEC = KLSpec(scale_a=0.25, scale_b=0.35, softcap_a=2.0, window_left=7, window_right=0)
+
+
+def _sinks(grad=True):
+    return [torch.randn(4, device=DEVICE).requires_grad_(grad) for _ in range(2)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_op_and_function_agree(backend):
-    args = (None, None, True, 0.25, 0.35, backend, False, True)
-    a = _inputs(True)
-    kl_f, lse_f, _ = AttentionKLFunction.apply(*a, *args)
+    torch.manual_seed(3)
+    sinks_f = _sinks()
+    torch.manual_seed(3)
+    sinks_o = _sinks()
+    a = _inputs(True) + sinks_f
+    kl_f, lse_f, _ = AttentionKLFunction.apply(*a, None, None, None, None, SPEC, backend, False, True)
     (kl_f * torch.arange(kl_f.numel(), device=DEVICE).view_as(kl_f)).sum().backward()
-    b = _inputs(True)
-    kl_o, lse_o, _ = attention_kl_fwd_op(*b, *args)
+    b = _inputs(True) + sinks_o
+    kl_o, lse_o, _ = attention_kl_fwd_op(*b, None, None, None, None, *dataclasses.astuple(SPEC), backend, False, True)
     (kl_o * torch.arange(kl_o.numel(), device=DEVICE).view_as(kl_o)).sum().backward()
     assert torch.equal(kl_f, kl_o) and torch.equal(lse_f, lse_o)
     for x, y in zip(a, b):
@@ -40,7 +53,9 @@ def test_custom_op_and_function_agree(backend):
 def test_custom_op_passes_opcheck():
     """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
     xs = [x.detach().requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
-    torch.library.opcheck(attention_kl_fwd_op, (*xs, None, None, True, 0.25, 0.35, "reference", False, True))
+    sinks = [s.detach().requires_grad_(i == 1) for i, s in enumerate(_sinks())]
+    torch.library.opcheck(attention_kl_fwd_op, (*xs, *sinks, None, None, None, None, *dataclasses.astuple(SPEC),
+                                                "reference", False, True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

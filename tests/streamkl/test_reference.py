@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamkl import attention_kl, chunked_attention_kl, naive_attention_kl, reference
+from streamkl._problem import KLInputs, KLSpec
 from tests._helpers import assert_close
-from tests.streamkl.cases import ORACLE_CASES, Case, params
+from tests.streamkl.cases import ORACLE_CASES, REAL_TEACHER_CASES, Case, params
 from tests.streamkl.memory import peak_live_bytes
 from tests.streamkl.oracle import check_against_oracle
 
@@ -25,6 +26,11 @@ def test_reference_matches_oracle_float64(case: Case):
     check_against_oracle(case, torch.float64, "reference")
 
 
+@pytest.mark.parametrize("case", params(REAL_TEACHER_CASES))
+def test_reference_matches_oracle_on_real_teacher_options(case: Case):
+    check_against_oracle(case, torch.float64, "reference")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", params([ORACLE_CASES[3], ORACLE_CASES[11], ORACLE_CASES[16]]))
 def test_reference_low_precision_inputs(case: Case, dtype: torch.dtype):
@@ -35,8 +41,9 @@ def test_reference_low_precision_inputs(case: Case, dtype: torch.dtype):
 def test_reference_chunk_size_does_not_change_the_result(chunk_size: int):
     q_t, k_t, q_s, k_s = (torch.randn(2, 3, 37, 8, dtype=torch.float64) * 4 for _ in range(4))
     kpm = torch.rand(2, 37) > 0.5
-    kl, lse_a, _ = reference.chunked_attention_kl_fwd(q_t, k_t, q_s, k_s, kpm, None, True, 0.3, 0.4,
-                                                          chunk_size=chunk_size)
+    inputs = KLInputs(q_t, k_t, q_s, k_s, None, None, kpm, None, None, None)
+    spec = KLSpec(scale_a=0.3, scale_b=0.4, window_right=0)
+    kl, lse_a, _ = reference.chunked_attention_kl_fwd(inputs, spec, chunk_size=chunk_size)
     ref = naive_attention_kl(q_t, k_t, q_s, k_s, causal=True, key_padding_mask=kpm, scale_t=0.3, scale_s=0.4,
                              reduction="none")
     assert_close(kl, ref, 1e-12, "kl")
@@ -132,6 +139,22 @@ def test_gradcheck_float64():
         assert torch.autograd.gradcheck(fn, inputs)
 
 
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_gradcheck_float64_real_teacher_options(direction):
+    """Finite differences through soft-caps (the tanh), sinks, a window and packed sequences, both sides."""
+    x = [torch.randn(13, 2, d, dtype=torch.float64, requires_grad=True) for d in (5, 5, 3, 3)]
+    x[1] = torch.randn(13, 1, 5, dtype=torch.float64, requires_grad=True)
+    sinks = [torch.randn(2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32)
+
+    def fn(q_t, k_t, q_s, k_s, sinks_t, sinks_s):
+        return attention_kl(q_t * 3, k_t, q_s * 3, k_s, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
+                            window=(3, 0), softcap_t=1.5, softcap_s=2.5, sinks_t=sinks_t, sinks_s=sinks_s,
+                            direction=direction, temperature=1.3, reduction="none")
+
+    assert torch.autograd.gradcheck(fn, [*x, *sinks])
+
+
 def test_teacher_without_grad_gets_none_and_is_not_computed():
     q_t, k_t = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
     q_s = torch.randn(1, 2, 9, 8, requires_grad=True)
@@ -161,9 +184,11 @@ def _reference_peak_bytes(n: int) -> int:
     q_t, k_t, q_s, k_s = (torch.randn(b, h, n, d) for _ in range(4))
     g = torch.ones(b, h, n)
 
+    inputs, spec = KLInputs(q_t, k_t, q_s, k_s, *[None] * 6), KLSpec(scale_a=0.25, scale_b=0.25)
+
     def run():
-        kl, la, lb = reference.chunked_attention_kl_fwd(q_t, k_t, q_s, k_s, None, None, False, 0.25, 0.25)
-        reference.chunked_attention_kl_bwd(g, q_t, k_t, q_s, k_s, None, kl, la, lb, False, 0.25, 0.25, True, True)
+        kl, la, lb = reference.chunked_attention_kl_fwd(inputs, spec)
+        reference.chunked_attention_kl_bwd(g, inputs, spec, kl, la, lb, True, True)
 
     return peak_live_bytes(run)
 
@@ -175,7 +200,7 @@ def test_reference_memory_grows_linearly_in_n(monkeypatch):
     the chunked one holds the O(N·D) gradients plus O(B·H·chunk²) score chunks.
     """
     monkeypatch.setattr(reference, "DEFAULT_CHUNK_SIZE", 128)
-    sizes = [512, 1024, 2048, 4096]
+    sizes = [256, 512, 1024, 2048]
     peaks = [_reference_peak_bytes(n) for n in sizes]
     per_step = [peaks[i + 1] - peaks[i] for i in range(len(sizes) - 1)]
     print("N -> peak bytes:", dict(zip(sizes, peaks)), "increments:", per_step)

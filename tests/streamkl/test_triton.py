@@ -14,7 +14,7 @@ import torch
 
 from streamkl import attention_kl
 from tests._helpers import assert_close
-from tests.streamkl.cases import BASE, ORACLE_CASES, Case, make_inputs, params
+from tests.streamkl.cases import BASE, ORACLE_CASES, REAL_TEACHER_CASES, Case, make_inputs, params
 from tests.streamkl.oracle import check_against_oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,10 +43,16 @@ def test_triton_matches_oracle_float32(case: Case):
     check_against_oracle(case, torch.float32, "triton", DEVICE)
 
 
+@pytest.mark.parametrize("case", params(REAL_TEACHER_CASES))
+def test_triton_matches_oracle_on_real_teacher_options(case: Case):
+    check_against_oracle(case, torch.float32, "triton", DEVICE)
+
+
 LOW_PRECISION_CASES = [
     replace(BASE, n_q=63, n_k=63, d_t=40, d_s=72, causal=True),
     replace(BASE, h=6, h_kt=2, h_ks=3, d_t=24, d_s=12, key_mask="random", teacher_grad=True),
     replace(BASE, layout="bnhd", direction="reverse", query_mask=True, n_q=17, n_k=45, causal=True),
+    replace(BASE, seqlens=(21, 40), causal=True, window=(9, -1), softcap_t=2.0, sinks=True, teacher_grad=True),
 ]
 
 
@@ -59,28 +65,27 @@ def test_triton_matches_oracle_half(case: Case, dtype: torch.dtype):
 DETERMINISTIC_CASES = [
     replace(BASE, n_q=45, n_k=37, causal=True, key_mask="random", teacher_grad=True),
     replace(BASE, h=4, h_kt=1, h_ks=2, direction="reverse", teacher_grad=True, d_t=20),
+    replace(BASE, seqlens=(19, 30), causal=True, window=(7, -1), softcap_s=3.0, teacher_grad=True),
 ]
 
 
 @pytest.mark.parametrize("case", params(DETERMINISTIC_CASES))
 def test_deterministic_backward_matches_oracle_and_is_bitwise_stable(case: Case):
-    q_t, k_t, q_s, k_s, kpm, qm = make_inputs(case, torch.float32, DEVICE)
+    inputs = make_inputs(case, torch.float32, DEVICE)
+    tensors = list(inputs.tensors.values())
     grads = []
     for _ in range(2):
-        for x in (q_t, k_t, q_s, k_s):
+        for x in tensors:
             x.grad = None
-        out = attention_kl(q_t, k_t, q_s, k_s, key_padding_mask=kpm, query_mask=qm, reduction="sum",
-                           backend="triton", deterministic=True, **case.kwargs())
-        out.backward()
-        grads.append([x.grad.clone() for x in (q_t, k_t, q_s, k_s)])
+        inputs.call(attention_kl, reduction="sum", backend="triton", deterministic=True, **case.kwargs()).backward()
+        grads.append([x.grad.clone() for x in tensors])
     for g0, g1 in zip(*grads):
         assert torch.equal(g0, g1)
-    # and the deterministic gradients agree with the default (atomic) ones
-    for x in (q_t, k_t, q_s, k_s):
+    # and the deterministic gradients agree with the atomic ones
+    for x in tensors:
         x.grad = None
-    attention_kl(q_t, k_t, q_s, k_s, key_padding_mask=kpm, query_mask=qm, reduction="sum", backend="triton",
-                 deterministic=False, **case.kwargs()).backward()
-    for g_det, x in zip(grads[0], (q_t, k_t, q_s, k_s)):
+    inputs.call(attention_kl, reduction="sum", backend="triton", deterministic=False, **case.kwargs()).backward()
+    for g_det, x in zip(grads[0], tensors):
         assert_close(x.grad, g_det, 1e-5, "deterministic vs atomic")
 
 
@@ -135,24 +140,6 @@ def test_triton_rejects_float64_and_huge_heads():
         attention_kl(big, big, big, big, backend="triton")
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_pipelined_forward_variant_matches_reference(causal):
-    """The software-pipelined forward loop (next tile's products issued first) computes the same KL."""
-    from streamkl import reference
-    from streamkl._triton.configs import LaunchConfig
-    from streamkl._triton.forward import attention_kl_fwd
-
-    q_t, k_t, q_s, k_s = (torch.randn(2, 2, n, 16, device=DEVICE) for n in (37, 53, 37, 53))
-    kpm = torch.rand(2, 53, device=DEVICE) > 0.2
-    cfg = LaunchConfig(16, 16, 4, 2, pipeline=True)
-    got = attention_kl_fwd(q_t, k_t, q_s, k_s, kpm, None, causal, 0.3, 0.2, config=cfg)
-    want = reference.chunked_attention_kl_fwd(q_t, k_t, q_s, k_s, kpm, None, causal, 0.3, 0.2)
-    for g, w, name in zip(got, want, ("kl", "lse_a", "lse_b")):
-        finite = torch.isfinite(w)
-        assert torch.equal(finite, torch.isfinite(g)), name
-        assert_close(g[finite], w[finite], 1e-5, name)
-
-
 def test_wide_offset_path_matches_oracle(monkeypatch):
     """Regression: in-slice offsets ``row * stride`` overflowed int32 once a (batch, head) slice held more
     than 2^31 elements (illegal address on an H100). The 64-bit path is forced here on small inputs."""
@@ -164,3 +151,24 @@ def test_wide_offset_path_matches_oracle(monkeypatch):
     check_against_oracle(case, torch.float32, "triton", DEVICE, reduction_checks=False)
     check_against_oracle(replace(case, layout="bnhd", direction="reverse"), torch.float32, "triton", DEVICE,
                          reduction_checks=False)
+
+
+
+def test_fp16_gradient_tiles_do_not_underflow_before_the_products():
+    """Regression (fp16 underflow): ``g·(P_s − P_t)`` was cast to fp16 before the tensor-core products, so elements
+    below fp16's smallest subnormal (6e-8) became 0 even where their sum, dK, is a normal fp16 number. Here every
+    one of 8192 rows holds the same query (a long run of one token), so dK_j sums 8192 equal elements of ~2e-8:
+    without the power-of-two tile scaling dK_s came out exactly 0; its true value is ~8e-5."""
+    n_q, d = 8192, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, d, generator=g).expand(1, 1, n_q, d)
+    k_t, k_s = (torch.randn(1, 1, 2, d, generator=g) for _ in range(2))
+    q_t, q_s = q.to(DEVICE, torch.float16), q.to(DEVICE, torch.float16).contiguous().requires_grad_(True)
+    k_t, k_s = k_t.to(DEVICE, torch.float16), k_s.to(DEVICE, torch.float16).requires_grad_(True)
+    (2e-3 * attention_kl(q_t, k_t, q_s, k_s, backend="triton")).backward()  # a weighted mean, as users call it
+    ref_q, ref_k = (x.detach().double().requires_grad_(True) for x in (q_s, k_s))
+    (2e-3 * attention_kl(q_t.double(), k_t.double(), ref_q, ref_k, backend="reference")).backward()
+    assert ref_k.grad.abs().max() > 6.1e-5, "dK_s is a normal fp16 number"
+    assert_close(k_s.grad, ref_k.grad, 1e-2, "dk_s")
+    # dQ_s (~3e-9 per element) is below fp16's range: the best fp16 answer is the oracle rounded, i.e. 0
+    torch.testing.assert_close(q_s.grad.double(), ref_q.grad.to(torch.float16).double(), atol=6e-8, rtol=1e-2)

@@ -1,4 +1,11 @@
-"""``@triton.jit`` helpers shared by the forward and backward attention-KL kernels."""
+"""``@triton.jit`` helpers shared by the forward and backward attention-KL kernels, and their host-side twins.
+
+Index conventions (see :mod:`streamkl._problem`): every program works inside one sequence, with local query
+indices ``0 <= i < n_q`` and key indices ``0 <= j < n_k``; query ``i`` is aligned to key ``i + n_k - n_q`` and sees
+key ``j`` iff ``aligned - left <= j <= aligned + right`` (a bound is absent when its ``HAS_*`` flag is off; causal is
+``right = 0``) and the key padding mask keeps ``j``. Dense problems are one sequence per batch row; packed ones
+read their sequence's offsets from ``cu_seqlens``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .._constants import LOG2E
+
 #: Running-max sentinel: finite, so that ``exp2(m_old - m_new)`` is never ``exp2(-inf + inf)``; a row
 #: that has seen no allowed key keeps this max and a zero sum, which marks it as empty.
 NEG_BIG = tl.constexpr(-1.0e30)
+#: log2(e) and ln(2) as kernel constants (the values of :mod:`streamkl._constants`).
+LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(1.0 / LOG2E)
+#: fp16 gradient tiles are scaled so that their largest entry lands in [2^14, 2^15) before the cast.
+FP16_TARGET_EXPONENT = tl.constexpr(14)
 
 
 @triton.jit
@@ -22,32 +36,97 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _allowed_keys(
-    rows,  # query indices, broadcastable against `cols` (e.g. [BLOCK_M, 1], or [1, BLOCK_M] transposed)
-    cols,  # key indices, e.g. [1, BLOCK_N]
-    km_ptr,  # key padding mask row of this batch (uint8, 1 = real key) or None
-    stride_km_n,
-    N_Q,
-    N_K,
-    IS_CAUSAL: tl.constexpr,
-    CHECK_BOUNDS: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
-):
-    """Bool mask, broadcastable to the tile: key ``cols`` is allowed for query ``rows``.
+def _finite(x):
+    """``x`` with NaN and ±inf replaced by 0: an operand whose masked terms must contribute exactly 0."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
-    Causal masking is aligned to the bottom-right corner: key ``j`` is allowed for query ``i`` iff
-    ``j <= i + N_K - N_Q``. ``CHECK_BOUNDS`` is False on tiles known to be inside the sequence and off
-    the causal band, where only the padding mask applies (call it only if one of the two is set).
-    """
-    if CHECK_BOUNDS:
-        allowed = cols < N_K
-        if IS_CAUSAL:
-            allowed = allowed & (cols <= rows + (N_K - N_Q))
-        if HAS_KEY_MASK:
-            allowed = allowed & (tl.load(km_ptr + cols * stride_km_n, mask=cols < N_K, other=0) != 0)
+
+@triton.jit
+def _tanh(x):
+    """``tanh`` from one ``exp2`` (no libdevice, so the interpreter runs it too); ±1 at the extremes, NaN kept."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E_C)) + 1.0)
+
+
+@triton.jit
+def _pre_exponent(raw, cap_scale, SOFTCAP: tl.constexpr):
+    """The monotone quantity whose maximum and exponent each kernel tracks: the raw product, or ``tanh`` of the
+    soft-capped side's pre-activation. Multiplied by the side's ``qk_scale`` it is the score in base 2."""
+    if SOFTCAP:
+        return _tanh(raw * cap_scale)
     else:
-        allowed = tl.load(km_ptr + cols * stride_km_n, mask=cols < N_K, other=0) != 0
+        return raw
+
+
+@triton.jit
+def _sequence(CU, s, total, IS_VARLEN: tl.constexpr, N):
+    """``(start, length)`` of sequence ``s``: from the packed offsets (clamped to the tensor, so trusted offsets
+    can never make a kernel read outside it), or ``(0, N)`` for a dense batch row."""
+    if IS_VARLEN:
+        start = tl.minimum(tl.maximum(tl.load(CU + s), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(CU + s + 1), start), total)
+        return start, end - start
+    else:
+        return 0, N
+
+
+@triton.jit
+def _band(start, last, n_self, n_other, left, right, BLOCK: tl.constexpr, HAS_LEFT: tl.constexpr,
+          HAS_RIGHT: tl.constexpr):
+    """Tiles of the other axis that a tile ``[start, last]`` of this axis must visit, as ``(lo, b, c, hi)``:
+    ``[lo, b)`` and ``[c, hi)`` need masking, ``[b, c)`` is allowed for every pair (and inside both lengths).
+
+    Index ``t`` of this axis is aligned to ``t + n_other − n_self`` of the other and sees ``aligned − left ..
+    aligned + right`` (queries → keys with the window; keys → queries with ``left``/``right`` exchanged).
+    """
+    off = n_other - n_self
+    lo = 0
+    hi = n_other
+    full_lo = 0
+    full_hi = (n_other // BLOCK) * BLOCK
+    if HAS_LEFT:
+        lo = (tl.maximum(start + off - left, 0) // BLOCK) * BLOCK
+        full_lo = tl.cdiv(tl.maximum(last + off - left, 0), BLOCK) * BLOCK
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(last + off + right + 1, 0), n_other)
+        full_hi = tl.minimum(full_hi, (tl.maximum(start + off + right + 1, 0) // BLOCK) * BLOCK)
+    b = tl.minimum(tl.maximum(full_lo, lo), hi)
+    c = tl.maximum(tl.minimum(full_hi, hi), b)
+    return lo, b, c, hi
+
+
+@triton.jit
+def _allowed(rows, cols, key_ok, n_q, n_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+             MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+    """Bool mask broadcastable to the tile: key ``cols`` is allowed for query ``rows`` (local indices).
+
+    ``key_ok`` is the loaded key padding mask (bool, shaped like ``cols``) or None. ``MASKED`` tiles check the
+    window and the key bounds; the others only the padding mask (call it only if one of the two applies).
+    """
+    if MASKED:
+        allowed = cols < n_k
+        aligned = rows + (n_k - n_q)
+        if HAS_LEFT:
+            allowed = allowed & (cols >= aligned - left)
+        if HAS_RIGHT:
+            allowed = allowed & (cols <= aligned + right)
+        if HAS_KEY_MASK:
+            allowed = allowed & key_ok
+    else:
+        allowed = key_ok
     return allowed
+
+
+@triton.jit
+def _pow2_scale(ds):
+    """``(s, 1/s)``, exact powers of two that bring the tile's largest ``|ds|`` into [2^14, 2^15): fp16 gradient
+    tiles are multiplied by ``s`` before the cast (no underflow of tiny ``g·(P_s − P_t)``) and the fp32 product
+    by ``1/s`` after. Pure bit manipulation, so it is exact and the interpreter runs it."""
+    largest = tl.max(tl.max(tl.abs(ds), 1), 0)
+    exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.minimum(tl.maximum(FP16_TARGET_EXPONENT - exponent, -126), 126)
+    s = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    return s, inv
 
 
 @triton.jit
@@ -75,3 +154,11 @@ def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
 def as_uint8_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """Bool masks are passed to the kernels as uint8 views (no copy)."""
     return None if mask is None else mask.view(torch.uint8)
+
+
+def side_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """``(qk_scale, cap_scale)`` of one side for the kernels: the score in base 2 is ``u · qk_scale`` with
+    ``u = raw`` (no cap) or ``u = tanh(raw · cap_scale)`` (soft-capped), see :func:`_pre_exponent`."""
+    if softcap:
+        return softcap * LOG2E, scale
+    return scale * LOG2E, 0.0

@@ -2,7 +2,8 @@
 
 Every kernel gets one configuration from a heuristic keyed by the padded head dims and the mode. Under
 Triton's CPU interpreter (``TRITON_INTERPRET=1``) the tiles are the smallest ``tl.dot`` accepts, so
-small test shapes still span several tiles (online rescaling, tails and the causal band are exercised).
+small test shapes still span several tiles (online rescaling, tails and the window band are exercised). ``banded``
+is true when some key lies outside some query's window (causal included).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    pipeline: bool = False  # forward only: issue the next tile's products before this tile's softmax
 
 
 def interpreting() -> bool:
@@ -49,7 +49,7 @@ def _width(d_a: int, d_b: int, element_size: int) -> int:
 # use the smallest spill-free shapes.
 
 
-def forward_config(d_a: int, d_b: int, causal: bool, element_size: int = 2) -> LaunchConfig:
+def forward_config(d_a: int, d_b: int, banded: bool, element_size: int = 2) -> LaunchConfig:
     """Tiles for the forward kernel (query tile x key tile)."""
     if interpreting():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
@@ -63,7 +63,7 @@ def forward_config(d_a: int, d_b: int, causal: bool, element_size: int = 2) -> L
     return LaunchConfig(32, 32, 4, 1)
 
 
-def dk_config(d_a: int, d_b: int, causal: bool, element_size: int = 2, atomic_dq: bool = False) -> LaunchConfig:
+def dk_config(d_a: int, d_b: int, banded: bool, element_size: int = 2, atomic_dq: bool = False) -> LaunchConfig:
     """Tiles of the key-stationary backward pass (``BLOCK_N`` keys per program, ``BLOCK_M`` rows per step)."""
     if interpreting():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
@@ -71,19 +71,19 @@ def dk_config(d_a: int, d_b: int, causal: bool, element_size: int = 2, atomic_dq
     if w <= 64:
         if atomic_dq:
             return LaunchConfig(64, 128, 8, 3)
-        return LaunchConfig(32, 64, 4, 3) if causal else LaunchConfig(64, 64, 4, 2)
+        return LaunchConfig(32, 64, 4, 3) if banded else LaunchConfig(64, 64, 4, 2)
     if w <= 128 and element_size == 2:
         return LaunchConfig(32, 128, 8, 3)
     return LaunchConfig(32, 32, 4, 1)
 
 
-def dq_config(d_a: int, d_b: int, causal: bool, element_size: int = 2) -> LaunchConfig:
+def dq_config(d_a: int, d_b: int, banded: bool, element_size: int = 2) -> LaunchConfig:
     """Tiles of the query-stationary dQ pass of the deterministic backward."""
     if interpreting():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
     if w <= 64:
-        return LaunchConfig(64, 64, 4, 3) if causal else LaunchConfig(128, 64, 8, 3)
+        return LaunchConfig(64, 64, 4, 3) if banded else LaunchConfig(128, 64, 8, 3)
     if w <= 128:
         return LaunchConfig(64, 64, 4, 2)
     return LaunchConfig(32, 32, 4, 1)

@@ -1,10 +1,12 @@
 """Fused attention-KL forward: one pass over key tiles with online rescaling of both distributions.
 
-For a tile of ``BLOCK_M`` query rows of one (batch, head), the kernel streams ``BLOCK_N``-key tiles of
+For a tile of ``BLOCK_M`` query rows of one (sequence, head), the kernel streams ``BLOCK_N``-key tiles of
 both sides through SRAM, computes the two score tiles with tensor-core products and keeps, per row,
 the running max and sum of each distribution plus the coupled accumulator
-``A = Σ e^(x - m_a)(x - y)`` (all in base 2). It writes three fp32 numbers per row: the KL and both
-log-sum-exps, which is the whole state the backward needs. No ``N_q × N_k`` tile leaves the chip.
+``A = Σ e^(x - m_a)(x - y)`` (all in base 2). Only the key tiles inside some row's window are visited:
+``[lo, b)`` and ``[c, hi)`` with masking, ``[b, c)`` without (:func:`_band`). Sinks are one more outcome per side,
+merged after the keys. It writes three fp32 numbers per row: the KL and both log-sum-exps, which is the whole
+state the backward needs. No ``N_q × N_k`` tile leaves the chip.
 """
 
 from __future__ import annotations
@@ -13,202 +15,254 @@ import torch
 import triton
 import triton.language as tl
 
-from .._constants import LOG2E
-from ._helpers import NEG_BIG, _allowed_keys, _dot, _offset, as_uint8_mask, dot_precision, needs_wide_offsets
+from .._problem import KLInputs, KLSpec
+from ._helpers import (
+    LN2_C,
+    LOG2E_C,
+    NEG_BIG,
+    _allowed,
+    _band,
+    _dot,
+    _offset,
+    _pre_exponent,
+    _sequence,
+    as_uint8_mask,
+    dot_precision,
+    needs_wide_offsets,
+    side_scales,
+)
 from .configs import LaunchConfig, forward_config, interpreting, padded_head_dim
 
 
 @triton.jit
-def _attention_kl_fwd_scores(
+def _attention_kl_fwd_keys(
+    lo, hi,  # key range [lo, hi) of this sweep, lo a multiple of BLOCK_N
     q_a, q_b,  # [BLOCK_M, BLOCK_DA], [BLOCK_M, BLOCK_DB] query tiles (input dtype)
     ka_ptrs, kb_ptrs,  # [BLOCK_DA, BLOCK_N], [BLOCK_DB, BLOCK_N] pointers of the transposed key tiles at key 0
-    n0, offs_n, offs_da, offs_db, stride_ka_n, stride_kb_n, N_K,
-    D_A: tl.constexpr, D_B: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
+    km_ptr, stride_km_n, stride_ka_n, stride_kb_n,
+    offs_m, offs_n, da_in, db_in,  # local query rows [BLOCK_M]; key offsets [BLOCK_N]; head-dim masks
+    m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state: maxima of the pre-exponents, sums, coupled accumulator
+    qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
+    n_q, n_k, left, right,
+    SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Load one key tile of each side and return the raw products ``(q_a·k_aᵀ, q_b·k_bᵀ)`` (fp32)."""
-    keys = n0 + offs_n
-    if CHECK_BOUNDS:
-        kmask_a = (keys < N_K)[None, :] & (offs_da < D_A)[:, None]
-        kmask_b = (keys < N_K)[None, :] & (offs_db < D_B)[:, None]
-    else:
-        kmask_a = (offs_da < D_A)[:, None]
-        kmask_b = (offs_db < D_B)[:, None]
-    k_a = tl.load(ka_ptrs + _offset(n0, stride_ka_n, WIDE), mask=kmask_a, other=0.0)
-    k_b = tl.load(kb_ptrs + _offset(n0, stride_kb_n, WIDE), mask=kmask_b, other=0.0)
-    x = _dot(q_a, k_a, DOT_PRECISION_A, INTERPRET)
-    y = _dot(q_b, k_b, DOT_PRECISION_B, INTERPRET)
-    return x, y
+    """Fold the key tiles of ``[lo, hi)`` into the running state of both distributions.
+
+    The running max is taken on the pre-exponents (their multipliers are > 0), so each exponent is one FMA:
+    ``exp2(u·c − m·c)``. ``acc`` accumulates ``Σ e^(x−m)(x − y)`` in base-2 units. Padded keys are loaded as 0
+    and masked entries of ``x − y`` are zeroed, so non-finite values a row never sees cannot reach it.
+    """
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + offs_n
+        key_row = None
+        if HAS_KEY_MASK:
+            key_ok = tl.load(km_ptr + keys * stride_km_n, mask=keys < n_k, other=0) != 0
+            key_load = key_ok[None, :] & da_in[:, None]
+            key_row = key_ok[None, :]
+            kb_load = key_ok[None, :] & db_in[:, None]
+        elif MASKED:
+            key_load = (keys < n_k)[None, :] & da_in[:, None]
+            kb_load = (keys < n_k)[None, :] & db_in[:, None]
+        else:  # a full tile is inside the sequence: no key bound to check
+            key_load = da_in[:, None]
+            kb_load = db_in[:, None]
+        k_a = tl.load(ka_ptrs + _offset(n0, stride_ka_n, WIDE), mask=key_load, other=0.0)
+        k_b = tl.load(kb_ptrs + _offset(n0, stride_kb_n, WIDE), mask=kb_load, other=0.0)
+        x = _pre_exponent(_dot(q_a, k_a, DOT_PRECISION_A, INTERPRET), cap_scale_a, SOFTCAP_A)
+        y = _pre_exponent(_dot(q_b, k_b, DOT_PRECISION_B, INTERPRET), cap_scale_b, SOFTCAP_B)
+        diff = x * qk_scale_a - y * qk_scale_b
+        if MASKED or HAS_KEY_MASK:
+            allowed = _allowed(offs_m[:, None], keys[None, :], key_row, n_q, n_k, left, right, HAS_LEFT, HAS_RIGHT,
+                               MASKED, HAS_KEY_MASK)
+            x = tl.where(allowed, x, float("-inf"))
+            y = tl.where(allowed, y, float("-inf"))
+            if MASKED:
+                diff = tl.where(allowed, diff, 0.0)
+        m_a_new = tl.maximum(m_a, tl.max(x, 1))
+        mc_a = tl.maximum(m_a_new * qk_scale_a, NEG_BIG)  # the clamp keeps an empty row finite for any scale
+        alpha_a = tl.exp2(tl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
+        p_a = tl.exp2(x * qk_scale_a - mc_a[:, None])  # exactly 0 on masked keys
+        z_a = z_a * alpha_a + tl.sum(p_a, 1)
+        acc = acc * alpha_a + tl.sum(p_a * diff, 1)
+        m_b_new = tl.maximum(m_b, tl.max(y, 1))
+        mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
+        alpha_b = tl.exp2(tl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
+        z_b = z_b * alpha_b + tl.sum(tl.exp2(y * qk_scale_b - mc_b[:, None]), 1)
+        m_a = m_a_new
+        m_b = m_b_new
+    return m_a, z_a, acc, m_b, z_b
 
 
 @triton.jit
-def _attention_kl_fwd_update(
-    x, y,  # [BLOCK_M, BLOCK_N] raw products of one key tile (fp32)
-    km_ptr, stride_km_n, n0, offs_m, offs_n,
-    m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state: maxima of the raw products, sums, coupled accumulator
-    qk_scale_a, qk_scale_b,  # scale * log2(e), > 0
-    N_Q, N_K,
-    IS_CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+def _attention_kl_fwd_rows(
+    m_start,  # first local query row of this tile
+    qa_base, qb_base,  # [1, BLOCK_DA], [1, BLOCK_DB] query pointers of (batch, head) at token 0, head-dim offsets
+    ka_ptrs, kb_ptrs,  # transposed key tile pointers at key 0 of the sequence
+    km_ptr, qm_ptr,  # key / query mask rows of this batch row, or None
+    SINK_A, SINK_B, KL, LSE_A, LSE_B,
+    stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n,
+    q_start, n_q, n_k, h, row_base,
+    offs_n, da_in, db_in,
+    qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """Fold one key tile into the running state of both distributions.
+    """One tile of ``BLOCK_M`` query rows: stream its key band, then write KL and both lse per row."""
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_in = offs_m < n_q
+    rows = (q_start + offs_m).to(tl.int64)
+    q_a = tl.load(qa_base + rows[:, None] * stride_qa_n, mask=row_in[:, None] & da_in[None, :], other=0.0)
+    q_b = tl.load(qb_base + rows[:, None] * stride_qb_n, mask=row_in[:, None] & db_in[None, :], other=0.0)
+    m_a = tl.full((BLOCK_M,), NEG_BIG, tl.float32)  # pre-exponent maxima (finite sentinel: see NEG_BIG)
+    m_b = tl.full((BLOCK_M,), NEG_BIG, tl.float32)
+    z_a = tl.zeros((BLOCK_M,), tl.float32)
+    z_b = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M,), tl.float32)
+    last = tl.minimum(m_start + BLOCK_M, n_q) - 1
+    lo, b_full, c_full, hi = _band(m_start, last, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:  # keys below the full tiles exist only with a left window bound
+        m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
+            lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, offs_m, offs_n,
+            da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
+            left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK,
+            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
+        )
+    m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
+        b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, offs_m,
+        offs_n, da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q,
+        n_k, left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK,
+        DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
+    )
+    m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
+        c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, offs_m, offs_n,
+        da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
+        left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK,
+        DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
+    )
 
-    The running max is taken on the raw products (the scales are > 0), so each exponent is one FMA:
-    ``exp2(x·c − m·c)``. ``acc`` accumulates ``Σ e^(x−m)(x·c_a − y·c_b)`` in base-2 units.
-    """
-    if CHECK_BOUNDS or HAS_KEY_MASK:
-        allowed = _allowed_keys(offs_m[:, None], (n0 + offs_n)[None, :], km_ptr, stride_km_n, N_Q, N_K,
-                                IS_CAUSAL, CHECK_BOUNDS, HAS_KEY_MASK)
-        x_m = tl.where(allowed, x, float("-inf"))
-        y_m = tl.where(allowed, y, float("-inf"))
-    else:
-        x_m = x
-        y_m = y
-    m_a_new = tl.maximum(m_a, tl.max(x_m, 1))
-    mc_a = tl.maximum(m_a_new * qk_scale_a, NEG_BIG)  # the clamp keeps an empty row finite for any scale
-    alpha_a = tl.exp2(tl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
-    p_a = tl.exp2(x_m * qk_scale_a - mc_a[:, None])  # exactly 0 on masked keys
-    z_a = z_a * alpha_a + tl.sum(p_a, 1)
-    acc = acc * alpha_a + tl.sum(p_a * (x * qk_scale_a - y * qk_scale_b), 1)  # raw scores: 0·finite when masked
-    m_b_new = tl.maximum(m_b, tl.max(y_m, 1))
-    mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
-    alpha_b = tl.exp2(tl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
-    z_b = z_b * alpha_b + tl.sum(tl.exp2(y_m * qk_scale_b - mc_b[:, None]), 1)
-    return m_a_new, z_a, acc, m_b_new, z_b
+    valid = row_in & (z_a != 0.0)  # no allowed key; a NaN row stays valid so that its NaN shows
+    if HAS_QUERY_MASK:
+        qm = tl.load(qm_ptr + offs_m * stride_qm_n, mask=row_in, other=0)
+        valid = valid & (qm != 0)
+    mc_a = tl.maximum(m_a * qk_scale_a, NEG_BIG)
+    mc_b = tl.maximum(m_b * qk_scale_b, NEG_BIG)
+    if HAS_SINKS:  # one more outcome per side, never masked, merged like one more key
+        s_a = tl.load(SINK_A + h).to(tl.float32) * LOG2E_C
+        s_b = tl.load(SINK_B + h).to(tl.float32) * LOG2E_C
+        mc_a_new = tl.maximum(mc_a, s_a)
+        alpha_a = tl.exp2(mc_a - mc_a_new)
+        w_a = tl.exp2(s_a - mc_a_new)
+        z_a = z_a * alpha_a + w_a
+        acc = acc * alpha_a + w_a * (s_a - s_b)
+        mc_b_new = tl.maximum(mc_b, s_b)
+        z_b = z_b * tl.exp2(mc_b - mc_b_new) + tl.exp2(s_b - mc_b_new)
+        mc_a = mc_a_new
+        mc_b = mc_b_new
+    z_a_safe = tl.where(valid, z_a, 1.0)
+    z_b_safe = tl.where(valid, z_b, 1.0)
+    lse2_a = mc_a + tl.log2(z_a_safe)
+    lse2_b = mc_b + tl.log2(z_b_safe)
+    kl = tl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
+    out = row_base + offs_m
+    tl.store(KL + out, kl, mask=row_in)
+    tl.store(LSE_A + out, tl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
+    tl.store(LSE_B + out, tl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
 
 
 @triton.jit
 def _attention_kl_fwd_kernel(
     Q_A, K_A, Q_B, K_B,  # [B, H, N_Q, D_A], [B, H_KA, N_K, D_A], [B, H, N_Q, D_B], [B, H_KB, N_K, D_B]; any strides
+    SINK_A, SINK_B,  # [H] sink logits in nats (score units), or None
     KEY_MASK, QUERY_MASK,  # [B, N_K], [B, N_Q] uint8 (1 = keep) or None
+    CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None (then a "sequence" is a batch row)
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32, contiguous: per-row KL (nats) and log-sum-exps (nats, +inf if empty)
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
     stride_kb_b, stride_kb_h, stride_kb_n, stride_kb_d,
     stride_km_b, stride_km_n, stride_qm_b, stride_qm_n,
-    H, N_Q, N_K,
+    H, N_Q, N_K,  # heads; queries and keys per batch row (packed: all tokens)
     GROUP_A, GROUP_B,  # query heads per key head: H // H_KA, H // H_KB
-    qk_scale_a, qk_scale_b,  # scale * log2(e) of each side
+    qk_scale_a, qk_scale_b,  # base-2 score = pre-exponent * qk_scale (> 0)
+    cap_scale_a, cap_scale_b,  # soft-capped side: pre-exponent = tanh(raw * cap_scale)
+    left, right,  # window bounds (used when HAS_LEFT / HAS_RIGHT)
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
-    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr,
-    PIPELINE: tl.constexpr, WIDE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr,
+    DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
+    seq = pid_bh // H
     h = pid_bh % H
+    q_start, n_q = _sequence(CU_Q, seq, N_Q, IS_VARLEN, N_Q)
+    k_start, n_k = _sequence(CU_K, seq, N_K, IS_VARLEN, N_K)
+    if IS_VARLEN:
+        b64 = 0  # packed sequences live in batch row 0
+    else:
+        b64 = seq.to(tl.int64)
     h64 = h.to(tl.int64)
     hk_a = (h // GROUP_A).to(tl.int64)
     hk_b = (h // GROUP_B).to(tl.int64)
-
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_da = tl.arange(0, BLOCK_DA)
     offs_db = tl.arange(0, BLOCK_DB)
-    row_in = offs_m < N_Q
-    rows64 = offs_m.to(tl.int64)
-
-    qa_ptrs = Q_A + b * stride_qa_b + h64 * stride_qa_h + rows64[:, None] * stride_qa_n + offs_da[None, :] * stride_qa_d
-    qb_ptrs = Q_B + b * stride_qb_b + h64 * stride_qb_h + rows64[:, None] * stride_qb_n + offs_db[None, :] * stride_qb_d
-    q_a = tl.load(qa_ptrs, mask=row_in[:, None] & (offs_da < D_A)[None, :], other=0.0)
-    q_b = tl.load(qb_ptrs, mask=row_in[:, None] & (offs_db < D_B)[None, :], other=0.0)
-    keys64 = offs_n.to(tl.int64)
-    ka_ptrs = K_A + b * stride_ka_b + hk_a * stride_ka_h + keys64[None, :] * stride_ka_n + offs_da[:, None] * stride_ka_d
-    kb_ptrs = K_B + b * stride_kb_b + hk_b * stride_kb_h + keys64[None, :] * stride_kb_n + offs_db[:, None] * stride_kb_d
+    da_in = offs_da < D_A
+    db_in = offs_db < D_B
+    qa_base = Q_A + b64 * stride_qa_b + h64 * stride_qa_h + offs_da[None, :] * stride_qa_d
+    qb_base = Q_B + b64 * stride_qb_b + h64 * stride_qb_h + offs_db[None, :] * stride_qb_d
+    ka_ptrs = (K_A + b64 * stride_ka_b + hk_a * stride_ka_h + _offset(k_start, stride_ka_n, WIDE)
+               + offs_n.to(tl.int64)[None, :] * stride_ka_n + offs_da[:, None] * stride_ka_d)
+    kb_ptrs = (K_B + b64 * stride_kb_b + hk_b * stride_kb_h + _offset(k_start, stride_kb_n, WIDE)
+               + offs_n.to(tl.int64)[None, :] * stride_kb_n + offs_db[:, None] * stride_kb_d)
     if HAS_KEY_MASK:
-        km_ptr = KEY_MASK + b * stride_km_b
+        km_ptr = KEY_MASK + b64 * stride_km_b
     else:
         km_ptr = KEY_MASK
-
-    m_a = tl.full((BLOCK_M,), NEG_BIG, tl.float32)  # raw-product maxima (finite sentinel: see NEG_BIG)
-    m_b = tl.full((BLOCK_M,), NEG_BIG, tl.float32)
-    z_a = tl.zeros((BLOCK_M,), tl.float32)
-    z_b = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M,), tl.float32)
-
-    # Key tiles [0, full_end) need no bounds or causal masking; [full_end, hi) do.
-    full_end = (N_K // BLOCK_N) * BLOCK_N
-    hi = N_K
-    if IS_CAUSAL:
-        first_row_limit = tl.maximum(m_start + (N_K - N_Q) + 1, 0)  # keys < this are visible to every row
-        full_end = tl.minimum((first_row_limit // BLOCK_N) * BLOCK_N, full_end)
-        hi = tl.maximum(tl.minimum(N_K, m_start + BLOCK_M + (N_K - N_Q)), 0)
-    if PIPELINE:
-        # software pipelining: the products of tile j+1 are issued before the softmax work of tile j
-        x, y = _attention_kl_fwd_scores(q_a, q_b, ka_ptrs, kb_ptrs, 0, offs_n, offs_da, offs_db, stride_ka_n,
-                                        stride_kb_n, N_K, D_A, D_B, True, DOT_PRECISION_A, DOT_PRECISION_B,
-                                        INTERPRET, WIDE)
-        for n0 in range(0, full_end - BLOCK_N, BLOCK_N):
-            x_next, y_next = _attention_kl_fwd_scores(
-                q_a, q_b, ka_ptrs, kb_ptrs, n0 + BLOCK_N, offs_n, offs_da, offs_db, stride_ka_n, stride_kb_n,
-                N_K, D_A, D_B, False, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
-            )
-            m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
-                x, y, km_ptr, stride_km_n, n0, offs_m, offs_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b,
-                N_Q, N_K, IS_CAUSAL, False, HAS_KEY_MASK,
-            )
-            x = x_next
-            y = y_next
-        if full_end > 0:
-            m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
-                x, y, km_ptr, stride_km_n, full_end - BLOCK_N, offs_m, offs_n, m_a, z_a, acc, m_b, z_b,
-                qk_scale_a, qk_scale_b, N_Q, N_K, IS_CAUSAL, False, HAS_KEY_MASK,
+    if HAS_QUERY_MASK:
+        qm_ptr = QUERY_MASK + b64 * stride_qm_b
+    else:
+        qm_ptr = QUERY_MASK
+    row_base = (b64 * H + h64) * N_Q + q_start
+    if IS_VARLEN:  # grid-stride: a packed sequence longer than the grid's max_seqlen_q is still covered
+        for m_start in range(pid_m * BLOCK_M, n_q, tl.num_programs(0) * BLOCK_M):
+            _attention_kl_fwd_rows(
+                m_start, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, SINK_A, SINK_B, KL, LSE_A, LSE_B,
+                stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n, q_start, n_q, n_k, h,
+                row_base, offs_n, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_QUERY_MASK, HAS_SINKS, SOFTCAP_A, SOFTCAP_B,
+                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
     else:
-        for n0 in range(0, full_end, BLOCK_N):
-            x, y = _attention_kl_fwd_scores(q_a, q_b, ka_ptrs, kb_ptrs, n0, offs_n, offs_da, offs_db,
-                                            stride_ka_n, stride_kb_n, N_K, D_A, D_B, False, DOT_PRECISION_A,
-                                            DOT_PRECISION_B, INTERPRET, WIDE)
-            m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
-                x, y, km_ptr, stride_km_n, n0, offs_m, offs_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b,
-                N_Q, N_K, IS_CAUSAL, False, HAS_KEY_MASK,
-            )
-    for n0 in range(full_end, hi, BLOCK_N):
-        x, y = _attention_kl_fwd_scores(q_a, q_b, ka_ptrs, kb_ptrs, n0, offs_n, offs_da, offs_db, stride_ka_n,
-                                        stride_kb_n, N_K, D_A, D_B, True, DOT_PRECISION_A, DOT_PRECISION_B,
-                                        INTERPRET, WIDE)
-        m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_update(
-            x, y, km_ptr, stride_km_n, n0, offs_m, offs_n, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b,
-            N_Q, N_K, IS_CAUSAL, True, HAS_KEY_MASK,
+        _attention_kl_fwd_rows(
+            pid_m * BLOCK_M, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, SINK_A, SINK_B, KL, LSE_A, LSE_B,
+            stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n, q_start, n_q, n_k, h,
+            row_base, offs_n, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_QUERY_MASK, HAS_SINKS, SOFTCAP_A, SOFTCAP_B,
+            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
 
-    valid = row_in & (z_a > 0.0)
-    if HAS_QUERY_MASK:
-        qm = tl.load(QUERY_MASK + b * stride_qm_b + offs_m * stride_qm_n, mask=row_in, other=0)
-        valid = valid & (qm != 0)
-    z_a_safe = tl.where(valid, z_a, 1.0)
-    z_b_safe = tl.where(valid, z_b, 1.0)
-    lse2_a = m_a * qk_scale_a + tl.log2(z_a_safe)
-    lse2_b = m_b * qk_scale_b + tl.log2(z_b_safe)
-    kl = tl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * 0.6931471805599453, 0.0)
-    out = pid_bh.to(tl.int64) * N_Q + offs_m
-    tl.store(KL + out, kl, mask=row_in)
-    tl.store(LSE_A + out, tl.where(valid, lse2_a * 0.6931471805599453, float("inf")), mask=row_in)
-    tl.store(LSE_B + out, tl.where(valid, lse2_b * 0.6931471805599453, float("inf")), mask=row_in)
+
+def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.contiguous()
 
 
 def attention_kl_fwd(
-    q_a: torch.Tensor,
-    k_a: torch.Tensor,
-    q_b: torch.Tensor,
-    k_b: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    query_mask: torch.Tensor | None,
-    causal: bool,
-    scale_a: float,
-    scale_b: float,
-    allow_tf32: bool = False,
-    config: LaunchConfig | None = None,
+    inputs: KLInputs, spec: KLSpec, allow_tf32: bool = False, config: LaunchConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused forward; returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (nats).
 
-    Inputs are ``(B, H, N, D)`` views with any strides (nothing is copied); see
+    Inputs are ``(B, H, N, D)`` views with any strides (packed: ``(1, H, total, D)``; nothing is copied); see
     :func:`streamkl.reference.chunked_attention_kl_fwd` for the exact semantics it reproduces.
     ``config`` overrides the tile heuristic (used by the tuning script).
     """
+    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     batch, heads, n_q, d_a = q_a.shape
     d_b = q_b.shape[-1]
     n_k = k_a.shape[2]
@@ -217,22 +271,31 @@ def attention_kl_fwd(
     lse_b = torch.empty_like(kl)
     if kl.numel() == 0:
         return kl, lse_a, lse_b
-    cfg = config or forward_config(d_a, d_b, causal, max(q_a.element_size(), q_b.element_size()))
-    km, qm = as_uint8_mask(key_padding_mask), as_uint8_mask(query_mask)
+    varlen = inputs.cu_seqlens_q is not None
+    if varlen:
+        kl.zero_()  # rows outside every sequence (none when the offsets are valid) read as empty rows
+        lse_a.fill_(float("inf"))
+        lse_b.fill_(float("inf"))
+    cfg = config or forward_config(d_a, d_b, spec.banded, max(q_a.element_size(), q_b.element_size()))
+    km, qm = as_uint8_mask(inputs.key_padding_mask), as_uint8_mask(inputs.query_mask)
     km_strides = km.stride() if km is not None else (0, 0)
     qm_strides = qm.stride() if qm is not None else (0, 0)
-    grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
+    sequences = inputs.cu_seqlens_q.numel() - 1 if varlen else batch
+    grid = (max(triton.cdiv(spec.max_seqlen_q if varlen else n_q, cfg.block_m), 1), sequences * heads)
+    (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
     _attention_kl_fwd_kernel[grid](
-        q_a, k_a, q_b, k_b, km, qm, kl, lse_a, lse_b,
+        q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+        kl, lse_a, lse_b,
         *q_a.stride(), *k_a.stride(), *q_b.stride(), *k_b.stride(), *km_strides, *qm_strides,
-        heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1],
-        scale_a * LOG2E, scale_b * LOG2E,
+        heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b, cap_a, cap_b,
+        spec.window_left, spec.window_right,
         D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
-        IS_CAUSAL=causal, HAS_KEY_MASK=km is not None, HAS_QUERY_MASK=qm is not None,
+        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km is not None,
+        HAS_QUERY_MASK=qm is not None, HAS_SINKS=inputs.sink_a is not None, IS_VARLEN=varlen,
+        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
         DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
-        INTERPRET=interpreting(), PIPELINE=cfg.pipeline, WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
+        INTERPRET=interpreting(), WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return kl, lse_a, lse_b
-
