@@ -28,7 +28,7 @@ from streamkl._triton.backward import _attention_kl_bwd_dk_kernel, _attention_kl
 from streamkl._triton.forward import _attention_kl_fwd_kernel
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_FLOAT_ARGS = re.compile(r"^(qk_scale|scale)_")
+_FLOAT_ARGS = re.compile(r"^(qk_scale|scale|cap_scale|grad_scale)_")
 
 
 def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int = 90):
@@ -96,30 +96,35 @@ def _pointers(dtype: str, names_in: list[str], names_fp32: list[str], masks: lis
     return out
 
 
+def _flags(causal: bool, dtype: str) -> dict:
+    """The constexpr flags of a dense problem without masks, sinks or soft-caps."""
+    return dict(WIDE=False, HAS_LEFT=False, HAS_RIGHT=causal, HAS_KEY_MASK=False, HAS_QUERY_MASK=False,
+                IS_VARLEN=False, SOFTCAP_A=False, SOFTCAP_B=False, DOT_PRECISION_A="tf32", DOT_PRECISION_B="tf32",
+                INTERPRET=False, CU_Q=None, CU_K=None)
+
+
 def forward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
                       dtype: str = "bf16") -> dict:
     ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B"], ["KL", "LSE_A", "LSE_B"], ["KEY_MASK", "QUERY_MASK"])
-    cx = dict(WIDE=False, PIPELINE=False, D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d,
-              IS_CAUSAL=causal,
-              HAS_KEY_MASK=False, HAS_QUERY_MASK=False, DOT_PRECISION_A="tf32", DOT_PRECISION_B="tf32",
-              INTERPRET=False)
+    cx = dict(_flags(causal, dtype), D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d,
+              HAS_SINKS=False, SINK_A=None, SINK_B=None)
     return resources(compile_kernel(_attention_kl_fwd_kernel, ptrs, cx, warps, stages))
 
 
 def backward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
                        atomic: bool = True, dtype: str = "bf16") -> dict:
-    common = dict(WIDE=False, D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d, IS_CAUSAL=causal,
-                  HAS_KEY_MASK=False, NEED_A=False, NEED_B=True, DOT_PRECISION_A="tf32",
-                  DOT_PRECISION_B="tf32", INTERPRET=False)
+    common = dict(_flags(causal, dtype), D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d,
+                  NEED_A=False, NEED_B=True, FP16_A=dtype == "fp16", FP16_B=dtype == "fp16")
     ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B", "DK_A", "DK_B"],
                      ["GRAD", "KL", "LSE_A", "LSE_B", "DQ_A", "DQ_B"], ["KEY_MASK"])
     dk = resources(compile_kernel(_attention_kl_bwd_dk_kernel, ptrs,
-                                  dict(common, DK_A_PER_HEAD=False, DK_B_PER_HEAD=False, ATOMIC_DQ=atomic),
-                                  warps, stages))
+                                  dict(common, DK_A_PER_HEAD=False, ATOMIC_DQ=atomic), warps, stages))
     if atomic:
         return {"dk+atomic dq": dk}
     ptrs_q = dict(ptrs, DQ_A=f"*{dtype}", DQ_B=f"*{dtype}")
-    dq = resources(compile_kernel(_attention_kl_bwd_dq_kernel, ptrs_q, common, warps, stages))
+    common.pop("HAS_QUERY_MASK")
+    dq = resources(compile_kernel(_attention_kl_bwd_dq_kernel, ptrs_q, dict(common, BANDED=causal), warps,
+                                  stages))
     return {"dk": dk, "dq": dq}
 
 

@@ -16,17 +16,18 @@ import torch
 from triton.testing import do_bench
 
 from streamkl._constants import LOG2E
+from streamkl._problem import KLInputs, KLSpec
 from streamkl._triton.backward import attention_kl_bwd
 from streamkl._triton.configs import LaunchConfig
 from streamkl._triton.forward import attention_kl_fwd
 
 C = LaunchConfig
 FORWARD = {
-    64: [C(128, 64, 8, 3), C(128, 64, 8, 3, True), C(128, 64, 8, 2, True), C(128, 128, 8, 2), C(64, 64, 4, 3),
-         C(64, 64, 4, 3, True), C(128, 32, 8, 3), C(128, 32, 8, 3, True), C(256, 32, 8, 3, True), C(256, 64, 8, 3),
+    64: [C(128, 64, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 3),
+         C(128, 32, 8, 3), C(256, 64, 8, 3),
          C(64, 64, 4, 2), C(64, 32, 4, 2), C(64, 32, 4, 3), C(64, 64, 4, 4), C(32, 64, 4, 3)],
-    128: [C(128, 64, 8, 2), C(128, 64, 8, 2, True), C(128, 64, 8, 3, True), C(128, 128, 8, 2), C(64, 64, 4, 3),
-          C(64, 64, 4, 3, True), C(128, 32, 8, 3), C(128, 32, 8, 3, True), C(256, 32, 8, 2, True), C(256, 64, 8, 2),
+    128: [C(128, 64, 8, 2), C(128, 128, 8, 2), C(64, 64, 4, 3),
+          C(128, 32, 8, 3), C(256, 64, 8, 2),
           C(64, 32, 4, 2), C(64, 32, 4, 3), C(64, 64, 4, 2)],
 }
 DK = {
@@ -56,18 +57,21 @@ def tune_head_dim(d: int, n: int, h: int, top: int, results: dict) -> None:
     """Time every candidate of every kernel at head dim ``d`` and store rows and winners in ``results``."""
     q_t, k_t, q_s, k_s = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = d**-0.5
+    inputs = KLInputs(q_t, k_t, q_s, k_s, *[None] * 6)
+    specs = {causal: KLSpec(scale_a=scale, scale_b=scale, window_right=0 if causal else -1)
+             for causal in (False, True)}
     state = {}
     for causal in (False, True):
-        kl, la, lb = attention_kl_fwd(q_t, k_t, q_s, k_s, None, None, causal, scale, scale)
+        kl, la, lb = attention_kl_fwd(inputs, specs[causal])
         state[causal] = (kl, la, lb, torch.full_like(kl, 1.0 / kl.numel()))
 
     def fwd(cfg, causal):
-        return lambda: attention_kl_fwd(q_t, k_t, q_s, k_s, None, None, causal, scale, scale, config=cfg)
+        return lambda: attention_kl_fwd(inputs, specs[causal], config=cfg)
 
     def bwd(dk_cfg, dq_cfg, causal, deterministic):
         kl, la, lb, g = state[causal]
-        return lambda: attention_kl_bwd(g, q_t, k_t, q_s, k_s, None, kl, la, lb, causal, scale, scale, False,
-                                        True, deterministic=deterministic, dk_launch=dk_cfg, dq_launch=dq_cfg)
+        return lambda: attention_kl_bwd(g, inputs, specs[causal], kl, la, lb, False, True, deterministic=deterministic,
+                                        dk_launch=dk_cfg, dq_launch=dq_cfg)
 
     def sweep(name, cands, make):
         rows = []
