@@ -399,8 +399,12 @@ def indexer_kl(
         >>> k_idx = torch.randn(B, N, D_I, requires_grad=True)
         >>> w_idx = torch.rand(B, N, H_I, requires_grad=True)
         >>> dense = indexer_kl(q, k, q_idx, k_idx, w_idx)                   # warm-up stage
-        >>> topk = torch.arange(N).expand(B, N, N).flip(-1)[..., :4]         # the 4 latest positions; some are
-        >>> sparse = indexer_kl(q, k, q_idx, k_idx, w_idx, topk_indices=topk)  # in the future: masked by causal
+        >>> with torch.no_grad():                                            # sparse stage: the indexer's top 4
+        ...     scores = torch.einsum("bjtd,bsd->btjs", q_idx, k_idx).relu().mul(w_idx[..., None]).sum(2)
+        ...     future = torch.ones(N, N, dtype=torch.bool).triu(1)
+        ...     topk = scores.masked_fill(future, float("-inf")).topk(4, dim=-1).indices
+        ...     topk = topk.masked_fill(topk > torch.arange(N)[:, None], -1)  # rows 0-2 have fewer than 4 keys
+        >>> sparse = indexer_kl(q, k, q_idx, k_idx, w_idx, topk_indices=topk)
         >>> (dense + sparse).backward()
         >>> bool(dense > 0), tuple(q_idx.grad.shape), tuple(k_idx.grad.shape), tuple(w_idx.grad.shape)
         (True, (2, 3, 16, 8), (2, 16, 8), (2, 16, 3))
