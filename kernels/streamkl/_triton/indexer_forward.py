@@ -50,11 +50,11 @@ def _autotune_configs(candidates: list[tuple[int, int, int, int]]) -> list[trito
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
 
 
-# Candidates for an H100 (D, D_I <= 128): 2-D fp32 tiles p, I, s, r of BLOCK_M x BLOCK_N live together.
-DENSE_CONFIGS = _autotune_configs([(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2)])
+# Candidates for an H100 (D, D_I <= 128), not yet measured: 2-D fp32 tiles p, I, s, r of BLOCK_M x BLOCK_N live
+# together. Kept short: every config is compiled and timed once per shape key (N is not part of the key).
+DENSE_CONFIGS = _autotune_configs([(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2)])
 # Sparse: BLOCK_M is unused (one query row per program); BLOCK_N selected keys are gathered per step.
-SPARSE_CONFIGS = _autotune_configs([(MIN_BLOCK, 32, 4, 2), (MIN_BLOCK, 64, 4, 2), (MIN_BLOCK, 64, 8, 2),
-                                    (MIN_BLOCK, 128, 8, 2)])
+SPARSE_CONFIGS = _autotune_configs([(MIN_BLOCK, 32, 4, 2), (MIN_BLOCK, 64, 8, 2)])
 SHAPE_KEY = ["H", "GROUP", "D", "H_I", "D_I", "IS_CAUSAL", "HAS_KEY_MASK"]
 
 
