@@ -16,11 +16,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _inputs():
     g = torch.Generator().manual_seed(1)
-    shapes = [(2, 4, 19, 16), (2, 2, 19, 16), (2, 3, 19, 8), (2, 19, 8), (2, 19, 3)]
+    shapes = [(2, 4, 13, 16), (2, 2, 13, 16), (2, 3, 13, 8), (2, 13, 8), (2, 13, 3)]
     xs = [torch.randn(*s, generator=g).to(DEVICE) for s in shapes]
     for x in xs[2:]:
         x.requires_grad_(True)
-    topk = torch.stack([torch.randperm(19, generator=g)[:5] for _ in range(38)]).view(2, 19, 5).to(DEVICE)
+    topk = torch.stack([torch.randperm(13, generator=g)[:5] for _ in range(26)]).view(2, 13, 5).to(DEVICE)
     return xs, topk
 
 
@@ -36,14 +36,14 @@ def test_custom_op_and_function_agree(backend, sparse):
         grads.append([x.grad for x in xs[2:]])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    for a, b in zip(*grads):  # the kernels add dk_idx with atomics: equal up to the summation order
+        assert_close(a, b, 1e-6, "grad")
 
 
 def test_custom_op_passes_opcheck():
     xs, topk = _inputs()
     torch.library.opcheck(indexer_kl_fwd_op, (*xs, None, topk, None, True, 0.25, "reference"))
-    lse = torch.randn(2, 4, 19, device=DEVICE)
+    lse = torch.randn(2, 4, 13, device=DEVICE)
     torch.library.opcheck(indexer_kl_fwd_op, (*xs, lse, None, None, False, 0.25, "reference"))
 
 

@@ -65,7 +65,7 @@ def test_triton_lse_matches_its_own_first_pass():
     """Passing the lse the op computes itself gives the same loss and gradients (the first pass is skipped)."""
     from streamkl._triton.indexer_forward import indexer_kl_fwd
 
-    for case in (replace(BASE, n_q=19, n_k=19, key_mask="random"), replace(BASE, n_q=19, n_k=19, topk=6)):
+    for case in (replace(BASE, n_q=19, n_k=19, key_mask="random"), replace(BASE, n_q=13, n_k=13, topk=6)):
         inputs = make_inputs(case, torch.float32, DEVICE)
         names = ("q", "k", "q_idx", "k_idx", "w_idx")
         _, lse_h, _, _ = indexer_kl_fwd(*(inputs[n].detach() for n in names), None, inputs["topk_indices"],

@@ -15,13 +15,15 @@ work differently:
 * **Dense**, three kernels per block of at most ``CHUNK`` query rows (sized so the ``[B, CHUNK, N_k]`` fp32 scratch
   stays under 64 MiB; never ``N_q × N_k``):
 
-  1. ``_indexer_kl_dense_bwd_dlogits_kernel``, grid ``(⌈CHUNK/BLOCK_M⌉, B)``: recompute ``p`` and ``I`` exactly as
-     the forward does (``2·(H·D + H_I·D_I)`` FLOP, ``H + 1`` exps per element) and store ``dI`` for the chunk;
+  1. ``_indexer_kl_dense_bwd_dlogits_kernel``, grid ``(⌈CHUNK/BLOCK_M⌉, ⌈N_k/BLOCK_N⌉, B)``, one tile per
+     program (tiles past the causal band do nothing): recompute ``p`` and ``I`` exactly as the forward does
+     (``2·(H·D + H_I·D_I)`` FLOP, ``H + 1`` exps per element) and store ``dI`` for the chunk;
   2. ``_indexer_kl_dense_bwd_dq_kernel``, grid ``(⌈CHUNK/BLOCK_M⌉, B·H_I)``: one indexer head per program,
      ``R_j`` recomputed and ``dq_idx_j += (dI·1[R_j>0])·k_idx`` (``4·D_I`` FLOP per element and head), ``dw_j``;
-  3. ``_indexer_kl_dense_bwd_dk_kernel``, grid ``(⌈N_k/BLOCK_N⌉, B)``: key-stationary, loops over the chunk's rows
-     and the indexer heads, ``dk_idx += (dI·w_j·1[R_j>0])ᵀ·q_idx_j`` (``4·D_I`` FLOP per element and head) into an
-     fp32 accumulator that the next chunk continues (no atomics: launches are ordered).
+  3. ``_indexer_kl_dense_bwd_dk_kernel``, grid ``(⌈N_k/BLOCK_N⌉, ⌈CHUNK/SPLIT_M⌉, B)``: key-stationary over a
+     range of the chunk's rows and all indexer heads, ``dk_idx += (dI·w_j·1[R_j>0])ᵀ·q_idx_j`` (``4·D_I`` FLOP per
+     element and head), added once per program to an fp32 accumulator with atomics (``SPLIT_M`` is sized so the
+     grid fills the GPU; the last bits of ``dk_idx`` may vary between runs).
 
   Backward total: ``2·(H·D + 5·H_I·D_I)`` FLOP per element, plus 12 bytes of ``dI`` traffic.
 * **Sparse**, one kernel ``_indexer_kl_sparse_bwd_kernel``, grid ``(N_q, B)``: the row's ``dq_idx [H_I, D_I]`` and
@@ -41,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ._helpers import _dot, _offset
-from .configs import padded_head_dim
+from .configs import MIN_BLOCK, interpreting, padded_head_dim
 from .indexer_forward import (
     DENSE_CONFIGS,
     SHAPE_KEY,
@@ -93,7 +95,8 @@ def _indexer_kl_dense_bwd_dlogits_kernel(
     DOT_PRECISION: tl.constexpr, DOT_PRECISION_I: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     m_start = ROW0 + pid_m * BLOCK_M
     rows = m_start + tl.arange(0, BLOCK_M)
     row_in = rows < ROW_END
@@ -109,7 +112,8 @@ def _indexer_kl_dense_bwd_dlogits_kernel(
     hi = N_K
     if IS_CAUSAL:
         hi = tl.maximum(tl.minimum(N_K, m_start + BLOCK_M + (N_K - N_Q)), 0)
-    for n0 in range(0, hi, BLOCK_N):
+    # this program's key tile, unless the whole tile is past every row's causal limit (no iteration then)
+    for n0 in range(pid_n * BLOCK_N, tl.minimum(hi, (pid_n + 1) * BLOCK_N), BLOCK_N):
         keys = n0 + offs_n
         p = _indexer_dense_target(
             Q, K, LSE_H, b, rows, n0, offs_n, offs_d, stride_q_b, stride_q_h, stride_q_n, stride_q_d,
@@ -187,17 +191,19 @@ def _indexer_kl_dense_bwd_dq_kernel(
 def _indexer_kl_dense_bwd_dk_kernel(
     QI, KI, W,  # [B, H_I, N_Q, D_I], [B, N_K, D_I], [B, N_Q, H_I]; any strides
     DI,  # [B, CHUNK, N_K] fp32 from the dlogits kernel
-    DK,  # [B, N_K, D_I] fp32 contiguous accumulator: this chunk's contribution is added
+    DK,  # [B, N_K, D_I] fp32 contiguous accumulator: each program adds its rows' contribution atomically
     stride_qi_b, stride_qi_h, stride_qi_n, stride_qi_d,
     stride_ki_b, stride_ki_n, stride_ki_d,
     stride_w_b, stride_w_n, stride_w_h,
-    ROW0, ROW_END, CHUNK, H_I, N_Q, N_K,
+    ROW0, ROW_END, CHUNK, SPLIT_M,  # this launch's rows ROW0..ROW_END, SPLIT_M (a multiple of BLOCK_M) per program
+    H_I, N_Q, N_K,
     D_I: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, SCALE_DS: tl.constexpr,
     DOT_PRECISION_I: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     n0 = pid_n * BLOCK_N
     keys = n0 + tl.arange(0, BLOCK_N)
     key_in = keys < N_K
@@ -207,12 +213,14 @@ def _indexer_kl_dense_bwd_dk_kernel(
     ki = tl.load(KI + b * stride_ki_b + _offset(keys, stride_ki_n, WIDE)[:, None] + offs_di[None, :] * stride_ki_d,
                  mask=key_in[:, None] & di_mask[None, :], other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_DI), tl.float32)
-    m_begin = ROW0
+    row_lo = ROW0 + split * SPLIT_M
+    row_hi = tl.minimum(ROW_END, row_lo + SPLIT_M)
+    m_begin = row_lo
     if IS_CAUSAL:  # rows before n0 - (N_K - N_Q) cannot see this key tile
-        m_begin = ROW0 + (tl.maximum(n0 - (N_K - N_Q) - ROW0, 0) // BLOCK_M) * BLOCK_M
-    for m0 in range(m_begin, ROW_END, BLOCK_M):
+        m_begin = row_lo + (tl.maximum(n0 - (N_K - N_Q) - row_lo, 0) // BLOCK_M) * BLOCK_M
+    for m0 in range(m_begin, row_hi, BLOCK_M):
         rows = m0 + offs_m
-        row_in = rows < ROW_END
+        row_in = rows < row_hi
         di_ok = key_in[:, None] & row_in[None, :]
         if IS_CAUSAL:
             di_ok = di_ok & (keys[:, None] <= rows[None, :] + (N_K - N_Q))
@@ -228,9 +236,9 @@ def _indexer_kl_dense_bwd_dk_kernel(
             r_t = _dot(ki, tl.trans(qi), DOT_PRECISION_I, INTERPRET)  # [BLOCK_N, BLOCK_M]
             ds_t = tl.where(r_t > 0.0, di_t * w[None, :], 0.0)
             dk += _scaled_dot(ds_t, qi, SCALE_DS, DOT_PRECISION_I, INTERPRET)
-    ptrs = DK + (b * N_K + keys.to(tl.int64))[:, None] * D_I + offs_di[None, :]
-    mask = key_in[:, None] & di_mask[None, :]
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + dk, mask=mask)
+    if m_begin < row_hi:
+        tl.atomic_add(DK + (b * N_K + keys.to(tl.int64))[:, None] * D_I + offs_di[None, :], dk,
+                      mask=key_in[:, None] & di_mask[None, :], sem="relaxed")
 
 
 @triton.autotune(configs=SPARSE_CONFIGS, key=[*SHAPE_KEY, "SCALE_DS"], reset_to_zero=["DK"])
@@ -305,6 +313,17 @@ def dense_chunk_rows(batch: int, n_q: int, n_k: int) -> int:
     return max(1, min(n_q, max(128, rows // 128 * 128)))
 
 
+def row_splits(batch: int, rows: int, n_k: int, device: torch.device) -> int:
+    """Rows per program of the key-stationary ``dk_idx`` kernel (a multiple of 128, of every ``BLOCK_M``): enough
+    (key block, row range) programs to fill the GPU twice over at ``BLOCK_N = 64``. Under the interpreter, two
+    smallest tiles, so the tests exercise the atomic sum."""
+    if interpreting():
+        return 2 * MIN_BLOCK
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(programs, batch * triton.cdiv(n_k, 64)), triton.cdiv(rows, 128)))
+    return triton.cdiv(triton.cdiv(rows, splits), 128) * 128
+
+
 def indexer_kl_bwd(
     grad_kl: torch.Tensor,
     q: torch.Tensor,
@@ -352,9 +371,11 @@ def indexer_kl_bwd(
     index_flags = dict(H_I=c["H_I"], N_Q=n_q, N_K=n_k, D_I=c["D_I"], BLOCK_DI=c["BLOCK_DI"], IS_CAUSAL=causal,
                        SCALE_DS=scale_ds, DOT_PRECISION_I=c["DOT_PRECISION_I"], INTERPRET=c["INTERPRET"],
                        WIDE=c["WIDE"])
+    split_m = row_splits(batch, min(chunk, n_q), n_k, device)
     for row0 in range(0, n_q, chunk):
         row_end = min(row0 + chunk, n_q)
-        rows_grid = lambda meta, n=row_end - row0: (triton.cdiv(n, meta["BLOCK_M"]), batch)
+        rows_grid = lambda meta, n=row_end - row0: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(n_k, meta["BLOCK_N"]),
+                                                    batch)
         _indexer_kl_dense_bwd_dlogits_kernel[rows_grid](
             q, k, q_idx, k_idx, w_idx, km, lse_h, grad_kl, lse_index, psum, di, *strides, row0, row_end, chunk, **c,
         )
@@ -362,8 +383,8 @@ def indexer_kl_bwd(
         _indexer_kl_dense_bwd_dq_kernel[heads_grid](
             q_idx, k_idx, w_idx, di, dq_idx, dw, *index_strides, row0, row_end, chunk, **index_flags,
         )
-        keys_grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), batch)
+        keys_grid = lambda meta, n=row_end - row0: (triton.cdiv(n_k, meta["BLOCK_N"]), triton.cdiv(n, split_m), batch)
         _indexer_kl_dense_bwd_dk_kernel[keys_grid](
-            q_idx, k_idx, w_idx, di, dk, *index_strides, row0, row_end, chunk, **index_flags,
+            q_idx, k_idx, w_idx, di, dk, *index_strides, row0, row_end, chunk, split_m, **index_flags,
         )
     return dq_idx, dk, dw

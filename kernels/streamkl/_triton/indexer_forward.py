@@ -11,8 +11,9 @@ Plan and cost per score element (tensor-core FLOPs; ``exp`` = one MUFU ``exp2``)
   ``_indexer_kl_sparse_lse_kernel``, grid ``(N_q, B·H_kv)``: one query token, the ``G`` heads that share a key head
   as the rows of the product (DSA's sparse attention shares the selection across heads), ``BLOCK_N`` gathered keys
   per step; same FLOPs per element.
-* **Pass 2, the KL** (``_indexer_kl_dense_fwd_kernel``, grid ``(⌈N_q/BLOCK_M⌉, B)``; ``_indexer_kl_sparse_fwd_kernel``,
-  grid ``(N_q, B)``). Per key tile (dense: ``BLOCK_M`` query rows × ``BLOCK_N`` keys; sparse: one row × ``BLOCK_N``
+* **Pass 2, the KL** (``_indexer_kl_dense_fwd_kernel``, grid ``(⌈N_q/BLOCK_M⌉, SPLITS, B)``: when ``B·N_q`` alone
+  does not fill the GPU the keys are cut into ``SPLITS`` ranges whose row states merge exactly on the host, see
+  :func:`merge_row_state`; ``_indexer_kl_sparse_fwd_kernel``, grid ``(N_q, B)``). Per key tile (dense: ``BLOCK_M`` query rows × ``BLOCK_N`` keys; sparse: one row × ``BLOCK_N``
   selected keys): ``p = (1/H) Σ_h exp2(s_h·c − lse2_h)`` over the heads (``2·D·H`` FLOP, ``H`` exps),
   ``I = Σ_j w_j ReLU(q_idx_j·k_idx)`` over the indexer heads (``2·D_I·H_I`` FLOP plus ``2·H_I`` ReLU/FMA on the CUDA
   cores), then one online log-sum-exp of ``I`` and three running sums per row: ``Σ p``, ``Σ p·log p`` and
@@ -27,7 +28,7 @@ Forward total: ``2·(2·H·D + H_I·D_I)`` FLOP per element (``2·(H·D + H_I·D
 ``E·48k``. Saved for the backward: ``lse_h [B, H, N_q]`` and ``lse_I``, ``Σ p`` per row (``O(N·H)``, no ``N²``).
 
 Masks: ``NEG_BIG`` is the finite running-max sentinel; a row is valid iff its indexer sum ``Z_I > 0`` (one usable
-key), and invalid rows store ``KL = 0``, ``lse_I = +inf``, ``Σ p = 0``. Under the CPU interpreter the dots run in
+key), and invalid rows get ``KL = 0``, ``lse_I = +inf``, ``Σ p = 0``. Under the CPU interpreter the dots run in
 fp32 (``_dot``) and the tiles are the smallest ``tl.dot`` takes.
 """
 
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._constants import LOG2E
+from .._constants import LN2, LOG2E
 from ._helpers import NEG_BIG, _dot, _offset, dot_precision, needs_wide_offsets
 from .configs import MIN_BLOCK, interpreting, padded_head_dim
 
@@ -116,12 +117,15 @@ def _indexer_kl_update(p, logits, allowed, m, z, psum, plogp, acc):
 
 
 @triton.jit
-def _indexer_kl_finish(m, z, psum, plogp, acc, valid):
-    """``(KL, lse_I, Σ p)`` of each row from the running state; ``(0, +inf, 0)`` on invalid rows."""
-    z_safe = tl.where(valid, z, 1.0)
-    log_z = tl.log2(z_safe) * 0.6931471805599453
-    kl = plogp * 0.6931471805599453 - acc + log_z * psum
-    return tl.where(valid, kl, 0.0), tl.where(valid, m + log_z, float("inf")), tl.where(valid, psum, 0.0)
+def _indexer_kl_store_state(STATE, b, split, rows, row_in, m, z, psum, plogp, acc, B, SPLITS, N_Q):
+    """Write one key range's row state ``(m, z, Σp, Σp·log2 p, Σp·(I − m))`` to ``STATE [5, B, SPLITS, N_Q]``."""
+    ptr = STATE + (b * SPLITS + split) * N_Q + rows
+    plane = B * SPLITS * N_Q
+    tl.store(ptr, m, mask=row_in)
+    tl.store(ptr + plane, z, mask=row_in)
+    tl.store(ptr + 2 * plane, psum, mask=row_in)
+    tl.store(ptr + 3 * plane, plogp, mask=row_in)
+    tl.store(ptr + 4 * plane, acc, mask=row_in)
 
 
 @triton.jit
@@ -310,13 +314,14 @@ def _indexer_kl_dense_fwd_kernel(
     QI, KI, W,  # [B, H_I, N_Q, D_I], [B, N_K, D_I], [B, N_Q, H_I]; any strides
     KEY_MASK,  # [B, N_K] uint8 or None
     LSE_H,  # [B, H, N_Q] fp32 contiguous: per-head lse (nats)
-    KL, LSE_I, PSUM,  # [B, N_Q] fp32 contiguous out: per-row KL, indexer lse (+inf if empty), Σ p
+    STATE,  # [5, B, SPLITS, N_Q] fp32 contiguous out: the row state of each key range (merged on the host)
     stride_q_b, stride_q_h, stride_q_n, stride_q_d,
     stride_k_b, stride_k_h, stride_k_n, stride_k_d,
     stride_qi_b, stride_qi_h, stride_qi_n, stride_qi_d,
     stride_ki_b, stride_ki_n, stride_ki_d,
     stride_w_b, stride_w_n, stride_w_h,
     stride_km_b, stride_km_n,
+    B, SPLITS, SPLIT_N,  # the keys are cut into SPLITS ranges of SPLIT_N (a multiple of every BLOCK_N)
     H, H_KV, GROUP, H_I, N_Q, N_K, qk_scale, inv_heads,
     D: tl.constexpr, D_I: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -324,7 +329,8 @@ def _indexer_kl_dense_fwd_kernel(
     DOT_PRECISION: tl.constexpr, DOT_PRECISION_I: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     m_start = pid_m * BLOCK_M
     rows = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -339,7 +345,7 @@ def _indexer_kl_dense_fwd_kernel(
     hi = N_K
     if IS_CAUSAL:
         hi = tl.maximum(tl.minimum(N_K, m_start + BLOCK_M + (N_K - N_Q)), 0)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(split * SPLIT_N, tl.minimum(hi, (split + 1) * SPLIT_N), BLOCK_N):
         p = _indexer_dense_target(
             Q, K, LSE_H, b, rows, n0, offs_n, offs_d, stride_q_b, stride_q_h, stride_q_n, stride_q_d,
             stride_k_b, stride_k_h, stride_k_n, stride_k_d, H, H_KV, GROUP, N_Q, N_K, qk_scale, inv_heads,
@@ -352,12 +358,7 @@ def _indexer_kl_dense_fwd_kernel(
         )
         allowed = _indexer_dense_allowed(rows, n0 + offs_n, km_ptr, stride_km_n, N_Q, N_K, IS_CAUSAL, HAS_KEY_MASK)
         m, z, psum, plogp, acc = _indexer_kl_update(p, logits, allowed, m, z, psum, plogp, acc)
-    row_in = rows < N_Q
-    kl, lse_i, psum = _indexer_kl_finish(m, z, psum, plogp, acc, row_in & (z > 0.0))
-    out = b * N_Q + rows
-    tl.store(KL + out, kl, mask=row_in)
-    tl.store(LSE_I + out, lse_i, mask=row_in)
-    tl.store(PSUM + out, psum, mask=row_in)
+    _indexer_kl_store_state(STATE, b, split, rows, rows < N_Q, m, z, psum, plogp, acc, B, SPLITS, N_Q)
 
 
 @triton.autotune(configs=SPARSE_CONFIGS, key=SHAPE_KEY)
@@ -368,14 +369,14 @@ def _indexer_kl_sparse_fwd_kernel(
     TOPK,  # [B, N_Q, K] int32/int64 contiguous, -1 = empty slot
     KEY_MASK,  # [B, N_K] uint8 or None
     LSE_H,  # [B, H, N_Q] fp32 contiguous: per-head lse over the selected keys (nats)
-    KL, LSE_I, PSUM,  # [B, N_Q] fp32 contiguous out
+    STATE,  # [5, B, 1, N_Q] fp32 contiguous out: the row state (finished on the host)
     stride_q_b, stride_q_h, stride_q_n, stride_q_d,
     stride_k_b, stride_k_h, stride_k_n, stride_k_d,
     stride_qi_b, stride_qi_h, stride_qi_n, stride_qi_d,
     stride_ki_b, stride_ki_n, stride_ki_d,
     stride_w_b, stride_w_n, stride_w_h,
     stride_km_b, stride_km_n,
-    H, H_KV, GROUP, H_I, N_Q, N_K, N_SEL, qk_scale, inv_heads,
+    B, H, H_KV, GROUP, H_I, N_Q, N_K, N_SEL, qk_scale, inv_heads,
     D: tl.constexpr, D_I: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -411,11 +412,8 @@ def _indexer_kl_sparse_fwd_kernel(
         )
         m, z, psum, plogp, acc = _indexer_kl_update(p[None, :], logits[None, :], ok[None, :], m, z, psum, plogp,
                                                     acc)
-    kl, lse_i, psum = _indexer_kl_finish(m, z, psum, plogp, acc, z > 0.0)
-    out = b * N_Q + t + tl.arange(0, 1)
-    tl.store(KL + out, kl)
-    tl.store(LSE_I + out, lse_i)
-    tl.store(PSUM + out, psum)
+    row = t + tl.arange(0, 1)
+    _indexer_kl_store_state(STATE, b, 0, row, row < N_Q, m, z, psum, plogp, acc, B, 1, N_Q)
 
 
 # ------------------------------------------------------------------------------------------------ launcher
@@ -444,6 +442,38 @@ def launch_common(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: 
     )
 
 
+def key_splits(batch: int, n_q: int, n_k: int, device: torch.device) -> tuple[int, int]:
+    """``(SPLITS, SPLIT_N)`` of the dense forward: enough (row block, key range) programs to fill the GPU twice
+    over at ``BLOCK_M = 64`` when ``B·N_q`` alone does not; ``SPLIT_N`` is a multiple of 128 (of every ``BLOCK_N``).
+    Under the interpreter the ranges are two smallest tiles, so the tests exercise the merge."""
+    if interpreting():
+        split_n = 2 * MIN_BLOCK
+    else:
+        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, min(triton.cdiv(programs, batch * triton.cdiv(n_q, 64)), triton.cdiv(n_k, 128)))
+        split_n = triton.cdiv(triton.cdiv(n_k, splits), 128) * 128
+    return triton.cdiv(n_k, split_n), split_n
+
+
+def merge_row_state(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kl, lse_index, psum)`` ``[B, N_q]`` from the per-key-range row states ``[5, B, SPLITS, N_q]``.
+
+    Ranges merge exactly: ``M = max m``, ``Z = Σ z·e^(m−M)``, ``Σp`` and ``Σp·log2 p`` add, and
+    ``Σ p·(I − M) = Σ [acc + (m − M)·Σp]``; then ``KL = ln2·Σp log2 p − acc + ln(Z)·Σp`` and ``lse_I = M + ln Z``.
+    Rows with ``Z = 0`` (no usable key) get ``(0, +inf, 0)``.
+    """
+    m, z, psum, plogp, acc = state.unbind(0)
+    m_max = m.amax(1, keepdim=True)
+    z_all = (z * torch.exp(m - m_max)).sum(1)
+    psum_all, plogp_all = psum.sum(1), plogp.sum(1)
+    acc_all = (acc + (m - m_max) * psum).sum(1)
+    valid = z_all > 0
+    log_z = torch.log(torch.where(valid, z_all, 1.0))
+    kl = torch.where(valid, plogp_all * LN2 - acc_all + log_z * psum_all, 0.0)
+    lse_index = torch.where(valid, m_max.squeeze(1) + log_z, float("inf"))
+    return kl, lse_index, torch.where(valid, psum_all, 0.0)
+
+
 def indexer_kl_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -462,12 +492,10 @@ def indexer_kl_fwd(
     batch, heads, n_q, _ = q.shape
     n_k = k.shape[2]
     device = q.device
-    kl = torch.empty((batch, n_q), dtype=torch.float32, device=device)
-    lse_index = torch.empty_like(kl)
-    psum = torch.empty_like(kl)
-    if kl.numel() == 0 or n_k == 0:
+    if batch * n_q == 0 or n_k == 0:
+        rows = torch.zeros((batch, n_q), dtype=torch.float32, device=device)
         lse_h = torch.full((batch, heads, n_q), float("inf"), dtype=torch.float32, device=device)
-        return kl.zero_(), lse_h, lse_index.fill_(float("inf")), psum.zero_()
+        return rows, lse_h, torch.full_like(rows, float("inf")), rows.clone()
     km = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
     c = launch_common(q, k, q_idx, k_idx, w_idx, km, causal, scale)
     strides = c.pop("strides")
@@ -492,12 +520,17 @@ def indexer_kl_fwd(
                 topk.shape[2], c["qk_scale"], BLOCK_G=padded_head_dim(c["GROUP"]), **flags,
             )
     if topk is None:
-        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
-        _indexer_kl_dense_fwd_kernel[grid](q, k, q_idx, k_idx, w_idx, km, lse_h, kl, lse_index, psum, *strides, **c)
+        splits, split_n = key_splits(batch, n_q, n_k, device)
+        state = torch.empty((5, batch, splits, n_q), dtype=torch.float32, device=device)
+        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), splits, batch)
+        _indexer_kl_dense_fwd_kernel[grid](q, k, q_idx, k_idx, w_idx, km, lse_h, state, *strides, batch, splits,
+                                           split_n, **c)
     else:
         c.pop("WIDE")
+        state = torch.empty((5, batch, 1, n_q), dtype=torch.float32, device=device)
         _indexer_kl_sparse_fwd_kernel[(n_q, batch)](
-            q, k, q_idx, k_idx, w_idx, topk, km, lse_h, kl, lse_index, psum, *strides, N_SEL=topk.shape[2],
+            q, k, q_idx, k_idx, w_idx, topk, km, lse_h, state, *strides, batch, N_SEL=topk.shape[2],
             BLOCK_G=padded_head_dim(c["GROUP"]), BLOCK_HI=padded_head_dim(c["H_I"]), **c,
         )
+    kl, lse_index, psum = merge_row_state(state)
     return kl, lse_h, lse_index, psum
