@@ -127,8 +127,7 @@ def _timer(device: str):
 
         return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
-    def cpu_median(fn, repeats: int = 3) -> float:
-        fn()
+    def cpu_median(fn, repeats: int = 2) -> float:  # the CPU smoke check: only that it runs
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -216,7 +215,7 @@ def agreement(shape: Shape, x: dict, backend: str) -> float:
 def grid(smoke: bool) -> list[Shape]:
     if smoke:
         tiny = dict(d=16, h_i=2, d_i=16, dtype="float32")
-        return [Shape(32, 2, **tiny), Shape(48, 2, topk=8, **tiny), Shape(48, 2, topk=8, h_kv=2, **tiny)]
+        return [Shape(32, 2, **tiny), Shape(48, 2, topk=8, h_kv=2, **tiny)]
     dense = [Shape(n, h) for n, h in ((4096, 16), (4096, 64), (8192, 16), (8192, 64), (16384, 16), (32768, 16),
                                      (65536, 16))]
     sparse = [Shape(n, h, topk=2048) for n, h in ((4096, 16), (8192, 16), (8192, 64), (16384, 64), (32768, 64),
