@@ -74,6 +74,14 @@ def _scaled_dot(a, b, SCALE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr, INTER
     return out
 
 
+@triton.jit
+def _indexer_bwd_row_state(GRAD, PSUM, LSE_I, offsets, mask):
+    """Upstream gradient, ``Σp`` and the indexer lse in base 2 of some rows (``(0, 0, +inf)`` where masked)."""
+    g = tl.load(GRAD + offsets, mask=mask, other=0.0)
+    psum = tl.load(PSUM + offsets, mask=mask, other=0.0)
+    return g, psum, tl.load(LSE_I + offsets, mask=mask, other=float("inf")) * 1.4426950408889634
+
+
 @triton.autotune(configs=DENSE_CONFIGS, key=SHAPE_KEY)
 @triton.jit
 def _indexer_kl_dense_bwd_dlogits_kernel(
@@ -105,9 +113,7 @@ def _indexer_kl_dense_bwd_dlogits_kernel(
     offs_di = tl.arange(0, BLOCK_DI)
     km_ptr = KEY_MASK + b * stride_km_b if HAS_KEY_MASK else KEY_MASK
     state = b * N_Q + rows
-    g = tl.load(GRAD + state, mask=row_in, other=0.0)
-    psum = tl.load(PSUM + state, mask=row_in, other=0.0)
-    lse_i2 = tl.load(LSE_I + state, mask=row_in, other=float("inf")) * 1.4426950408889634
+    g, psum, lse_i2 = _indexer_bwd_row_state(GRAD, PSUM, LSE_I, state, row_in)
     di_rows = DI + b * CHUNK * N_K + (rows - ROW0).to(tl.int64)[:, None] * N_K
     hi = N_K
     if IS_CAUSAL:
@@ -278,9 +284,7 @@ def _indexer_kl_sparse_bwd_kernel(
     km_ptr = KEY_MASK + b * stride_km_b if HAS_KEY_MASK else KEY_MASK
     topk_row = TOPK + (b * N_Q + t) * N_SEL
     state = b * N_Q + t
-    g = tl.load(GRAD + state)
-    psum = tl.load(PSUM + state)
-    lse_i2 = tl.load(LSE_I + state) * 1.4426950408889634
+    g, psum, lse_i2 = _indexer_bwd_row_state(GRAD, PSUM, LSE_I, state + tl.arange(0, 1), t + tl.arange(0, 1) < N_Q)
     dq = tl.zeros((BLOCK_HI, BLOCK_DI), tl.float32)
     dw = tl.zeros((BLOCK_HI,), tl.float32)
     for i0 in range(0, N_SEL, BLOCK_N):

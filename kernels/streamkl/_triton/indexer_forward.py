@@ -99,6 +99,13 @@ def _online_lse_update(s, allowed, m, z):
 
 
 @triton.jit
+def _indexer_kl_init_state(ROWS: tl.constexpr):
+    """Empty row state ``(m, z, Σp, Σp·log2 p, Σp·(I − m))`` of ``ROWS`` rows (``m`` at the finite sentinel)."""
+    zeros = tl.zeros((ROWS,), tl.float32)
+    return zeros + NEG_BIG, zeros, zeros, zeros, zeros
+
+
+@triton.jit
 def _indexer_kl_update(p, logits, allowed, m, z, psum, plogp, acc):
     """Fold one tile of the target ``p`` and the indexer logits ``I`` (``[R, C]`` fp32, nats) into the row state.
 
@@ -337,11 +344,7 @@ def _indexer_kl_dense_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_di = tl.arange(0, BLOCK_DI)
     km_ptr = KEY_MASK + b * stride_km_b if HAS_KEY_MASK else KEY_MASK
-    m = tl.full((BLOCK_M,), NEG_BIG, tl.float32)
-    z = tl.zeros((BLOCK_M,), tl.float32)
-    psum = tl.zeros((BLOCK_M,), tl.float32)
-    plogp = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M,), tl.float32)
+    m, z, psum, plogp, acc = _indexer_kl_init_state(BLOCK_M)
     hi = N_K
     if IS_CAUSAL:
         hi = tl.maximum(tl.minimum(N_K, m_start + BLOCK_M + (N_K - N_Q)), 0)
@@ -395,11 +398,7 @@ def _indexer_kl_sparse_fwd_kernel(
                 other=0.0).to(tl.float32)
     km_ptr = KEY_MASK + b * stride_km_b if HAS_KEY_MASK else KEY_MASK
     topk_row = TOPK + (b * N_Q + t) * N_SEL
-    m = tl.full((1,), NEG_BIG, tl.float32)
-    z = tl.zeros((1,), tl.float32)
-    psum = tl.zeros((1,), tl.float32)
-    plogp = tl.zeros((1,), tl.float32)
-    acc = tl.zeros((1,), tl.float32)
+    m, z, psum, plogp, acc = _indexer_kl_init_state(1)
     for i0 in range(0, N_SEL, BLOCK_N):
         keys, ok = _indexer_sparse_slots(topk_row, km_ptr, stride_km_n, t, i0 + tl.arange(0, BLOCK_N), N_SEL, N_Q, N_K,
                                          IS_CAUSAL, HAS_KEY_MASK)
