@@ -121,3 +121,16 @@ def test_the_list_check_finds_a_list_glued_to_a_paragraph():
 def test_lists_are_separated_from_the_paragraph_before(page):
     glued = lists_after_a_paragraph(page.read_text())
     assert not glued, f"{page.relative_to(ROOT)}: add a blank line before the list at line(s) {[n for n, _ in glued]}"
+
+
+def test_the_site_loads_no_remote_assets():
+    """Math is rendered by the KaTeX bundled under docs/vendor/katex: offline readers must not see raw TeX."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assets = [*config.get("extra_javascript", []), *config.get("extra_css", [])]
+    assert any("katex" in a for a in assets)
+    for asset in assets:
+        assert not re.match(r"[a-z]+://|//", asset), f"mkdocs.yml loads {asset} from the network"
+        assert (DOCS / asset).is_file(), f"mkdocs.yml loads {asset}, which is not under docs/"
+    css = (DOCS / "vendor" / "katex" / "katex.min.css").read_text()
+    fonts = set(re.findall(r"url\((fonts/[^)]+\.woff2)\)", css))
+    assert fonts and all((DOCS / "vendor" / "katex" / font).is_file() for font in fonts)
