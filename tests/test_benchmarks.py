@@ -73,6 +73,40 @@ def test_committed_continual_tables_are_the_scripts_output(continual, tag):
 
 
 @pytest.fixture(scope="module")
+def continual_stats():
+    return _load(ROOT / "benchmarks" / "continual" / "stats.py", "continual_stats")
+
+
+def test_the_sign_flip_test_is_exact(continual_stats):
+    # five positive differences: only "all +" and "all −" of the 2^5 sign assignments reach the observed |mean|
+    assert continual_stats.sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == 2 / 32
+    assert continual_stats.sign_flip_p([1.0, -1.0]) == 1.0
+    assert continual_stats.sign_flip_p([0.0, 0.0, 0.0]) == 1.0
+    assert continual_stats.sign_flip_p([3.0, -1.0, 2.0]) == 4 / 8  # |±3 ±1 ±2| ≥ 4: (+,−,+), (+,+,+) and their negatives
+
+
+def test_committed_continual_stats_are_the_scripts_output(continual_stats):
+    """The paired tests of the 10-seed continual results: recomputable from the raw runs, and the guide's table is
+    the script's rendering of them."""
+    pytest.importorskip("scipy")
+    source = RESULTS / "continual_cpu10.json"
+    committed = json.loads((RESULTS / "continual_cpu10_stats.json").read_text())
+    recomputed = json.loads(json.dumps(continual_stats.compute(json.loads(source.read_text()), str(source))))
+    assert recomputed.keys() == committed.keys() and len(recomputed["comparisons"]) == len(committed["comparisons"])
+    for new, old in zip(recomputed["comparisons"], committed["comparisons"]):
+        numbers = {k for k, v in old.items() if isinstance(v, float)}
+        assert {k: v for k, v in new.items() if k not in numbers} == {k: v for k, v in old.items() if k not in numbers}
+        assert {k: new[k] for k in numbers} == pytest.approx({k: old[k] for k in numbers}, rel=1e-9, abs=1e-12)
+    block = re.search(r"<!-- continual-stats:cpu10:start -->\n(.*?)\n<!-- continual-stats:cpu10:end -->",
+                      CONTINUAL_DOC, re.S).group(1)
+    assert block == continual_stats.markdown(committed)
+    by = {(c["scenario"], c["method"], c["baseline"], c["metric"]): c for c in committed["comparisons"]}
+    # the two differences the guide calls noise
+    assert by["task-incremental", "attention", "finetune", "final_accuracy"]["p_t"] == pytest.approx(0.17, abs=0.01)
+    assert by["task-incremental", "attention+lwf", "lwf", "forgetting"]["p_t"] == pytest.approx(0.30, abs=0.01)
+
+
+@pytest.fixture(scope="module")
 def ablation():
     return _load(ROOT / "benchmarks" / "ablation.py", "ablation_run")
 
