@@ -134,3 +134,12 @@ def test_the_site_loads_no_remote_assets():
     css = (DOCS / "vendor" / "katex" / "katex.min.css").read_text()
     fonts = set(re.findall(r"url\((fonts/[^)]+\.woff2)\)", css))
     assert fonts and all((DOCS / "vendor" / "katex" / font).is_file() for font in fonts)
+
+
+@pytest.mark.parametrize("package", ["streamkl", "lightning_streamkl"])
+def test_the_api_reference_documents_every_public_name(package):
+    module = pytest.importorskip(package)
+    api = " ".join(p.read_text() for p in (DOCS / "api").glob("*.md"))
+    documented = {target.rsplit(".", 1)[-1] for target in re.findall(r"^::: ([\w.]+)", api, flags=re.M)}
+    missing = sorted(set(module.__all__) - documented)
+    assert not missing, f"docs/api/ has no `::: {package}.<name>` entry for {missing}"
