@@ -434,9 +434,9 @@ def main(argv: list[str] | None = None) -> None:
     tunings = find_results(is_tuning)
     if paths and tunings:
         with open(PERF_NOTES) as f:
-            text = f.read()
+            text = perf_notes(f.read(), paths[-1], tunings[-1])
         with open(PERF_NOTES, "w") as f:
-            f.write(perf_notes(text, paths[-1], tunings[-1]))
+            f.write(text)
         print("wrote the bounds and tuning tables of docs/perf-notes.md")
 
 
