@@ -3,30 +3,18 @@ are exactly what the scripts print from the committed raw results (so the docs c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ._helpers import load_script as _load
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CONTINUAL_DOC = (ROOT / "docs" / "guides" / "continual.md").read_text()
-
-
-def _load(path: Path, name: str):
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
 
 
 @pytest.fixture(scope="module")
