@@ -194,3 +194,15 @@ def test_max_n_merges_into_the_existing_results_file(tmp_path, monkeypatch):
                and not r["shape"]["causal"] and r["provider"] == "streamkl" and r["mode"] == "fwd") == 1
     assert {r["shape"]["n"] for r in merged["records"]} == {1024, 16384}
     assert all(r["ms"] == 1.0 for r in merged["records"] if r["shape"]["n"] == 1024)
+
+
+def test_every_teacher_plateau_check_is_a_valid_job_command_line(capsys):
+    pytest.importorskip("jsonargparse")
+    from lightning_streamkl.cli import main
+
+    plateau = _load(ROOT / "benchmarks" / "teacher_plateau.py", "teacher_plateau")
+    for name, overrides in plateau.CHECKS.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([*plateau.COMMON, *overrides, "--job.run_dir=unused", "--print_config"])
+        assert exit_info.value.code in (0, None), name
+    assert "- 512" in capsys.readouterr().out
