@@ -274,11 +274,7 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None, m
         new = [asdict(r) for r in records]
         if merge is None:
             return {**meta, "records": new}
-        remeasured = {(json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]) for r in new}
-        kept = [r for r in merge["records"]
-                if (json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]) not in remeasured]
-        notes = [*merge.get("notes", []), f"{len(new)} records re-measured with --max-n {max_n} on {meta['torch']}"]
-        return {**{k: v for k, v in merge.items() if k != "records"}, "notes": notes, "records": kept + new}
+        return merge_records(merge, new, f"{len(new)} records re-measured with --max-n {max_n} on {meta['torch']}")
 
     def save():  # after every shape, so an interrupted run keeps what it measured
         if out:
@@ -325,10 +321,22 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None, m
         summary = {f"{r.provider}/{r.mode}": (round(r.ms, 3) if r.ms is not None else r.status) for r in recs}
         print(f"{shape}: {summary} ({time.time() - t0:.0f}s)", flush=True)
         save()
-    return {**meta, "records": [asdict(r) for r in records]}
+    return merged()
 
 
-def main() -> None:
+def merge_records(previous: dict, new: list[dict], note: str) -> dict:
+    """``previous`` (a results file) with ``new`` records replacing the ones of the same shape, provider and mode;
+    the previous run's metadata is kept and ``note`` is appended to its notes."""
+    def key(r: dict) -> tuple:
+        return json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]
+
+    remeasured = {key(r) for r in new}
+    kept = [r for r in previous["records"] if key(r) not in remeasured]
+    notes = [*previous.get("notes", []), note]
+    return {**{k: v for k, v in previous.items() if k != "records"}, "notes": notes, "records": kept + new}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--max-n", type=int, default=None,
@@ -337,14 +345,16 @@ def main() -> None:
     parser.add_argument("--naive-max-n", type=int, default=8192, help="largest N for the eager naive loss")
     parser.add_argument("--compile-n", type=int, default=8192,
                         help="the N at which the torch.compile'd naive loss is timed (compiling costs ~1 min a shape)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention_kl.py needs a CUDA GPU.")
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{gpu}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     merge = None
-    if args.max_n is not None and os.path.exists(out):
+    if args.max_n is not None:
+        if not os.path.exists(out):
+            raise SystemExit(f"--max-n re-measures rows of an existing results file, and {out} does not exist.")
         with open(out) as f:
             merge = json.load(f)
     result = run(args.quick, args.naive_max_n, args.compile_n, out, args.max_n, merge)

@@ -1,9 +1,13 @@
-"""Turn benchmark results (``benchmarks/results/<gpu>.json``) into docs/benchmarks.md and PNG plots.
+"""Turn benchmark results into docs: ``benchmarks/results/<gpu>.json`` (``bench_attention_kl.py``) into
+docs/benchmarks.md and PNG plots, and ``benchmarks/results/<gpu>-tuning.json`` (``tune_kernels.py``) into the tables
+between the ``tuning`` markers of docs/perf-notes.md.
 
     python benchmarks/report.py                                   # every results file -> docs/
     python benchmarks/report.py benchmarks/results/nvidia-h100-80gb-hbm3.json
+    python benchmarks/report.py --no-plots                        # the markdown only
 
-Runs on any machine (no GPU needed). Every ratio in the tables compares numbers measured in the same run.
+Runs on any machine (no GPU needed). Every ratio in the tables compares numbers measured in the same run. Other
+JSON files under results/ (the ablation and continual results, ...) are not benchmark grids and are skipped.
 """
 
 from __future__ import annotations
@@ -12,17 +16,43 @@ import argparse
 import glob
 import json
 import os
+import re
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DOCS = os.path.join(HERE, "..", "docs")
+RESULTS = os.path.join(HERE, "results")
+DOCS = os.path.normpath(os.path.join(HERE, "..", "docs"))
 IMG = os.path.join(DOCS, "img")
+PERF_NOTES = os.path.join(DOCS, "perf-notes.md")
+
+
+def is_grid(raw) -> bool:
+    """Whether a parsed JSON file is a benchmark grid written by ``bench_attention_kl.py``."""
+    return isinstance(raw, dict) and "records" in raw and "ceilings" in raw
+
+
+def is_tuning(raw) -> bool:
+    """Whether a parsed JSON file is a tile sweep written by ``tune_kernels.py``."""
+    return isinstance(raw, dict) and "shape" in raw and any(k.endswith("/best") for k in raw)
+
+
+def find_results(kind=is_grid, directory: str = RESULTS) -> list[str]:
+    """The JSON files under ``directory`` of one kind (``is_grid`` or ``is_tuning``), sorted."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        with open(path) as f:
+            if kind(json.load(f)):
+                found.append(path)
+    return found
 
 
 def load(path: str) -> tuple[dict, dict]:
     """Results file -> (meta, table) where table[shape_key][provider/mode] = ms | bytes | status."""
     with open(path) as f:
         raw = json.load(f)
+    if not is_grid(raw):
+        raise ValueError(f"{path} is not a benchmark grid written by bench_attention_kl.py (it has no 'records' and "
+                         "'ceilings'); pass the <gpu>.json files only")
     table: dict = defaultdict(dict)
     bounds: dict = {}
     for rec in raw["records"]:
@@ -182,6 +212,7 @@ def plots(meta, t, tag: str) -> list[str]:
     except ImportError:
         return []
     os.makedirs(IMG, exist_ok=True)
+    time_png, memory_png, readme_png = plot_files(tag)
     out = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, causal in zip(axes, (False, True)):
@@ -204,9 +235,8 @@ def plots(meta, t, tag: str) -> list[str]:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"attention-KL forward+backward time ({meta['device']})")
     fig.tight_layout()
-    path = os.path.join(IMG, f"bench_time_vs_n_{tag}.png")
-    fig.savefig(path, dpi=110)
-    out.append(path)
+    fig.savefig(time_png, dpi=110)
+    out.append(time_png)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = sorted(k[3] for k in t if k[:3] == (16, 64, True) and "streamkl/mem" in t[k])
@@ -223,9 +253,8 @@ def plots(meta, t, tag: str) -> list[str]:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = os.path.join(IMG, f"bench_memory_vs_n_{tag}.png")
-    fig.savefig(path, dpi=110)
-    out.append(path)
+    fig.savefig(memory_png, dpi=110)
+    out.append(memory_png)
     plt.close("all")
 
     # README figure: memory and time against the naive loss, side by side (H=16, D=64, causal)
@@ -250,19 +279,20 @@ def plots(meta, t, tag: str) -> list[str]:
         ax.legend(fontsize=8)
     fig.suptitle(f"attention KL, H=16, D=64, bf16, causal, {meta['device']}", fontsize=10)
     fig.tight_layout()
-    path = os.path.join(IMG, "readme_memory_time.png")
-    fig.savefig(path, dpi=110)
-    out.append(path)
+    fig.savefig(readme_png, dpi=110)
+    out.append(readme_png)
     plt.close("all")
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="*")
-    args = parser.parse_args()
-    found = glob.glob(os.path.join(HERE, "results", "*.json"))
-    paths = args.results or sorted(p for p in found if "tuning" not in p)
+def plot_files(tag: str) -> list[str]:
+    """The images ``plots`` writes for the results file named ``tag``, under docs/img/."""
+    return [os.path.join(IMG, f"bench_time_vs_n_{tag}.png"), os.path.join(IMG, f"bench_memory_vs_n_{tag}.png"),
+            os.path.join(IMG, "readme_memory_time.png")]
+
+
+def render(paths: list[str]) -> str:
+    """The text of docs/benchmarks.md for the given grid files."""
     doc = ["# Benchmarks", "",
            "Generated by `python benchmarks/report.py` from the results that `python benchmarks/bench_attention_kl.py` "
            "wrote (do not edit by hand). Times are `triton.testing.do_bench` medians in ms; every ratio compares "
@@ -283,17 +313,131 @@ def main() -> None:
                 f"{c['copy_bytes_per_s'] / 1e12:.2f} TB/s.", ""]
         for note in meta.get("notes", []):
             doc += [f"Note: {note}.", ""]
-        for img in plots(meta, t, tag):
-            rel = os.path.relpath(img, DOCS)
-            doc += [f"![{os.path.basename(img)}]({rel})", ""]
+        for img in map(os.path.basename, plot_files(tag)):
+            doc += [f"![{img}](img/{img})", ""]
         doc += ["### Headline: B=1, H=16, N=8192, bf16", "", *headline(meta, t), "",
                 "### Targets (issue: speed and memory at the hardware limit)", "", *targets(meta, t), "",
                 "### Memory: peak extra bytes of one forward+backward beyond the inputs", "", *memory(meta, t), "",
                 "### Spot checks (fp16, fp32, GQA, D_t ≠ D_s, teacher gradients)", "", *spot_checks(meta, t), "",
                 "### Full grid", *grid(meta, t), ""]
+    return "\n".join(doc) + "\n"
+
+
+# ------------------------------------------------------------------------------------ bounds -> perf notes
+#: (name, QK^T-sized products, exponentials) per score element of each pass
+PASSES = (("forward", 2, 2), ("backward, one pass (atomic dQ), student only", 4, 2),
+          ("backward, two passes (the default), student only", 6, 4))
+
+
+def bounds_table(meta: dict, h: int = 16, n: int = 8192) -> str:
+    """The exp-bound and matmul-bound times of each pass at B=1, ``h`` heads, N=``n``, from the run's ceilings."""
+    c = meta["ceilings"]
+    e = h * n * n
+    lines = [f"Ceilings measured in the run ({meta['device']}): exp2 {c['exp2_per_s']:.3e}/s, bf16 matmul "
+             f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s. B=1, H={h}, N={n}, non-causal; ms.", "",
+             "| pass | work per score element | exp bound | matmul bound, D=64 | matmul bound, D=128 | bound, D=64 "
+             "| bound, D=128 |", "|---|---|---|---|---|---|---|"]
+    for name, products, exps in PASSES:
+        exp_ms = exps * e / c["exp2_per_s"] * 1e3
+        mm = {d: products * 2 * d * e / c["bf16_matmul_flops"] * 1e3 for d in (64, 128)}
+        which = {d: f"{max(exp_ms, mm[d]):.2f} ({'exp' if exp_ms >= mm[d] else 'matmul'})" for d in (64, 128)}
+        lines.append(f"| {name} | {products} products ({2 * products}·D flop), {exps} exp2 | {exp_ms:.2f} | "
+                     f"{mm[64]:.2f} | {mm[128]:.2f} | {which[64]} | {which[128]} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ tuning -> perf notes
+_KERNELS = {
+    "fwd": "forward",
+    "bwd-atomic": "backward, one pass, atomic dQ (`deterministic=False`)",
+    "bwd-det-dk": "backward, two passes (default): dK pass swept, dQ pass at its default tile",
+    "bwd-det-dq": "backward, two passes (default): dQ pass swept, dK pass at the best non-causal dK tile",
+}
+
+
+def _tile(cfg: dict) -> str:
+    tile = f"{cfg['block_m']}×{cfg['block_n']}, {cfg['num_warps']} warps, {cfg['num_stages']} stages"
+    return tile + (", pipelined" if cfg.get("pipeline") else "")
+
+
+def tuning_best(tuning: dict) -> str:
+    """The fastest tile of every kernel and head dim, non-causal and causal (ms for the whole op's pass)."""
+    s = tuning["shape"]
+    lines = [f"{tuning['device']}, B={s['B']}, H={s['H']}, N={s['N']}, {s['dtype']}; `do_bench` medians in ms of "
+             "the whole forward, or of the whole backward while one of its kernels' tiles is swept. Generated by "
+             "`python benchmarks/report.py` from `benchmarks/results/*-tuning.json` (do not edit by hand).", "",
+             "| D | kernel | fastest tile, non-causal | ms | fastest tile, causal | ms |", "|---|---|---|---|---|---|"]
+    for d in sorted({int(k.split("/D")[1].split("/")[0]) for k in tuning if "/D" in k}):
+        for kernel, label in _KERNELS.items():
+            best = tuning.get(f"{kernel}/D{d}/best")
+            if not best:
+                continue
+            full, causal = best.get("false") or best.get(False), best.get("true") or best.get(True)
+            cells = [f"{_tile(b['config'])} | {b['ms']:.3f}" if b else "– | –" for b in (full, causal)]
+            lines.append(f"| {d} | {label} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def tuning_pipeline(tuning: dict) -> str:
+    """Software-pipelined forward against the same tile without pipelining (non-causal)."""
+    lines = ["| D | tile | plain ms | pipelined ms | pipelined / plain |", "|---|---|---|---|---|"]
+    for key in sorted((k for k in tuning if k.startswith("fwd/D") and not k.endswith("/best")),
+                      key=lambda k: int(k.split("/D")[1])):
+        d = int(key.split("/D")[1])
+        rows = [r for r in tuning[key] if not r["causal"] and isinstance(r["ms"], float)]
+        plain = {tuple(v for k, v in r["config"].items() if k != "pipeline"): r["ms"] for r in rows
+                 if not r["config"].get("pipeline")}
+        for r in rows:
+            cfg = r["config"]
+            base = plain.get(tuple(v for k, v in cfg.items() if k != "pipeline"))
+            if cfg.get("pipeline") and base is not None:
+                lines.append(f"| {d} | {_tile({**cfg, 'pipeline': False})} | {base:.3f} | {r['ms']:.3f} | "
+                             f"{r['ms'] / base:.2f}× |")
+    return "\n".join(lines)
+
+
+TUNING_BLOCKS = {"tuning:best": tuning_best, "tuning:pipeline": tuning_pipeline}
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """Replace what lies between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``text`` by ``body``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if start not in text or end not in text:
+        raise ValueError(f"the markers {start} ... {end} are missing")
+    return re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
+
+
+def perf_notes(text: str, grid_path: str, tuning_path: str) -> str:
+    """``text`` (docs/perf-notes.md) with its bounds table rendered from ``grid_path`` and its tuning tables from
+    ``tuning_path``."""
+    text = replace_block(text, "bounds", bounds_table(load(grid_path)[0]))
+    with open(tuning_path) as f:
+        tuning = json.load(f)
+    for name, table in TUNING_BLOCKS.items():
+        text = replace_block(text, name, table(tuning))
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="*", help="benchmark grids (default: every one under benchmarks/results/)")
+    parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
+    args = parser.parse_args(argv)
+    paths = args.results or find_results(is_grid)
+    if not args.no_plots:
+        for path in paths:
+            meta, t = load(path)
+            plots(meta, t, os.path.splitext(os.path.basename(path))[0])
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
-        f.write("\n".join(doc) + "\n")
+        f.write(render(paths))
     print("wrote docs/benchmarks.md")
+    tunings = find_results(is_tuning)
+    if paths and tunings:
+        with open(PERF_NOTES) as f:
+            text = perf_notes(f.read(), paths[-1], tunings[-1])
+        with open(PERF_NOTES, "w") as f:
+            f.write(text)
+        print("wrote the bounds and tuning tables of docs/perf-notes.md")
 
 
 if __name__ == "__main__":

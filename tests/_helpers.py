@@ -1,8 +1,25 @@
-"""Test helpers: relative-error comparison with a readable mismatch report."""
+"""Test helpers: relative-error comparison with a readable mismatch report; loading a script as a module."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
+
+
+def load_script(path: Path, name: str):
+    """Import the script at ``path`` as module ``name`` (its folder on ``sys.path`` while it loads, as when run)."""
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

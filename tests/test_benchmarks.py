@@ -3,29 +3,18 @@ are exactly what the scripts print from the committed raw results (so the docs c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ._helpers import load_script as _load
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CONTINUAL_DOC = (ROOT / "docs" / "guides" / "continual.md").read_text()
-
-
-def _load(path: Path, name: str):
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +61,40 @@ def test_committed_continual_tables_are_the_scripts_output(continual, tag):
 
 
 @pytest.fixture(scope="module")
+def continual_stats():
+    return _load(ROOT / "benchmarks" / "continual" / "stats.py", "continual_stats")
+
+
+def test_the_sign_flip_test_is_exact(continual_stats):
+    # five positive differences: only "all +" and "all −" of the 2^5 sign assignments reach the observed |mean|
+    assert continual_stats.sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == 2 / 32
+    assert continual_stats.sign_flip_p([1.0, -1.0]) == 1.0
+    assert continual_stats.sign_flip_p([0.0, 0.0, 0.0]) == 1.0
+    assert continual_stats.sign_flip_p([3.0, -1.0, 2.0]) == 4 / 8  # |±3 ±1 ±2| ≥ 4: (+,−,+), (+,+,+) and their negatives
+
+
+def test_committed_continual_stats_are_the_scripts_output(continual_stats):
+    """The paired tests of the 10-seed continual results: recomputable from the raw runs, and the guide's table is
+    the script's rendering of them."""
+    pytest.importorskip("scipy")
+    source = RESULTS / "continual_cpu10.json"
+    committed = json.loads((RESULTS / "continual_cpu10_stats.json").read_text())
+    recomputed = json.loads(json.dumps(continual_stats.compute(json.loads(source.read_text()), str(source))))
+    assert recomputed.keys() == committed.keys() and len(recomputed["comparisons"]) == len(committed["comparisons"])
+    for new, old in zip(recomputed["comparisons"], committed["comparisons"]):
+        numbers = {k for k, v in old.items() if isinstance(v, float)}
+        assert {k: v for k, v in new.items() if k not in numbers} == {k: v for k, v in old.items() if k not in numbers}
+        assert {k: new[k] for k in numbers} == pytest.approx({k: old[k] for k in numbers}, rel=1e-9, abs=1e-12)
+    block = re.search(r"<!-- continual-stats:cpu10:start -->\n(.*?)\n<!-- continual-stats:cpu10:end -->",
+                      CONTINUAL_DOC, re.S).group(1)
+    assert block == continual_stats.markdown(committed)
+    by = {(c["scenario"], c["method"], c["baseline"], c["metric"]): c for c in committed["comparisons"]}
+    # the two differences the guide calls noise
+    assert by["task-incremental", "attention", "finetune", "final_accuracy"]["p_t"] == pytest.approx(0.17, abs=0.01)
+    assert by["task-incremental", "attention+lwf", "lwf", "forgetting"]["p_t"] == pytest.approx(0.30, abs=0.01)
+
+
+@pytest.fixture(scope="module")
 def ablation():
     return _load(ROOT / "benchmarks" / "ablation.py", "ablation_run")
 
@@ -94,3 +117,92 @@ def test_every_ablation_variant_is_a_valid_job_command_line(ablation, capsys):
         assert exit_info.value.code in (0, None), name
     printed = capsys.readouterr().out
     assert "direction: reverse" in printed and "temperature: 0.5" in printed
+
+
+# ------------------------------------------------------------------------------------ the kernel benchmark tooling
+@pytest.fixture(scope="module")
+def report():
+    return _load(ROOT / "benchmarks" / "report.py", "bench_report")
+
+
+def test_report_reads_only_benchmark_grids(report):
+    grids = report.find_results(report.is_grid)
+    assert [Path(p).name for p in grids] == ["nvidia-h100-80gb-hbm3.json"]
+    assert [Path(p).name for p in report.find_results(report.is_tuning)] == ["nvidia-h100-80gb-hbm3-tuning.json"]
+    with pytest.raises(ValueError, match="not a benchmark grid"):
+        report.load(str(RESULTS / "ablation_cpu.json"))
+
+
+def test_report_without_arguments_regenerates_the_committed_pages(report, tmp_path, monkeypatch):
+    """`python benchmarks/report.py` (no argument) once crashed on the ablation results; it must skip the files
+    that are not grids and write exactly the committed pages."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "perf-notes.md").write_text((ROOT / "docs" / "perf-notes.md").read_text())
+    monkeypatch.setattr(report, "DOCS", str(docs))
+    monkeypatch.setattr(report, "PERF_NOTES", str(docs / "perf-notes.md"))
+    report.main(["--no-plots"])
+    for page in ("benchmarks.md", "perf-notes.md"):
+        assert (docs / page).read_text() == (ROOT / "docs" / page).read_text(), f"docs/{page} is not the report's"
+
+
+def test_perf_notes_tables_are_the_committed_json(report):
+    text = (ROOT / "docs" / "perf-notes.md").read_text()
+    for name in ("bounds", *report.TUNING_BLOCKS):
+        assert f"<!-- {name}:start -->" in text
+    grid, tuning = report.find_results(report.is_grid)[0], report.find_results(report.is_tuning)[0]
+    assert report.perf_notes(text, grid, tuning) == text
+    edited = text.replace("| 64 | forward | 64×64, 4 warps, 3 stages | 0.958 |", "| 64 | forward | 64×64, 4 warps, 3 stages | 0.982 |")
+    assert edited != text and report.perf_notes(edited, grid, tuning) == text
+
+
+def test_max_n_merges_into_the_existing_results_file(tmp_path, monkeypatch):
+    """`--max-n` re-measures the short rows of an existing results file: the rows it did not re-measure, and the
+    first run's metadata, must survive (it once overwrote the file with the new records only)."""
+    import torch
+
+    bench = _load(ROOT / "benchmarks" / "bench_attention_kl.py", "bench_grid")
+
+    def record(provider, mode, n, ms):
+        shape = {"b": 1, "h": 16, "n": n, "d": 64, "causal": False, "dtype": "bfloat16", "h_kt": None, "d_s": None,
+                 "teacher_grad": False}
+        return {"provider": provider, "mode": mode, "shape": shape, "ms": ms, "peak_bytes": None, "status": "ok",
+                "extra": {}}
+
+    previous = {"device": "first GPU", "torch": "1st", "triton": "t", "host": "h",
+                "ceilings": {"exp2_per_s": 1.0, "bf16_matmul_flops": 1.0, "copy_bytes_per_s": 1.0},
+                "records": [record("streamkl", "fwd", 1024, 9.0), record("streamkl", "fwd", 16384, 5.0)]}
+    out = tmp_path / "grid.json"
+    out.write_text(json.dumps(previous))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "second GPU")
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: previous["ceilings"])
+    monkeypatch.setattr(bench, "make_inputs", lambda shape: tuple(torch.zeros(1) for _ in range(4)))
+    monkeypatch.setattr(bench, "sdpa_fn", lambda shape, backend: (None, ()))
+    monkeypatch.setattr(bench, "naive_fn", lambda *args: None)
+    monkeypatch.setattr(bench, "time_fwd_bwd", lambda provider, shape, fn, targets: [
+        bench.Record(provider, mode, bench.asdict(shape), ms=1.0) for mode in ("fwd", "bwd")])
+    bench.main(["--max-n", "1024", "--out", str(out)])
+    merged = json.loads(out.read_text())
+    assert merged["device"] == "first GPU" and merged["torch"] == "1st"
+    assert merged["notes"] and "--max-n 1024" in merged["notes"][-1]
+    by_key = {(r["provider"], r["mode"], r["shape"]["n"], r["shape"]["d"], r["shape"]["causal"]): r["ms"]
+              for r in merged["records"]}
+    assert by_key[("streamkl", "fwd", 16384, 64, False)] == 5.0  # not re-measured: kept
+    assert by_key[("streamkl", "fwd", 1024, 64, False)] == 1.0  # re-measured: replaced, once
+    assert sum(1 for r in merged["records"] if r["shape"]["n"] == 1024 and r["shape"]["d"] == 64
+               and not r["shape"]["causal"] and r["provider"] == "streamkl" and r["mode"] == "fwd") == 1
+    assert {r["shape"]["n"] for r in merged["records"]} == {1024, 16384}
+    assert all(r["ms"] == 1.0 for r in merged["records"] if r["shape"]["n"] == 1024)
+
+
+def test_every_teacher_plateau_check_is_a_valid_job_command_line(capsys):
+    pytest.importorskip("jsonargparse")
+    from lightning_streamkl.cli import main
+
+    plateau = _load(ROOT / "benchmarks" / "teacher_plateau.py", "teacher_plateau")
+    for name, overrides in plateau.CHECKS.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([*plateau.COMMON, *overrides, "--job.run_dir=unused", "--print_config"])
+        assert exit_info.value.code in (0, None), name
+    assert "- 512" in capsys.readouterr().out

@@ -86,3 +86,60 @@ def test_docstring_rst_is_converted_for_the_api_reference():
     assert "**Title**" in text and '<autoref identifier="lightning_streamkl.LayerPair" optional>' in text
     assert "\\(x^2\\)" in text and "$$\n    a = b\n    $$" in text
     assert "    Examples:\n        >>> 1" in text and "!!! tip\n        Save it." in text
+
+
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
+
+
+def lists_after_a_paragraph(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of every list that starts on the line after a paragraph line. Python-Markdown (MkDocs)
+    needs a blank line there; without it the list renders as one run-on paragraph (GitHub renders it either way)."""
+    found, in_list, fence, prev = [], False, False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence, prev = not fence, line
+            continue
+        if fence:
+            continue
+        if _LIST_ITEM.match(line):
+            if prev.strip() and not in_list and not prev.lstrip().startswith(("#", "|", "<!--")):
+                found.append((number, line))
+            in_list = True
+        elif line.strip() and not line.startswith((" ", "\t")) and not prev.strip():
+            in_list = False  # a new block after a blank line ends the list
+        prev = line
+    return found
+
+
+def test_the_list_check_finds_a_list_glued_to_a_paragraph():
+    assert lists_after_a_paragraph("Rules:\n- one\n- two\n") == [(2, "- one")]
+    assert lists_after_a_paragraph("Rules:\n\n- one\n  more\n- two\n\n1. three\n") == []
+    assert lists_after_a_paragraph("```\ntext\n- not a list\n```\n") == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_lists_are_separated_from_the_paragraph_before(page):
+    glued = lists_after_a_paragraph(page.read_text())
+    assert not glued, f"{page.relative_to(ROOT)}: add a blank line before the list at line(s) {[n for n, _ in glued]}"
+
+
+def test_the_site_loads_no_remote_assets():
+    """Math is rendered by the KaTeX bundled under docs/vendor/katex: offline readers must not see raw TeX."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assets = [*config.get("extra_javascript", []), *config.get("extra_css", [])]
+    assert any("katex" in a for a in assets)
+    for asset in assets:
+        assert not re.match(r"[a-z]+://|//", asset), f"mkdocs.yml loads {asset} from the network"
+        assert (DOCS / asset).is_file(), f"mkdocs.yml loads {asset}, which is not under docs/"
+    css = (DOCS / "vendor" / "katex" / "katex.min.css").read_text()
+    fonts = set(re.findall(r"url\((fonts/[^)]+\.woff2)\)", css))
+    assert fonts and all((DOCS / "vendor" / "katex" / font).is_file() for font in fonts)
+
+
+@pytest.mark.parametrize("package", ["streamkl", "lightning_streamkl"])
+def test_the_api_reference_documents_every_public_name(package):
+    module = pytest.importorskip(package)
+    api = " ".join(p.read_text() for p in (DOCS / "api").glob("*.md"))
+    documented = {target.rsplit(".", 1)[-1] for target in re.findall(r"^::: ([\w.]+)", api, flags=re.M)}
+    missing = sorted(set(module.__all__) - documented)
+    assert not missing, f"docs/api/ has no `::: {package}.<name>` entry for {missing}"

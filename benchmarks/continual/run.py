@@ -343,15 +343,18 @@ def plot_sweep(results: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def update_docs(results: dict[str, Any], doc: str, tag: str) -> None:
-    start, end = f"<!-- continual-results:{tag}:start -->", f"<!-- continual-results:{tag}:end -->"
+def update_docs(results: dict[str, Any], doc: str, tag: str, *, prefix: str = "continual-results",
+                render=None) -> None:
+    """Replace the block between ``<!-- {prefix}:{tag}:start -->`` and its end marker in ``doc`` by
+    ``render(results)`` (default: :func:`markdown`)."""
+    start, end = f"<!-- {prefix}:{tag}:start -->", f"<!-- {prefix}:{tag}:end -->"
     if not os.path.exists(doc):
         return
     with open(doc) as f:
         text = f.read()
     if start not in text:
         return
-    block = f"{start}\n{markdown(results)}\n{end}"
+    block = f"{start}\n{(render or markdown)(results)}\n{end}"
     text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     with open(doc, "w") as f:
         f.write(text)

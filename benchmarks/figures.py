@@ -1,0 +1,718 @@
+"""Every figure that README.md and the docs quote, traced to the committed result file it comes from.
+
+Tables are generated between ``<!-- name:start -->`` and ``<!-- name:end -->`` markers by the script that owns them
+(``GENERATED`` lists them; this file renders the ``figures:*`` blocks). Figures in running text are *claims*: a page,
+a phrase of that page, and the result file the phrase's numbers are formatted from. The check fails when
+
+- a claimed phrase is not in its page (a number was edited by hand, or the results changed);
+- a ``figures:*`` block differs from its rendering from the result files;
+- a figure of the prose (a number with a unit, a decimal number, a p-value) is covered by no claim, no generated
+  block and no entry of ``ALLOWED`` (figures that are not measurements: versions, hardware, test parameters).
+
+    python benchmarks/figures.py            # check (exit status 1 and the problems if any)
+    python benchmarks/figures.py --write    # rewrite the figures:* blocks from the result files
+    python benchmarks/figures.py --list     # every claim and its source
+
+tests/test_numbers.py runs the check. It reads committed files only; nothing is re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fnmatch
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, ".."))
+RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
+
+import report  # noqa: E402
+
+#: the pages whose figures are checked (benchmarks.md is generated whole by report.py and tested there)
+PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/attention-distillation.md",
+         "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
+         "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
+         "docs/guides/custom-attention.md", "docs/examples.md", "docs/faq.md", "docs/perf-notes.md",
+         "docs/reliability.md")
+
+#: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
+GENERATED = {
+    "bounds": "benchmarks/report.py", "tuning:best": "benchmarks/report.py", "tuning:pipeline": "benchmarks/report.py",
+    "continual-results:cpu": "benchmarks/continual/run.py", "continual-results:cpu10": "benchmarks/continual/run.py",
+    "continual-results:sweep": "benchmarks/continual/run.py",
+    "continual-stats:cpu10": "benchmarks/continual/stats.py",
+    "minilm:results": "examples/minilm_attention_transfer.py",
+    "ablation": "benchmarks/ablation.py",  # written between <!-- ablation:table --> and <!-- /ablation -->
+    "figures:readme-job": "benchmarks/figures.py", "figures:quickstart-eval": "benchmarks/figures.py",
+    "figures:gpu-long": "benchmarks/figures.py",
+}
+
+#: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
+#: parameter is (a glob of files under the repository, a string one of them must contain); None for versions and
+#: hardware.
+ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
+    ("*", r"(?:torch|Triton|triton|Lightning|lightning|transformers|KaTeX|Python) \d+(?:\.\d+)+(?:\+cpu)?", None),
+    ("*", r"4\.48\+", None),  # transformers versions
+    ("*", r"80 ?GB(?: HBM3)?", None),  # the card
+    ("*", r"2(?:-core| CPU)? cores", None),
+    ("docs/perf-notes.md", r"2 × N·D·4 bytes|BLOCK_M×BLOCK_N = 128×64|128×64/4-warp|64×64 tiles", None),
+    ("docs/perf-notes.md", r"1\.07e9", None),  # E = 16·8192²: arithmetic
+    ("docs/faq.md", r"about 1e5", ("tests/streamkl/test_reliability.py", "q·k reaches ~1e5 > 65504")),
+    ("docs/faq.md", r"about 1e-12", ("tests/streamkl/test_reference.py", "assert_close(kl, ref, 1e-12")),
+    ("docs/reliability.md", r"≈60 nats", ("tests/streamkl/test_reliability.py", "KL ≈ 60 nats")),
+    ("docs/reliability.md", r"~1e5", ("tests/streamkl/test_reliability.py", "q·k reaches ~1e5")),
+    ("docs/reliability.md", r"N up to 8192", ("tests/streamkl/test_gpu.py", "n_q=8192")),
+    ("docs/reliability.md", r"100, 500 and 1,000 steps",
+     ("tests/lightning_streamkl/test_reliability_memory.py", "count_at=(100, 500, 1000)")),
+    ("docs/reliability.md", r"after 20, 150 and 300 steps",
+     ("tests/lightning_streamkl/test_ddp_gpu.py", "at=(20, 150, 300)")),
+    ("docs/reliability.md", r"rtol 1e-10", ("tests/lightning_streamkl/test_ddp.py", "rtol=1e-10")),
+    ("docs/reliability.md", r"< 1e-4", ("tests/lightning_streamkl/test_ddp_gpu.py", "RTOL = 1e-4")),
+    ("docs/guides/hf-models.md", r"1e-9", ("tests/lightning_streamkl/test_capture_hf.py", "rtol=1e-9")),
+    ("docs/examples.md", r"1e-9", ("tests/lightning_streamkl/test_minilm.py", "rtol=1e-9")),
+    ("docs/guides/continual.md", r"40 steps", ("benchmarks/continual/run.py", "steps: int = 40")),
+    ("docs/guides/continual.md", r"150 steps per task|150 Adam steps", ("benchmarks/continual/cpu.yaml",
+                                                                        "steps_per_task: 150")),
+    ("docs/guides/continual.md", r"batch 64", ("benchmarks/continual/cpu.yaml", "batch_size: 64")),
+    ("docs/guides/continual.md", r"p < 0\.05|p ≥ it", ("benchmarks/continual/stats.py", "ALPHA = 0.05")),
+    ("docs/guides/cli.md", r"2 points", ("**/report.py", "MARGIN = 0.02")),
+    ("docs/guides/cli.md", r"below 50%", ("**/report.py", "t_ref < 0.5")),
+    ("docs/guides/long-context.md", r"first 5 steps", ("**/distill.py", "self.step_times[5:]")),
+    ("docs/guides/long-context.md", r"50 %", ("**/report.py", '"train/acc", 0.5')),
+    ("docs/guides/choosing.md", r"50 %", ("**/report.py", '"train/acc", 0.5')),
+    ("docs/guides/choosing.md", r"0\.1, 1 and 10|At 0\.1", ("benchmarks/ablation.py", "--distillation.weight=0.1")),
+    ("docs/quickstart.md", r"50%", ("**/report.py", '"train/acc", 0.5')),
+    ("docs/quickstart.md", r"moving average over 20 steps", ("**/report.py", "window: int = 20")),
+    ("README.md", r"50%", ("**/report.py", '"train/acc", 0.5')),
+)
+
+
+@dataclass(frozen=True)
+class Claim:
+    page: str
+    text: str  # the phrase as it stands in the page (whitespace-insensitive)
+    source: str  # the result file (and field) its numbers come from
+
+
+def _json(*parts: str) -> Any:
+    with open(os.path.join(RESULTS, *parts)) as f:
+        return json.load(f)
+
+
+def _gib(nbytes: float, digits: int = 2) -> str:
+    return f"{nbytes / 2**30:.{digits}f}"
+
+
+def _pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}"
+
+
+def _p(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+class Results:
+    """The committed result files, loaded on first use."""
+
+    @cached_property
+    def grid(self) -> tuple[dict, dict]:
+        return report.load(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json"))
+
+    def row(self, h: int, d: int, causal: bool, n: int) -> dict:
+        return self.grid[1][report.plain(h, d, causal, n)]
+
+    @cached_property
+    def tuning(self) -> dict:
+        return _json("nvidia-h100-80gb-hbm3-tuning.json")
+
+    @cached_property
+    def overhead(self) -> str:
+        with open(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-overhead.txt")) as f:
+            return f.read()
+
+    def per_call_us(self, name: str) -> int:
+        return int(re.search(rf"^{re.escape(name)}: (\d+) us per call", self.overhead, re.M).group(1))
+
+    def profile(self, where: str) -> tuple[int, float, float]:
+        """(ncalls, tottime, cumtime) of the profile row whose location contains ``where``."""
+        for line in self.overhead.splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and where in line and parts[0].isdigit():
+                return int(parts[0]), float(parts[1]), float(parts[3])
+        raise KeyError(where)
+
+    @cached_property
+    def job(self) -> dict:
+        return _json("default_cpu", "results.json")
+
+    @cached_property
+    def job_eval(self) -> dict[tuple[str, int], float]:
+        with open(os.path.join(RESULTS, "default_cpu", "eval.csv")) as f:
+            return {(r["model"], int(r["seq_len"])): float(r["accuracy"]) for r in csv.DictReader(f)}
+
+    @cached_property
+    def teacher_half(self) -> int | None:
+        from lightning_streamkl.jobs.report import first_step_reaching
+
+        return first_step_reaching(self.job["runs"]["teacher"]["history"], "train/acc", 0.5)
+
+    @staticmethod
+    def config(pattern: str) -> dict:
+        """A YAML config of the repository, found by glob (it may move between packages)."""
+        import yaml
+
+        path = next(p for p in sorted(_repo_files(ROOT)) if fnmatch.fnmatch(p, pattern)
+                    or fnmatch.fnmatch(p, pattern.removeprefix("**/")))
+        with open(os.path.join(ROOT, path)) as f:
+            return yaml.safe_load(f)
+
+    @cached_property
+    def gpu_long(self) -> dict:
+        return _json("gpu_long_h100", "results.json")
+
+    @cached_property
+    def ablation(self) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for r in sorted(_json("ablation_cpu.json")["runs"], key=lambda r: r["seed"]):
+            out.setdefault(r["variant"], []).append(r)
+        return out
+
+    def abl_mean(self, variant: str, key: str) -> str:
+        return _pct(statistics.mean(r[key] for r in self.ablation[variant]))
+
+    def abl_steps(self, variant: str) -> list[int]:
+        return [r["steps_to_half"] for r in self.ablation[variant]]
+
+    @cached_property
+    def continual(self) -> dict:
+        return {tag: _json(f"continual_{tag}.json") for tag in ("cpu", "cpu10", "sweep")}
+
+    def summary(self, tag: str, scenario: str, method: str) -> dict:
+        return self.continual[tag]["summary"][scenario][method]
+
+    @cached_property
+    def stats(self) -> dict[tuple[str, str, str, str], dict]:
+        return {(c["scenario"], c["method"], c["baseline"], c["metric"]): c
+                for c in _json("continual_cpu10_stats.json")["comparisons"]}
+
+    @cached_property
+    def minilm(self) -> dict:
+        return _json("minilm_cpu.json")
+
+    @cached_property
+    def minilm_w01(self) -> dict:
+        return _json("minilm_cpu_weight0.1.json")
+
+    @cached_property
+    def plateau(self) -> dict:
+        return _json("teacher_plateau_cpu", "batch32_128_512", "results.json")
+
+
+# ------------------------------------------------------------------------------------------------ generated blocks
+def readme_job(r: Results) -> str:
+    """README: the default job's headline at the training length."""
+    setup, n = r.job["setup"], r.job["setup"]["train_seq_len"]
+    acc = {m: _pct(r.job_eval[m, n]) for m in ("teacher", "student_kl", "student_base")}
+    return "\n".join([
+        f"| held-out accuracy at N = {n} (the training length) | teacher | student with attention KL "
+        "| student without |",
+        "|---|---|---|---|",
+        f"| after {setup['teacher_steps']} / {setup['student_steps']} / {setup['student_steps']} steps | "
+        f"{acc['teacher']}% | **{acc['student_kl']}%** | {acc['student_base']}% (chance {_pct(setup['chance'])}%) |"])
+
+
+def quickstart_eval(r: Results) -> str:
+    """Quickstart: held-out accuracy of the three models at every evaluated length."""
+    n_train = r.job["setup"]["train_seq_len"]
+    lines = ["| context length N | teacher | student with attention KL | student without |", "|---|---|---|---|"]
+    for n in r.job["eval"]["lengths"]:
+        cells = [f"{_pct(r.job_eval[m, n])}%" for m in ("teacher", "student_kl", "student_base")]
+        if n == n_train:
+            lines.append(f"| **{n}** (training) | " + " | ".join(f"**{c}**" for c in cells) + " |")
+        else:
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gpu_long_table(r: Results) -> str:
+    """Long-context guide: the H100 run of gpu_long, per run."""
+    g = r.gpu_long
+    runs, setup, ev = g["runs"], g["setup"], g["eval"]
+    td, sd = setup["teacher_data"], setup["data"]
+    kl = ev["attention_kl"]
+    n, n_max = setup["train_seq_len"], max(ev["lengths"])
+
+    def kls(run: str) -> str:
+        return " / ".join(f"{kl[run][p]:.3g}" for p in kl[run])
+
+    def acc(length: int) -> list[str]:
+        return [f"{_pct(ev['accuracy'][m][str(length)])} %" for m in ("teacher", "student_kl", "student_base")]
+
+    rows = [("steps", [str(runs[m]["steps"]) for m in ("teacher", "student_kl", "student_base")]),
+            ("batch", [f"{td['batch_size']} × N ∈ {{{', '.join(map(str, td['seq_len']))}}}",
+                       f"{sd['batch_size']} × {sd['seq_len']}", f"{sd['batch_size']} × {sd['seq_len']}"]),
+            ("time per step (median)", [f"{runs[m]['step_ms_median']:.1f} ms" for m in runs]),
+            ("peak CUDA memory", [f"{_gib(runs[m]['peak_cuda_bytes'])} GiB" for m in runs]),
+            (f"held-out attention KL to the teacher, layer 0 / layer 1 (N = {ev['attention_kl_seq_len']})",
+             ["–", kls("student_kl"), kls("student_base")]),
+            (f"held-out accuracy at N = {n}", acc(n)),
+            (f"held-out accuracy at N = {n_max}", acc(n_max))]
+    lines = ["| | teacher | student with attention KL | student without |", "|---|---|---|---|"]
+    for label, (t, w, b) in rows:
+        bold = label.startswith(("time", "peak", "held-out attention"))
+        lines.append(f"| {label} | {t} | {f'**{w}**' if bold else w} | {b} |")
+    return "\n".join(lines)
+
+
+BLOCKS = {"figures:readme-job": ("README.md", readme_job),
+          "figures:quickstart-eval": ("docs/quickstart.md", quickstart_eval),
+          "figures:gpu-long": ("docs/guides/long-context.md", gpu_long_table)}
+
+
+# ------------------------------------------------------------------------------------------------------ claims
+def claims(r: Results) -> list[Claim]:
+    """Every phrase of prose that quotes a result file, page by page, formatted from the files."""
+    out: list[Claim] = []
+
+    def add(page: str, source: str, *texts: str) -> None:
+        out.extend(Claim(page, t, source) for t in texts)
+
+    # --- the kernel benchmark (H100 grid): naive memory, README's "how fast"
+    grid, grid_file = r.grid, "benchmarks/results/nvidia-h100-80gb-hbm3.json"
+    mem8k = r.grid[1][report.plain(16, 64, True, 8192)]["naive-eager/mem"]
+    oom16k = r.grid[1][report.plain(16, 64, True, 16384)]["naive-eager/mem"]
+    assert oom16k == "OOM"
+    maps = {n: 2 * 16 * n * n * 4 for n in (8192, 16384)}  # two fp32 maps, B=1, H=16: arithmetic
+    peak = f"{mem8k / 2**30:.1f} GiB"
+    for page in ("README.md", "docs/index.md"):
+        add(page, f"arithmetic (2·16·8192²·4 bytes); {grid_file} (naive-eager/mem at N=8192 and 16384)",
+            f"the two fp32 maps alone are {_gib(maps[8192], 0)} GiB (2·16·8192²·4 bytes)",
+            f"materialised loss peaked at {peak} on an H100", "at 16k it ran out of memory")
+    add("docs/concepts/attention-distillation.md", f"arithmetic; {grid_file}",
+        f"\\(16 \\cdot 8192^2 \\cdot 4\\) bytes = {_gib(maps[8192] / 2, 0)} GiB",
+        f"materialised loss peaked at {peak} on an H100", "At \\(N=16384\\) it ran out of memory")
+    add("docs/faq.md", f"arithmetic; {grid_file}; {grid_file} (streamkl/mem per row)",
+        f"that is {_gib(maps[8192], 0)} GiB of maps and {_gib(maps[8192] * 1.5, 0)} GiB with the gradient",
+        f"at \\(N=16384\\), {_gib(maps[16384], 0)} GiB and {_gib(maps[16384] * 1.5, 0)} GiB",
+        f"peaked at {peak} at N=8192 and ran out of memory at N=16384")
+    per_row = r.grid[1][report.plain(16, 64, True, 131072)]["streamkl/mem"] / (16 * 131072)
+    add("docs/faq.md", grid_file, f"about {per_row:.0f} bytes per query row and head")
+    d64 = r.row(16, 64, False, 8192)
+    fb, naive, comp = d64["streamkl/fwd+bwd"], d64["naive-eager/fwd+bwd"], d64["naive-compile/fwd+bwd"]
+    add("README.md", grid_file,
+        f"the fused forward+backward takes {fb:.1f} ms where the materialised loss takes {naive:.0f} ms eagerly "
+        f"({naive / fb:.0f}×) and {comp:.0f} ms under `torch.compile`",
+        f"it needs {per_row:.0f} bytes per query row and head",
+        f"the forward is {d64['streamkl/fwd'] / d64['sdpa-flash/fwd']:.1f}× the FA2 forward and "
+        f"{d64['streamkl/fwd'] / d64['sdpa-default/fwd']:.1f}× cuDNN's, the backward "
+        f"{d64['streamkl/bwd'] / d64['sdpa-default/bwd']:.1f}× cuDNN's")
+
+    # --- the default job (benchmarks/results/default_cpu)
+    job_file = "benchmarks/results/default_cpu/results.json"
+    setup, runs, ev = r.job["setup"], r.job["runs"], r.job["eval"]
+    half = r.job["outcome"]["steps_to_half"]
+    n = setup["train_seq_len"]
+    kl = ev["attention_kl"]
+    acc = {m: _pct(r.job_eval[m, n]) for m in ("teacher", "student_kl", "student_base")}
+    add("README.md", job_file,
+        f"its training accuracy passes 50% after {half['student_kl']} steps",
+        f"when its {setup['student_steps']} steps run out")
+    add("docs/concepts/attention-distillation.md", job_file,
+        f"with the same {setup['student_steps']} steps, the students reach {acc['student_kl']}% with attention KL and "
+        f"{acc['student_base']}% without")
+    add("docs/quickstart.md", job_file,
+        f"The teacher trains for {setup['teacher_steps']} steps on batches of {setup['teacher_data']['batch_size']}",
+        f"trains for {setup['student_steps']} steps on batches of {setup['data']['batch_size']}",
+        f"(torch {r.job['environment']['torch'].split('+')[0]}, {r.job['environment']['threads']} threads) the default "
+        f"run gave this, with the teacher at {acc['teacher']}%",
+        f"whole job {r.job['total_wall_s']:.0f} s",
+        f"Chance is {_pct(setup['chance'])}%",
+        f"passes 50% after {half['student_kl']} steps",
+        f"when the {setup['student_steps']} steps run out",
+        f"the teacher needed {r.teacher_half} steps on twice the batch to find it",
+        f"its held-out KL is {kl['student_base']['layer0']:.1f} and {kl['student_base']['layer1']:.1f} nats per row "
+        f"for the two layers, against {kl['student_kl']['layer0']:.2f} and {kl['student_kl']['layer1']:.2f}",
+        f"At {max(ev['lengths'])} tokens, four times the training length")
+    add("docs/examples.md", job_file, f"{r.job['total_wall_s'] / 60:.0f} min on 2 CPU cores in the committed run")
+    first = runs["student_kl"]["history"][0]
+    add("docs/faq.md", job_file, f"the KL at the student's\nfirst step is {first['train/attn_kl/layer0']:.2f} and "
+        f"{first['train/attn_kl/layer1']:.2f} nats per row")
+    add("docs/guides/choosing.md", job_file,
+        f"students of {setup['student_steps']} steps", f"within {setup['student_steps']} steps (",
+        f"for\nall {setup['student_steps']} steps",
+        f"a task loss of about {runs['student_kl']['history'][0]['train/loss']:.0f} nats at initialisation")
+    add("docs/guides/cli.md", job_file,
+        f"({setup['teacher_steps']} steps\nagainst {setup['student_steps']})")
+    add("docs/guides/long-context.md", job_file,
+        f"{r.teacher_half} steps at N = {n} and batch {setup['teacher_data']['batch_size']} on CPU",
+        f"escapes it after {r.teacher_half} steps of {setup['teacher_data']['batch_size']} sequences of {n} tokens")
+
+    # --- gpu_long on one H100 (benchmarks/results/gpu_long_h100)
+    gl_file = "benchmarks/results/gpu_long_h100/results.json"
+    g = r.gpu_long
+    grun, gsetup, gev, naive_b = g["runs"], g["setup"], g["eval"], g["naive_loss"]
+    kl_w, kl_b = gev["attention_kl"]["student_kl"], gev["attention_kl"]["student_base"]
+    sk, sb = grun["student_kl"], grun["student_base"]
+    add("README.md", gl_file,
+        f"a student step with two attention-KL terms took {sk['step_ms_median']:.1f} ms ({sb['step_ms_median']:.1f} "
+        f"ms\nwithout) and peaked at {_gib(sk['peak_cuda_bytes'])} GiB, where the materialised loss would need "
+        f"{_gib(naive_b['with_grad'], 0)} GiB")
+    t_acc = gev["accuracy"]["teacher"][str(gsetup["train_seq_len"])]
+    add("docs/guides/long-context.md", gl_file,
+        f"the students' part took {sk['wall_s'] + sb['wall_s']:.0f} s there (the first run's whole job took "
+        f"{g['total_wall_s']:.0f} s",
+        f"`teacher_steps: {gsetup['teacher_steps']}`",
+        f"whole job {g['total_wall_s']:.0f} s.",
+        f"would need {_gib(naive_b['maps'], 0)} GiB of fp32 probability maps, {_gib(naive_b['with_grad'], 0)} GiB with "
+        "one map-sized gradient per pair",
+        f"peaked at {_gib(sk['peak_cuda_bytes'])} GiB, {_gib(sk['peak_cuda_bytes'] - sb['peak_cuda_bytes'])} GiB "
+        f"({100 * (sk['peak_cuda_bytes'] / sb['peak_cuda_bytes'] - 1):.0f} %) above the same step without the term",
+        f"add {sk['step_ms_median'] - sb['step_ms_median']:.0f} ms to a {sb['step_ms_median']:.0f} ms step",
+        f"within {kl_w['layer0']:.3g} and {kl_w['layer1']:.3g} nats per row of the teacher's, against "
+        f"{kl_b['layer0']:.1f} and {kl_b['layer1']:.1f} for the student",
+        f"({_pct(t_acc)} % against {_pct(1 / gsetup['data']['vocab_size'])} % chance)",
+        f"the plateau outlasted {gsetup['teacher_steps']} steps",
+        f"while {gsetup['teacher_steps']} steps of {gsetup['teacher_data']['batch_size']} sequences of "
+        f"{min(gsetup['teacher_data']['seq_len'])} to {max(gsetup['teacher_data']['seq_len'])} tokens were not enough")
+    cfg = r.config("**/configs/gpu_long.yaml")
+    job_cfg, data_cfg = cfg["job"], cfg["data"]["init_args"]
+    b, h, n_long = data_cfg["batch_size"], setup["student_hparams"]["num_heads"], data_cfg["seq_len"]
+    long_maps = 2 * 2 * b * h * n_long**2 * 4  # two pairs, two fp32 maps each: arithmetic
+    *short_lengths, last = job_cfg["teacher_data"]["seq_len"]
+    add("docs/guides/long-context.md", "the gpu_long config (lightning_streamkl/configs/gpu_long.yaml) and arithmetic",
+        f"({job_cfg['teacher_steps']} steps of batch {job_cfg['teacher_data']['batch_size']} at "
+        f"{', '.join(map(str, short_lengths))} and {last} tokens)", f"students at **N = {n_long}**",
+        f"For \\(B={b}, H={h}, N={n_long}\\) and two pairs, that is {_gib(long_maps, 0)} GiB of maps and "
+        f"{_gib(long_maps * 1.5, 0)} GiB with the gradient")
+    add("docs/examples.md", gl_file, f"{g['total_wall_s']:.0f} s on one H100 (first teacher settings")
+
+    # --- the CPU check of the teacher's plateau (benchmarks/results/teacher_plateau_cpu)
+    from lightning_streamkl.jobs.report import first_step_reaching
+
+    check = r.plateau
+    check_acc, check_setup = check["eval"]["accuracy"]["teacher"], check["setup"]
+    add("docs/guides/long-context.md", "benchmarks/results/teacher_plateau_cpu/batch32_128_512/results.json",
+        f"A CPU check at batch {check_setup['teacher_data']['batch_size']}, alternating between "
+        f"{' and '.join(map(str, check_setup['teacher_data']['seq_len']))} tokens, did learn: 50 % training accuracy "
+        f"after {first_step_reaching(check['runs']['teacher']['history'], 'train/acc', 0.5)} steps, and after "
+        f"{check_setup['teacher_steps']} steps {_pct(check_acc['128'])} % held out at N = 128 and "
+        f"{_pct(check_acc['512'])} % at N = 512, but {_pct(check_acc['1024'])} % at N = 1024")
+
+    # --- the ablation (benchmarks/results/ablation_cpu.json)
+    ab_file = "benchmarks/results/ablation_cpu.json"
+    default, none = "both layers, forward, T=1, weight 1 (default)", "no attention KL"
+
+    def span(values: list[float], fmt: str = "{:.0f}", sep: str = "–") -> str:
+        return f"{fmt.format(min(values))}{sep}{fmt.format(max(values))}"
+
+    def mean_steps(variant: str) -> float:
+        return statistics.mean(r.abl_steps(variant))
+
+    kl1 = {v: [x["attention_kl"]["layer1"] for x in r.ablation[v]] for v in (default, "weight 10", "direction reverse")}
+    weights = [statistics.mean(x["acc_128"] for x in r.ablation[v]) for v in ("weight 0.1", default, "weight 10")]
+    add("docs/guides/choosing.md", ab_file,
+        f"Distilling only layer 1 (the\ninduction head) reaches {r.abl_mean('layer 1 only', 'acc_128')} % against "
+        f"{r.abl_mean(default, 'acc_128')} % for both layers, and needs about "
+        f"{mean_steps('layer 1 only') - mean_steps(default):.0f} more steps",
+        f"({r.abl_mean('layer 0 only', 'acc_128')} %, against {r.abl_mean(none, 'acc_128')} % without distillation)",
+        f"({r.abl_mean('direction reverse', 'acc_128')} %, below the\n{r.abl_mean(none, 'acc_128')} % of no "
+        f"distillation)",
+        f"layer 1 stayed about {statistics.mean(kl1['direction reverse']):.0f} nats per row away",
+        f"after {span(r.abl_steps('temperature 2'))} steps, against {span(r.abl_steps(default))} at \\(T = 1\\) and "
+        f"{span(r.abl_steps('temperature 0.5'))} at \\(T = 0.5\\)",
+        f"({r.abl_mean('temperature 2', 'acc_256')} % at N = 256, against {r.abl_mean(default, 'acc_256')} % and "
+        f"{r.abl_mean('temperature 0.5', 'acc_256')} %)",
+        f"all reach {math.floor(100 * min(weights))}–{math.floor(100 * max(weights))} %",
+        f"passes\n50 % about {mean_steps('weight 0.1') - mean_steps(default):.0f} steps later",
+        f"({r.abl_mean('weight 0.1', 'acc_256')} %\nat N = 256, against {r.abl_mean(default, 'acc_256')} % at weight 1 "
+        f"and {r.abl_mean('weight 10', 'acc_256')} % at 10)",
+        f"({span(kl1['weight 10'], '{:.2f}', ' to ')} nats per row on layer 1, against "
+        f"{span(kl1[default], '{:.2f}', ' to ')} at weight 1)")
+
+    # --- the continual benchmark (benchmarks/results/continual_*.json and the stats)
+    ct_file = "benchmarks/results/continual_cpu10.json and continual_cpu10_stats.json"
+    ti, di = "task-incremental", "domain-incremental"
+
+    def s10(scenario: str, method: str, key: str) -> str:
+        return _pct(r.summary("cpu10", scenario, method)[key][0])
+
+    def s10r(scenario: str, method: str, key: str) -> str:
+        return f"{100 * r.summary('cpu10', scenario, method)[key][0]:.0f}"
+
+    def vs(scenario: str, method: str, base: str = "finetune", metric: str = "final_accuracy") -> dict:
+        return r.stats[scenario, method, base, metric]
+
+    def diff(c: dict, sign: bool = True) -> str:
+        return f"{100 * c['mean_difference']:{'+' if sign else ''}.1f} ± {100 * c['se']:.1f}"
+
+    a_ti, l_ti, a_di, l_di = vs(ti, "attention"), vs(ti, "lwf"), vs(di, "attention"), vs(di, "lwf")
+    al_l_ti, al_l_di = vs(ti, "attention+lwf", "lwf"), vs(di, "attention+lwf", "lwf")
+    al_l_forget = vs(ti, "attention+lwf", "lwf", "forgetting")
+    first_ti, first_di = vs(ti, "attention", metric="first_task_final"), vs(di, "attention", metric="first_task_final")
+    cost = r.continual["cpu"]["cost"]
+    add("docs/guides/continual.md", ct_file,
+        f"from {s10r(ti, 'finetune', 'first_task_final')} to {s10r(ti, 'attention', 'first_task_final')} % with\n"
+        f"one head per task ({_p(first_ti['p_t'])}), and from {s10r(di, 'finetune', 'first_task_final')} to "
+        f"{s10r(di, 'attention', 'first_task_final')} % with a shared head ({_p(first_di['p_t'])})",
+        f"by {diff(a_ti, False)} points over plain fine-tuning (better on\n{a_ti['seeds_better']} of {a_ti['n']} "
+        f"seeds), which is not significant ({_p(a_ti['p_t'])}, paired t-test, {a_ti['n']} seeds)",
+        f"raises it by {diff(l_ti, False)} points ({_p(l_ti['p_t'])})",
+        f"by {diff(a_di, False).lstrip('-')} points\n({_p(a_di['p_t'])})",
+        f"({diff(l_di)},\n{_p(l_di['p_t'])}, not significant)",
+        f"({s10(ti, 'attention+lwf', 'forgetting')} against {s10(ti, 'lwf', 'forgetting')} points), but that "
+        f"difference is\nnot significant ({_p(al_l_forget['p_t'])})",
+        f"by {abs(100 * al_l_ti['mean_difference']):.1f} points with one head per task (not significant, "
+        f"{_p(al_l_ti['p_t'])}) and by {abs(100 * al_l_di['mean_difference']):.1f} points with a shared head\n"
+        f"({_p(al_l_di['p_t'])}, significant by a small margin)",
+        f"its final accuracy is {s10(ti, 'attention', 'first_task_final')} % (task-incremental) and "
+        f"{s10(di, 'attention', 'first_task_final')} %\n(domain-incremental), against "
+        f"{s10(ti, 'finetune', 'first_task_final')} % and {s10(di, 'finetune', 'first_task_final')} % for "
+        f"fine-tuning. After the second task it is "
+        f"{_pct(r.summary('cpu10', ti, 'attention')['matrix_mean'][0][1])} % against\n"
+        f"{_pct(r.summary('cpu10', ti, 'finetune')['matrix_mean'][0][1])} %",
+        f"net gain ({diff(a_ti)}, {a_ti['seeds_better']}/{a_ti['n']} seeds) that is not significant "
+        f"({_p(a_ti['p_t'])}, paired t-test)",
+        f"ends at\n{_pct(r.summary('cpu10', di, 'attention')['matrix_mean'][1][2])} % against "
+        f"{_pct(r.summary('cpu10', di, 'finetune')['matrix_mean'][1][2])} % for fine-tuning",
+        f"falls by {diff(a_di, False).lstrip('-')} points ({a_di['seeds_better']}/{a_di['n']}\n   seeds better, "
+        f"{_p(a_di['p_t'])})",
+        f"{diff(l_ti)} ({l_ti['seeds_better']}/{l_ti['n']}, {_p(l_ti['p_t'])}) with one head per task",
+        f"({diff(l_di)}, not\n   significant, {_p(l_di['p_t'])})",
+        f"with one head per task ({s10(ti, 'attention+lwf', 'forgetting')} ± "
+        f"{_pct(r.summary('cpu10', ti, 'attention+lwf')['forgetting'][1])}), but not significantly below\n   LwF "
+        f"alone ({_p(al_l_forget['p_t'])})",
+        f"(accuracy right after learning {s10(ti, 'attention+lwf', 'learning_accuracy')} % against "
+        f"{s10(ti, 'lwf', 'learning_accuracy')} % for LwF alone)",
+        f"(not significant with one head per task, {_p(al_l_ti['p_t'])};\n   significant by a small margin with a "
+        f"shared head, {_p(al_l_di['p_t'])})",
+        f"(about {r.continual['cpu10']['meta']['wall_seconds'] / 60:.0f} minutes on 2 cores)")
+    add("docs/guides/continual.md", "benchmarks/results/continual_cpu.json (cost: ms per step, same machine, in turns)",
+        f"{cost[ti]['attention'] / cost[ti]['finetune']:.2f}× (one head per task) and "
+        f"{cost[di]['attention'] / cost[di]['finetune']:.2f}× (shared head)")
+    sweep = r.continual["sweep"]["summary"][di]
+    add("docs/guides/continual.md", "benchmarks/results/continual_sweep.json",
+        f"(accuracy right\n   after learning {100 * sweep['lwf λ=1']['learning_accuracy'][0]:.0f} % at λ = 1, "
+        f"{100 * sweep['lwf λ=10']['learning_accuracy'][0]:.0f} % at λ = 10, in the\n   sweep)")
+    gpu = r.config("benchmarks/continual/gpu.yaml")
+    words = {4: "four", 10: "ten"}
+    add("docs/guides/continual.md", "benchmarks/continual/gpu.yaml",
+        f"sequences of {gpu['length']}\ntokens, a {gpu['model']['layers']}-layer d={gpu['model']['d_model']} model, "
+        f"{words[len(gpu['tasks'])]} tasks, {gpu['steps_per_task']} steps per task and "
+        f"{words[len(gpu['seeds'])]} seeds")
+
+    # --- MiniLM (benchmarks/results/minilm_cpu*.json)
+    ml_file = "benchmarks/results/minilm_cpu.json, minilm_cpu_weight0.1.json"
+
+    def ml(results: dict, side: str, key: str) -> float:
+        return statistics.mean(x[side][key] for x in results["runs"])
+
+    w1, w01, ms = r.minilm, r.minilm_w01, r.minilm["runs"][0]["setup"]
+    add("docs/examples.md", ml_file,
+        f"({ms['teacher_params'] / 1e6:.1f}M parameters)",
+        f"({ms['student_params'] / 1e6:.1f}M parameters, {ms['student_trained_params'] / 1e6:.1f}M of them trained)",
+        f"attends like the teacher's ({ml(w1, 'with_kl', 'attn_kl_last'):.2f} nats per row\nagainst "
+        f"{ml(w1, 'without_kl', 'attn_kl_last'):.2f})",
+        f"trained for {w1['args']['steps']} steps have little capacity",
+        f"the\nattention still nearly matches ({ml(w01, 'with_kl', 'attn_kl_last'):.2f} nats per row against "
+        f"{ml(w01, 'without_kl', 'attn_kl_last'):.2f}), and the embeddings lose almost nothing: cosine\n"
+        f"{ml(w01, 'with_kl', 'cosine'):.3f} against {ml(w01, 'without_kl', 'cosine'):.3f}, similarity correlation "
+        f"{ml(w01, 'with_kl', 'similarity_corr'):.3f} against {ml(w01, 'without_kl', 'similarity_corr'):.3f}, same "
+        f"nearest paragraph {ml(w01, 'with_kl', 'neighbour_agreement'):.3f} against "
+        f"{ml(w01, 'without_kl', 'neighbour_agreement'):.3f}")
+
+    # --- perf notes: the grid, the tuning sweep, the overhead profile
+    tu_file = "benchmarks/results/nvidia-h100-80gb-hbm3-tuning.json"
+    best = {(k.split("/")[0], int(k.split("/D")[1].split("/")[0])): v["false"]["ms"]
+            for k, v in r.tuning.items() if k.endswith("/best")}
+    meta = grid[0]
+    add("docs/perf-notes.md", grid_file,
+        f"(torch {meta['torch'].split('+')[0].rsplit('.', 1)[0]}, Triton {meta['triton'].rsplit('.', 1)[0]})")
+    add("docs/perf-notes.md", tu_file,
+        f"({best['bwd-det-dq', 64]:.3f} against {best['bwd-atomic', 64]:.3f} ms at D=64, {best['bwd-det-dq', 128]:.3f} "
+        f"against {best['bwd-atomic', 128]:.3f} ms at D=128, non-causal)")
+    fp32 = r.grid[1][(16, 64, False, 4096, "float32", None, None, False)]
+    d128 = r.row(16, 128, False, 32768)
+    fwd_bound = {d: grid[0]["bounds"][report.plain(16, d, False, 8192)]["fwd_bound_ms"] for d in (64, 128)}
+    b1024 = grid[0]["bounds"][report.plain(16, 64, False, 1024)]
+    short = [r.row(16, d, c, n)["streamkl/fwd+bwd"] for d in (64, 128) for c in (False, True)
+             for n in (1024, 2048, 4096)]
+    d128_8k = r.row(16, 128, False, 8192)
+    spread = re.search(r"(\d\.\d-\d\.\d) ms", " ".join(meta["notes"])).group(1)
+    add("docs/perf-notes.md", grid_file,
+        f"fp32 inputs ({fp32['streamkl-atomic/bwd']:.1f} against {fp32['streamkl/bwd']:.1f} ms at N=4096, D=64) and "
+        f"D=128 at\n  N=32768 ({d128['streamkl-atomic/bwd']:.1f} against {d128['streamkl/bwd']:.1f} ms",
+        f"up to the exp bound ({fwd_bound[64]:.2f} ms at D=64)",
+        f"the D=64 forward takes {d64['streamkl/fwd']:.3f} ms against its {fwd_bound[64]:.2f} ms\n  exp bound "
+        f"({100 * fwd_bound[64] / d64['streamkl/fwd']:.0f}%)",
+        f"takes {min(short):.2f} to {max(short):.2f} ms (H=16;\n  D=64 and 128, causal or not), far above its "
+        f"exp/matmul bound of {b1024['fwd_bound_ms'] + b1024['bwd_bound_ms']:.2f} ms at N=1024",
+        f"runs at {100 * fwd_bound[64] / d64['streamkl/fwd']:.0f}% (D=64) and "
+        f"{100 * fwd_bound[128] / d128_8k['streamkl/fwd']:.0f}% (D=128) of max(exp bound, matmul bound)",
+        f"{d64['streamkl/fwd'] / d64['sdpa-default/fwd']:.2f}×/"
+        f"{d128_8k['streamkl/fwd'] / d128_8k['sdpa-default/fwd']:.2f}× the cuDNN attention forward and "
+        f"{d64['streamkl/fwd'] / d64['sdpa-flash/fwd']:.2f}×/"
+        f"{d128_8k['streamkl/fwd'] / d128_8k['sdpa-flash/fwd']:.2f}× the FA2 attention forward",
+        f"The backward is {d64['streamkl/bwd'] / d64['sdpa-default/bwd']:.2f}× the\ncuDNN attention backward at D=64 "
+        f"and {d128_8k['streamkl/bwd'] / d128_8k['sdpa-default/bwd']:.2f}× at D=128",
+        f"({fwd_bound[64]:.2f} ms at D=64, {d64['streamkl/fwd'] / fwd_bound[64]:.2f}× faster than its "
+        f"{d64['streamkl/fwd']:.3f} ms)",
+        f"run-to-run spread (~{spread} ms at N ≤ 4096)")
+    oh_file = "benchmarks/results/nvidia-h100-80gb-hbm3-overhead.txt"
+    launches, _, launch_cum = r.profile("jit.py:695(run)")
+    specialise = r.profile("native_specialize_impl")[0]
+    engine = r.profile("run_backward")
+    add("docs/perf-notes.md", oh_file,
+        f"{r.per_call_us('streamkl fwd')} µs per forward and {r.per_call_us('streamkl fwd+bwd')} µs per "
+        f"forward+backward, against {r.per_call_us('sdpa fwd+bwd (+sum)')} µs for an SDPA forward+backward",
+        f"launcher ~{1e6 * launch_cum / launches:.0f} µs per launch (three launches per call; `JITFunction.run` "
+        f"re-specialises ~{specialise / launches:.0f} arguments on\n  every launch), the autograd engine "
+        f"~{1e6 * engine[1] / engine[0]:.0f} µs")
+
+    # --- reliability: nothing measured on two GPUs is quoted (no result file was committed)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- check
+def norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+_FENCE = re.compile(r"```.*?```", re.S)
+_NUM = r"(?<![\w.])[-−+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+_UNIT = (r"(?:%|ms\b|µs\b|us\b|s\b|min\b|minutes\b|GiB\b|GB\b|MB\b|KiB\b|KB\b|bytes\b|B\b|×|nats\b|TFLOP/s|TB/s|"
+         r"steps\b|points\b|pts\b|M\b)")
+FIGURE = re.compile(rf"{_NUM}(?:\s?(?:–|-|to|/)\s?{_NUM})*\s?{_UNIT}|(?<![\w.])\d+\.\d+(?![\w.])|"
+                    rf"(?<![\w.])\d(?:\.\d+)?e[-+]?\d+|p\s?[=<≈]\s?0?\.\d+")
+
+
+def blocks(text: str) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` of every generated block in ``text`` (offsets of the whole block, markers included)."""
+    found = [(m.group(1), m.start(), m.end())
+             for m in re.finditer(r"<!-- (\S+?):start -->.*?<!-- \1:end -->", text, re.S)]
+    found += [("ablation", m.start(), m.end()) for m in re.finditer(r"<!-- ablation:table -->.*?<!-- /ablation -->",
+                                                                     text, re.S)]
+    return [b for b in found if b[0] in GENERATED]
+
+
+def prose(text: str) -> str:
+    """``text`` without fenced code (figures in code are code), whitespace-normalised."""
+    return norm(_FENCE.sub(" ", text))
+
+
+def uncovered(page: str, text: str, page_claims: list[Claim]) -> list[str]:
+    """The figures of ``page``'s prose that no claim, generated block or allowed phrase covers."""
+    flat = prose(text)
+    covered: list[tuple[int, int]] = [(s, e) for _, s, e in blocks(flat)]
+    covered += [(m.start(), m.end()) for m in re.finditer(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", flat)]
+    for c in page_claims:
+        phrase = norm(c.text)
+        covered += [(m.start(), m.end()) for m in re.finditer(re.escape(phrase), flat)]
+    for where, pattern, _ in ALLOWED:
+        if where in ("*", page):
+            covered += [(m.start(), m.end()) for m in re.finditer(pattern, flat)]
+    out = []
+    for m in FIGURE.finditer(flat):
+        if not any(s <= m.start() and m.end() <= e for s, e in covered):
+            out.append(f"{page}: {m.group(0)!r} in “…{flat[max(0, m.start() - 50):m.end() + 30]}…”")
+    return out
+
+
+@lru_cache
+def _repo_files(root: str) -> tuple[str, ...]:
+    """The repository's files, relative to ``root``, without hidden folders (.git, virtual environments) and builds."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("site", "build", "dist", "__pycache__")]
+        out += [os.path.relpath(os.path.join(folder, f), root) for f in files]
+    return tuple(out)
+
+
+def _evidenced(root: str, pattern: str, needle: str) -> bool:
+    """Whether a file matching ``pattern`` (fnmatch on the path from ``root``; ``**/`` matches any folder) contains
+    ``needle``."""
+    for path in _repo_files(root):
+        if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path, pattern.removeprefix("**/")):
+            with open(os.path.join(root, path), errors="replace") as f:
+                if needle in f.read():
+                    return True
+    return False
+
+
+def read_pages(root: str = ROOT) -> dict[str, str]:
+    texts = {}
+    for page in PAGES:
+        with open(os.path.join(root, page)) as f:
+            texts[page] = f.read()
+    return texts
+
+
+def check(texts: dict[str, str] | None = None, root: str = ROOT) -> list[str]:
+    """Every problem found: claims missing from their pages, stale generated blocks, uncovered figures, allowed
+    parameters without their evidence. ``texts`` (page -> text) replaces the pages' committed text."""
+    r = Results()
+    all_claims = claims(r)
+    problems = []
+    texts = texts if texts is not None else read_pages(root)
+    for c in all_claims:
+        if c.page not in texts:
+            problems.append(f"claim on a page that is not checked: {c.page}")
+        elif norm(c.text) not in prose(texts[c.page]):
+            problems.append(f"{c.page}: expected “{norm(c.text)}” (from {c.source})")
+    for name, (page, render) in BLOCKS.items():
+        block = re.search(rf"<!-- {re.escape(name)}:start -->\n(.*?)\n<!-- {re.escape(name)}:end -->", texts[page],
+                          re.S)
+        if block is None:
+            problems.append(f"{page}: the block {name} is missing")
+        elif block.group(1) != render(r):
+            problems.append(f"{page}: the block {name} is not what benchmarks/figures.py renders (run it with --write)")
+    for where, pattern, evidence in ALLOWED:
+        if evidence is not None and not _evidenced(root, *evidence):
+            problems.append(f"{where}: “{pattern}” is allowed as a parameter, but no {evidence[0]} contains "
+                            f"“{evidence[1]}”")
+    for page, text in texts.items():
+        for name in re.findall(r"<!-- (\S+?):start -->", text):
+            if name not in GENERATED and not name.startswith("findings"):
+                problems.append(f"{page}: the block {name} is not a known generated block (GENERATED)")
+        problems += uncovered(page, text, [c for c in all_claims if c.page == page])
+    return problems
+
+
+def write(root: str = ROOT) -> None:
+    r = Results()
+    for name, (page, render) in BLOCKS.items():
+        path = os.path.join(root, page)
+        with open(path) as f:
+            text = report.replace_block(f.read(), name, render(r))
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the figures:* blocks, then check")
+    parser.add_argument("--list", action="store_true", help="print every claim with its source")
+    args = parser.parse_args(argv)
+    if args.write:
+        write()
+    if args.list:
+        for c in claims(Results()):
+            print(f"{c.page}: “{norm(c.text)}” ← {c.source}")
+    problems = check()
+    for p in problems:
+        print(p)
+    print(f"{len(problems)} problem(s)" if problems else "every figure is traced to a committed result file")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
