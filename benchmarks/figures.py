@@ -42,8 +42,8 @@ import report  # noqa: E402
 PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/attention-distillation.md",
          "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
-         "docs/guides/custom-attention.md", "docs/examples.md", "docs/faq.md", "docs/perf-notes.md",
-         "docs/reliability.md")
+         "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
+         "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md")
 
 #: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
 GENERATED = {
@@ -68,6 +68,9 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
     ("docs/perf-notes.md", r"2 × N·D·4 bytes|BLOCK_M×BLOCK_N = 128×64|128×64/4-warp|64×64 tiles", None),
     ("docs/perf-notes.md", r"1\.07e9", None),  # E = 16·8192²: arithmetic
     ("docs/faq.md", r"about 1e5", ("tests/streamkl/test_reliability.py", "q·k reaches ~1e5 > 65504")),
+    ("docs/guides/real-teachers.md", r"8 × 4096 tokens",
+     ("benchmarks/bench_real_teacher.py", "DOCS, DOC_LEN, HEADS = 8, 4096, 16")),
+    ("docs/guides/indexer.md", r"756 TFLOP/s", ("benchmarks/bench_indexer.py", "BF16_FLOOR_FLOPS = 756e12")),
     ("docs/faq.md", r"about 1e-12", ("tests/streamkl/test_reference.py", "assert_close(kl, ref, 1e-12")),
     ("docs/reliability.md", r"≈60 nats", ("tests/streamkl/test_reliability.py", "KL ≈ 60 nats")),
     ("docs/reliability.md", r"~1e5", ("tests/streamkl/test_reliability.py", "q·k reaches ~1e5")),
