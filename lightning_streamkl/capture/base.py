@@ -57,6 +57,16 @@ class CapturedAttention:
     layer_idx: int | None = None
 
 
+def is_recording() -> bool:
+    """True while any capture's :meth:`AttentionCapture.recording` block is open (e.g. inside a distilled step).
+
+    Example:
+        >>> is_recording()
+        False
+    """
+    return bool(_RECORDING)
+
+
 def closest(name: str, choices: Iterable[str], n: int = 3) -> list[str]:
     """The up-to-``n`` closest names in ``choices`` (difflib), for "did you mean" messages.
 
