@@ -2,6 +2,8 @@ r"""
 Long-range recall
 ^^^^^^^^^^^^^^^^^
 
+(Part of the demo job, :mod:`lightning_streamkl.jobs`; the library never imports it.)
+
 The synthetic task of the ``streamkl-distill`` job: a task where a model must look far back to succeed, and
 where *where it looks* is easy to state.
 
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..capture import record
+from lightning_streamkl import record
 
 __all__ = ["CausalSelfAttention", "RecallData", "RecallModel", "TinyTransformer", "make_recall_batch"]
 
