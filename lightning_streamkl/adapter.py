@@ -46,6 +46,19 @@ def check_trainer(who: Any, trainer: Trainer, pl_module: LightningModule, stage:
     Raises:
         MisconfigurationException: a sharded strategy, manual optimization, a ``dataloader_iter`` training step,
             or another StreamKL callback with the same name on this module.
+
+    Example:
+        >>> from lightning_streamkl import ContinualAttentionRegularizer
+        >>> class Manual(LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        >>> trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> check_trainer(ContinualAttentionRegularizer(), trainer, Manual(), "fit")
+        Traceback (most recent call last):
+        ...
+        lightning.fabric.utilities.exceptions.MisconfigurationException: ContinualAttentionRegularizer adds its term \
+to the loss returned by training_step, which manual optimization ignores.
     """
     name = type(who).__name__
     strategy = type(trainer.strategy).__name__
@@ -97,7 +110,15 @@ def add_to_loss(output: Any, term: torch.Tensor, who: str) -> Any:
 def log_step(module: LightningModule, metrics: DistillationMetrics, stage: str, terms: LossOutput, *,
              log_on_step: bool, prog_bar: bool, extra: Mapping[str, torch.Tensor] | None = None) -> None:
     """Add one batch's terms to the stage's metric and, for training steps with ``log_on_step`` (and a trainer),
-    log the per-step values (``<name>/total`` in the progress bar with ``prog_bar``)."""
+    log the per-step values (``<name>/total`` in the progress bar with ``prog_bar``).
+
+    Example:
+        >>> metrics = DistillationMetrics(["last"], [1.0], "attn_kl")
+        >>> terms = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([2.0]), torch.tensor([4.0]))
+        >>> log_step(LightningModule(), metrics, "train", terms, log_on_step=True, prog_bar=False)  # no trainer: no log
+        >>> metrics.train.update_count
+        1
+    """
     values = metrics.update(stage, terms, extra)
     if stage != "train" or not log_on_step or getattr(module, "_trainer", None) is None:
         return
@@ -108,7 +129,11 @@ def log_step(module: LightningModule, metrics: DistillationMetrics, stage: str, 
 
 def log_epoch(module: LightningModule, metrics: DistillationMetrics, stage: str, *, prog_bar: bool) -> None:
     """Log the stage's epoch values (synced across processes; the validation total in the progress bar with
-    ``prog_bar``) and reset its metric."""
+    ``prog_bar``) and reset its metric. A stage that saw no batch logs nothing.
+
+    Example:
+        >>> log_epoch(LightningModule(), DistillationMetrics(["last"], [1.0], "attn_kl"), "val", prog_bar=True)
+    """
     values = metrics.epoch_values(stage)
     if values:
         module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, prog_bar=prog_bar and stage == "val")
@@ -119,6 +144,15 @@ def metric_state(metric: AttentionKLDivergence, trainer: Trainer | None) -> dict
 
     Under DDP every process calls ``state_dict`` while a checkpoint is written (Lightning's ``save_checkpoint``
     must run on all of them), so the sum is one collective; the checkpoint then holds the whole group's state.
+
+    Example:
+        >>> metric = AttentionKLDivergence(["last"])
+        >>> metric.update(torch.tensor([2.0]), torch.tensor([4.0]))
+        >>> state = metric_state(metric, None)
+        >>> resumed = AttentionKLDivergence(["last"])
+        >>> load_metric_state(resumed, state, None)
+        >>> {k: float(v) for k, v in resumed.compute().items()}
+        {'attn_kl/last': 0.5}
     """
     state = torch.stack([metric.kl_sum, metric.rows]).detach()
     updates = int(metric.update_count)
@@ -133,7 +167,7 @@ def metric_state(metric: AttentionKLDivergence, trainer: Trainer | None) -> dict
 
 def load_metric_state(metric: AttentionKLDivergence, state: Mapping[str, Any], trainer: Trainer | None) -> None:
     """Restore what :func:`metric_state` saved: global rank 0 takes the group's sums, the other ranks start from 0,
-    so the synced value over the rest of the epoch is the uninterrupted run's."""
+    so the synced value over the rest of the epoch is the uninterrupted run's (example: :func:`metric_state`)."""
     kl_sum, rows = state["kl_sum"], state["rows"]
     if tuple(kl_sum.shape) != tuple(metric.kl_sum.shape):
         return
@@ -154,6 +188,11 @@ class LossTermCallback(Callback):
     :class:`~lightning_streamkl.AttentionKLOptions`), returns its metric state from :meth:`_metrics`, and
     implements the step protocol of :class:`~lightning_streamkl.step_wrapper.StepRunner`; epoch values are logged
     here.
+
+    Example:
+        >>> from lightning_streamkl import ContinualAttentionRegularizer, StreamKLDistillation
+        >>> [issubclass(c, LossTermCallback) for c in (StreamKLDistillation, ContinualAttentionRegularizer)]
+        [True, True]
     """
 
     config: AttentionKLOptions

@@ -172,6 +172,11 @@ class AttentionKLOptions:
     """The options of an attention-KL term, shared by :class:`StreamKLConfig` and
     :class:`~lightning_streamkl.ContinualConfig` (declared here once).
 
+    Example:
+        >>> from lightning_streamkl import ContinualConfig
+        >>> StreamKLConfig().temperature == ContinualConfig().temperature == AttentionKLOptions().temperature
+        True
+
     Args:
         weight: multiplies the term before it is added to the loss, ``>= 0``. Default: ``1.0``.
         warmup_steps: ramp ``weight`` linearly from 0 over this many optimizer steps (``0``: no ramp).
@@ -242,6 +247,11 @@ class StreamKLConfig(AttentionKLOptions):
             ``device_map``, ...); ``attn_implementation`` defaults to ``"sdpa"``. Default: ``None``.
         teacher_early_exit: stop the teacher's forward pass once every paired teacher layer has been captured:
             later layers and the output head (logits) never run. Default: ``True``.
+
+    Example:
+        >>> cfg = StreamKLConfig(pairs=[LayerPair(teacher=-1, student=-1)], teacher_dtype="bfloat16")
+        >>> validate_config(cfg) == cfg, cfg.teacher_device, cfg.teacher_inputs
+        (True, 'student', 'auto')
     """
 
     pairs: list[LayerPair] = option(check=_Pairs(), factory=list)

@@ -106,6 +106,11 @@ class LossOutput:
         per_pair: ``{pair name: KL_p}``, the mean KL over counted rows of each pair (differentiable).
         kl_sums: ``[P]`` float32, the per-pair KL summed over counted rows (detached), for the metric.
         rows: ``[P]`` float32, the per-pair counted rows (for the metric).
+
+    Example:
+        >>> out = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([2.0]), torch.tensor([4.0]))
+        >>> float(out.kl_sums[0] / out.rows[0]) == float(out.per_pair["last"])
+        True
     """
 
     total: torch.Tensor

@@ -320,11 +320,16 @@ def check_fields(cls: type, raw: Mapping[str, Any], prefix: str = "", what: str 
                  ) -> dict[str, Any]:
     """Every field of dataclass ``cls``: the value in ``raw`` (or the default), checked by the field's :class:`Check`.
 
-    Fields without a check (those a config validates itself, such as ``pairs``) are passed through unchanged.
+    Fields without a check are passed through unchanged.
 
     Raises:
         ValueError: an unknown key (with the closest valid one) or a value out of range.
         TypeError: a value of the wrong type.
+
+    Example:
+        >>> from lightning_streamkl import LayerPair
+        >>> check_fields(LayerPair, {"teacher": 3, "student": "model.layers.0.self_attn", "weight": 2})["weight"]
+        2.0
     """
     check_keys(raw, cls, prefix, what)
     out = {}

@@ -29,7 +29,7 @@ __all__ = ["StepRunner", "copy_memo", "install", "runners", "strip_wrappers", "u
 
 class StepRunner(Protocol):
     """What takes part in a wrapped step: begin (``False``: sit this step out), the student's recording around the
-    original step, end (may change the returned value), cleanup (always)."""
+    original step, end (may change the returned value), cleanup (always). See :func:`install` for an example."""
 
     def _step_begin(self, stage: str, batch: Any) -> bool: ...
     def _student_recording(self) -> Any: ...
@@ -100,7 +100,11 @@ def install(module: nn.Module, method: str, stage: str, runner: StepRunner) -> N
 
 
 def uninstall(module: nn.Module, method: str, runner: StepRunner) -> None:
-    """Remove ``runner``; restore the original method when no runner is left."""
+    """Remove ``runner``; restore the original method when no runner is left (see :func:`install`).
+
+    Example:
+        >>> uninstall(nn.Module(), "training_step", object())  # nothing installed: nothing to do
+    """
     registry: dict[str, _Wrapper] = module.__dict__.get(_REGISTRY_ATTR, {})
     wrapper = registry.get(method)
     if wrapper is None:
@@ -120,7 +124,12 @@ def uninstall(module: nn.Module, method: str, runner: StepRunner) -> None:
 
 
 def runners(module: nn.Module, method: str) -> list[StepRunner]:
-    """The runners currently taking part in ``module.<method>``."""
+    """The runners currently taking part in ``module.<method>`` (see :func:`install`).
+
+    Example:
+        >>> runners(nn.Module(), "training_step")
+        []
+    """
     wrapper = module.__dict__.get(_REGISTRY_ATTR, {}).get(method)
     return list(wrapper.runners) if wrapper is not None else []
 
@@ -141,7 +150,12 @@ def copy_memo(module: nn.Module) -> dict[int, Any]:
 
 
 def strip_wrappers(copied: nn.Module) -> nn.Module:
-    """Remove the step-wrapper attributes a copy made with :func:`copy_memo` carries (returns ``copied``)."""
+    """Remove the step-wrapper attributes a copy made with :func:`copy_memo` carries (returns ``copied``).
+
+    Example:
+        >>> strip_wrappers(nn.Linear(1, 1)).__dict__.get("training_step") is None
+        True
+    """
     registry = copied.__dict__.pop(_REGISTRY_ATTR, None)
     if registry is not None:
         for method in ("training_step", "validation_step"):

@@ -45,6 +45,11 @@ class CapturedAttention:
             from ``q`` and ``k`` differs from the one between the layer's own probabilities.
         note: why ``exact`` is False.
         layer_idx: the layer's ``layer_idx`` when the module has one (Hugging Face attention modules).
+
+    Example:
+        >>> record = CapturedAttention(torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), causal=True)
+        >>> record.q.shape[1] // record.k.shape[1], record.exact
+        (2, True)
     """
 
     q: torch.Tensor

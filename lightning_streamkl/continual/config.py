@@ -87,6 +87,10 @@ class ContinualConfig(AttentionKLOptions):
             Default: ``True``.
         capture: how to capture both models: ``"auto"``, ``"hf"``, ``"mha"`` or ``"recorder"``. Default:
             ``"auto"``.
+
+    Example:
+        >>> ContinualConfig().name, ContinualConfig(keep=None).keep
+        ('continual_kl', None)
     """
 
     name: str = option("continual_kl", Text())

@@ -30,6 +30,12 @@ class LayerSelection:
         pairs: one :class:`~lightning_streamkl.LayerPair` per layer (snapshot path relative to ``root``, model
             path, weight ``1 / L``, name ``layer<i>`` or the path).
         probe: a capture of the module that records only the selected layers (checks the first step).
+
+    Example:
+        >>> from lightning_streamkl.capture import RecorderCapture
+        >>> from torch import nn
+        >>> LayerSelection("encoder", [], RecorderCapture(nn.Identity())).root
+        'encoder'
     """
 
     root: str
@@ -43,6 +49,18 @@ def resolve_layers(pl_module: LightningModule, config: ContinualConfig) -> Layer
     Raises:
         ValueError: no attention layer the capture adapters can find, an unknown layer or submodule (with the
             closest names), or layers outside the snapshotted submodule.
+
+    Example:
+        >>> import lightning as L
+        >>> from torch import nn
+        >>> class Model(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        ...         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        >>> selection = resolve_layers(Model(), ContinualConfig(layers=[-1]))
+        >>> selection.root, [(p.teacher, p.student, p.label) for p in selection.pairs]
+        ('encoder', [('layers.1.self_attn', 'encoder.layers.1.self_attn', 'layer1')])
     """
     probe = build_capture(pl_module, config.capture)
     model = type(pl_module).__name__

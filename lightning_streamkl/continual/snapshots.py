@@ -31,6 +31,10 @@ class Snapshot:
         module: the frozen copy; ``None`` until a checkpointed one is rebuilt.
         pending: checkpointed weights waiting for a module structure.
         distiller: the engine that runs it as a teacher (built at its first step).
+
+    Example:
+        >>> Snapshot(task=2, pending={"weight": torch.zeros(1)}).state()
+        {'task': 2, 'state_dict': {'weight': tensor([0.])}}
     """
 
     task: int
@@ -88,6 +92,13 @@ def rebuild(snapshot: Snapshot, root: nn.Module, pl_module: nn.Module, name: str
 
     Raises:
         RuntimeError: the weights do not fit the structure, or hold tensors it lacks.
+
+    Example:
+        >>> live = nn.Linear(2, 2)
+        >>> saved = Snapshot(task=0, pending={k: torch.ones_like(v) for k, v in live.state_dict().items()})
+        >>> rebuilt = rebuild(saved, live, live, "continual_kl")
+        >>> rebuilt.weight.sum().item(), rebuilt.weight.requires_grad, live.weight.sum().item() == 4.0
+        (4.0, False, False)
     """
     assert snapshot.pending is not None
     frozen = frozen_copy(root, pl_module)

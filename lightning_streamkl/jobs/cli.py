@@ -77,6 +77,10 @@ class StreamKLCLI(LightningCLI):
     Adds the ``teacher`` (a LightningModule, like ``model``), ``distillation`` and ``job`` sections, links
     ``data.vocab_size`` into both models, and loads :data:`DEFAULT_CONFIG` before any other config. After a
     run, :attr:`results` holds what ``<run_dir>/results.json`` holds.
+
+    Example:
+        >>> sorted(StreamKLCLI.subcommands()["fit"])
+        ['datamodule', 'model', 'train_dataloaders', 'val_dataloaders']
     """
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
@@ -183,7 +187,15 @@ def _normalise_args(argv: list[str]) -> list[str]:
 
 
 def main(args: list[str] | None = None) -> StreamKLCLI:
-    """Entry point of ``streamkl-distill`` (``args``: the command line without the program name)."""
+    """Entry point of ``streamkl-distill`` (``args``: the command line without the program name).
+
+    Example:
+        >>> import contextlib, io
+        >>> with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.suppress(SystemExit):
+        ...     _ = main(["--job.teacher_steps=5", "--print_config"])
+        >>> "teacher_steps: 5" in printed.getvalue()
+        True
+    """
     if args is None:
         sys.argv[1:] = _normalise_args(sys.argv[1:])
         return StreamKLCLI()
@@ -221,6 +233,15 @@ def run() -> None:
     A config error (a bad value or key, from the YAML or the command line) is printed as one line, ``error: ...``,
     with exit status 2, as for the parser's own errors; ``STREAMKL_DEBUG=1`` shows the traceback instead. (A
     console script exits with its function's return value, and :func:`main` returns the CLI object.)
+
+    Example:
+        >>> import contextlib, io, sys
+        >>> argv, sys.argv = sys.argv, ["streamkl-distill", "--distillation.temperature=0", "--trainer.logger=false"]
+        >>> with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.suppress(SystemExit):
+        ...     run()                    # fails before anything is trained
+        >>> sys.argv = argv
+        >>> err.getvalue().strip().splitlines()[-1]
+        'streamkl-distill: error: Expected `temperature` to be a finite number > 0, but got 0.0.'
     """
     try:
         main()

@@ -75,6 +75,10 @@ class JobConfig:
         target_max_steps: the cap: a student still below the target when the budget runs out keeps training
             until it reaches it or until this many steps (the report then says "not within" the cap).
         plots: write PNG plots (needs matplotlib).
+
+    Example:
+        >>> JobConfig(target_accuracy=0.9).target_max_steps
+        3000
     """
 
     run_dir: str = "runs/streamkl-distill"
@@ -255,6 +259,15 @@ class DistillationJob:
         seed: seeds every run (``seed_everything(seed)`` before each fit), so both students see the same
             batches in the same order.
         config_text: the resolved config, written to ``<run_dir>/config.yaml``.
+
+    Example (the job's arguments; :meth:`run` trains and writes the run directory)::
+
+        >>> from lightning_streamkl.jobs import RecallData, RecallModel
+        >>> job = DistillationJob(RecallModel(d_model=16, num_heads=2), RecallModel(d_model=16, num_heads=2),
+        ...                       RecallData(seq_len=16, batch_size=2), {"pairs": [[-1, -1]]},
+        ...                       {"teacher_steps": 3, "eval_lengths": [16]}, trainer_defaults={"max_steps": 3})
+        >>> job.config.teacher_steps, [p.label for p in job.distill_config.pairs]
+        (3, ['t-1_s-1'])
     """
 
     def __init__(self, teacher: L.LightningModule, student: L.LightningModule, datamodule: L.LightningDataModule,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LABELS", "RUNS", "WINDOW", "first_step_reaching", "headline_table", "outcome", "render_report",
-           "write_outputs"]
+           "sample_results", "write_outputs"]
 
 #: The three runs of a job, in the order they are trained.
 RUNS = ("teacher", "student_kl", "student_base")
@@ -25,6 +25,39 @@ LABELS = {"teacher": "teacher", "student_kl": "student, with attention KL", "stu
 MARGIN = 0.02
 #: Steps in the moving average of the training accuracy that the steps-to-target are read from.
 WINDOW = 20
+
+
+def sample_results() -> dict[str, Any]:
+    """A small made-up ``results`` dict with every key the report reads (for the examples).
+
+    Example:
+        >>> sorted(sample_results())
+        ['environment', 'eval', 'naive_loss', 'runs', 'setup']
+    """
+    history = {"student_kl": [{"step": s, "train/acc": min(1.0, s / 30), "train/attn_kl/l0": 1 / s, "elapsed_s": s / 10}
+                              for s in range(1, 61)],
+               "student_base": [{"step": s, "train/acc": 0.02, "elapsed_s": s / 20} for s in range(1, 81)]}
+    target = {"student_kl": {"accuracy": 0.9, "step": 37, "elapsed_s": 3.7, "max_steps": 80, "window": WINDOW},
+              "student_base": {"accuracy": 0.9, "step": None, "elapsed_s": None, "max_steps": 80, "window": WINDOW}}
+    runs = {"teacher": {"steps": 100, "wall_s": 9.0, "step_ms_median": 90.0, "peak_cuda_bytes": None, "history": []}}
+    for run in ("student_kl", "student_base"):
+        runs[run] = {"steps": len(history[run]), "budget": 50, "wall_s": 4.0, "step_ms_median": 50.0,
+                     "peak_cuda_bytes": None, "batch_shape": [4, 32], "history": history[run], "target": target[run]}
+    return {
+        "runs": runs,
+        "eval": {"lengths": [32, 64], "sequences": 8, "attention_kl_seq_len": 32,
+                 "accuracy": {"teacher": {32: 0.95, 64: 0.5}, "student_kl": {32: 0.9, 64: 0.4},
+                              "student_base": {32: 0.02, 64: 0.02}},
+                 "attention_kl": {"student_kl": {"l0": 0.1}, "student_base": {"l0": 2.0}}},
+        "setup": {"train_seq_len": 32, "chance": 1 / 64, "student_steps": 50, "teacher_steps": 100, "seed": 0,
+                  "job": {"kl_eval_sequences": 4, "teacher_checkpoint": None},
+                  "distillation": {"name": "attn_kl", "pairs": [{"teacher": 0, "student": 0, "name": "l0"}],
+                                   "weight": 1.0, "temperature": 1.0, "direction": "forward"},
+                  "data": {"batch_size": 4, "seq_len": 32}, "teacher_data": {"batch_size": 8, "seq_len": 32},
+                  "teacher_params": 10, "student_params": 10},
+        "naive_loss": {"batch_size": 4, "seq_len": 32, "heads": [2], "pairs": 1, "maps": 65536, "with_grad": 98304},
+        "environment": {"device": "cpu", "torch": "2", "lightning": "2", "threads": 2},
+    }
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
@@ -69,6 +102,14 @@ def outcome(results: Mapping[str, Any]) -> dict[str, Any]:
     "to_target"}``; the verdict is one of ``"helped"``, ``"hurt"``, ``"no clear difference"``, ``"teacher failed"``
     and ``"no baseline"``; ``to_target`` maps each student to ``{"accuracy", "step", "elapsed_s", "max_steps"}``
     (``step`` ``None``: not reached within ``max_steps``), or is empty when the job had no target.
+
+    Example:
+        >>> out = outcome(sample_results())
+        >>> out["verdict"], out["to_target"]["student_kl"]["step"], out["to_target"]["student_base"]["step"]
+        ('helped', 37, None)
+        >>> out["summary"][1]
+        'Trained on until its training accuracy (moving average over 20 steps, on batches it had not seen) reached \
+90%, the student with attention KL needed 37 steps (4 s), the one without not within 80 steps.'
     """
     setup, ev = results["setup"], results["eval"]
     acc = ev["accuracy"]
@@ -197,7 +238,15 @@ def _list(values: Sequence[int]) -> str:
 
 # ---------------------------------------------------------------------------------------------- files
 def write_outputs(results: dict[str, Any], run_dir: str | Path, *, plots: bool = True) -> dict[str, Any]:
-    """Write ``eval.csv``, ``steps.csv``, the plots and ``report.md`` into ``run_dir``; adds ``results["outcome"]``."""
+    """Write ``eval.csv``, ``steps.csv``, the plots and ``report.md`` into ``run_dir``; adds ``results["outcome"]``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     _ = write_outputs(sample_results(), run_dir, plots=False)
+        ...     sorted(p.name for p in Path(run_dir).iterdir())
+        ['eval.csv', 'report.md', 'steps.csv']
+    """
     run_dir = Path(run_dir)
     results["outcome"] = outcome(results)
     _write_eval_csv(results, run_dir / "eval.csv")
@@ -237,7 +286,14 @@ def _write_steps_csv(results: Mapping[str, Any], path: Path) -> None:
 
 def make_plots(results: Mapping[str, Any], run_dir: Path) -> list[tuple[str, str]]:
     """``accuracy.png`` (training accuracy, with vs without), ``attn_kl.png`` (per-pair KL over steps) and
-    ``accuracy_vs_length.png``; returns ``[(file, caption)]``."""
+    ``accuracy_vs_length.png``; returns ``[(file, caption)]``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     [file for file, _ in make_plots(sample_results(), Path(run_dir))]
+        ['accuracy.png', 'attn_kl.png', 'accuracy_vs_length.png']
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,7 +382,15 @@ def _gib(x: float | None) -> str:
 
 
 def render_report(results: Mapping[str, Any], images: Sequence[tuple[str, str]] = ()) -> str:
-    """The markdown report."""
+    """The markdown report (``results`` with its ``"outcome"``).
+
+    Example:
+        >>> results = sample_results()
+        >>> results["outcome"] = outcome(results)
+        >>> report = render_report(results)
+        >>> report.splitlines()[0], "| student, without | not reached | – | 80 |" in report
+        ('# streamkl-distill report', True)
+    """
     out, setup, ev, runs = results["outcome"], results["setup"], results["eval"], results["runs"]
     env = results.get("environment", {})
     job, dist = setup["job"], setup["distillation"]
@@ -412,7 +476,12 @@ def render_report(results: Mapping[str, Any], images: Sequence[tuple[str, str]] 
 
 
 def type_note(hp: Mapping[str, Any]) -> str:
-    """``batch_size x seq_len`` plus the other data settings."""
+    """``batch_size x seq_len`` plus the other data settings.
+
+    Example:
+        >>> type_note({"batch_size": 16, "seq_len": 128, "vocab_size": 64})
+        'batches of 16 × N=128 (vocab_size=64)'
+    """
     if not hp:
         return "–"
     rest = {k: v for k, v in hp.items() if k not in ("batch_size", "seq_len", "train_batches")}
