@@ -317,6 +317,9 @@ def make_plots(results: Mapping[str, Any], run_dir: Path) -> list[tuple[str, str
         ax.axhline(t, color=colors["teacher"], ls=":", label=f"teacher (held-out, N={n_train})")
     if setup.get("chance"):
         ax.axhline(setup["chance"], color="#999999", ls="--", lw=0.8, label="chance")
+    if any(runs.get(run, {}).get("steps", 0) > setup["student_steps"] for run in ("student_kl", "student_base")):
+        ax.axvline(setup["student_steps"], color="#999999", ls=":", lw=1,
+                   label=f"step budget ({setup['student_steps']}): held-out comparison")
     ax.set(xlabel="optimizer step", ylabel="accuracy on the step's (unseen) batch",
            title=f"task accuracy during training (N={n_train}, moving average of 20)", ylim=(-0.02, 1.02))
     ax.legend(loc="center right", fontsize=8)
