@@ -190,9 +190,11 @@ def main(args: list[str] | None = None) -> StreamKLCLI:
     """Entry point of ``streamkl-distill`` (``args``: the command line without the program name).
 
     Example:
-        >>> import contextlib, io
+        >>> import contextlib, io, sys
+        >>> argv, sys.argv = sys.argv, ["streamkl-distill"]  # LightningCLI warns when both hold arguments
         >>> with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.suppress(SystemExit):
         ...     _ = main(["--job.teacher_steps=5", "--print_config"])
+        >>> sys.argv = argv
         >>> "teacher_steps: 5" in printed.getvalue()
         True
     """

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 pytest.importorskip("transformers")
@@ -57,10 +57,12 @@ def test_model_parallel_strategy_is_rejected_in_a_real_run():
     assert "training_step" not in student.__dict__
 
 
-def test_fsdp_strategy_is_rejected():
+def test_fsdp_and_deepspeed_strategies_are_rejected():
     """Lightning's FSDPStrategy needs CUDA to run, so on CPU the real strategy object is handed to ``setup``;
-    test_ddp_gpu.py rejects it in a real 2-GPU run."""
-    for strategy in (FSDPStrategy(), type("MyFSDP", (FSDPStrategy,), {})()):  # subclasses too
+    test_ddp_gpu.py rejects it in a real 2-GPU run. DeepSpeed is not installed here, so its strategy cannot be
+    constructed: an instance of Lightning's real DeepSpeedStrategy class is made without its __init__."""
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    for strategy in (FSDPStrategy(), type("MyFSDP", (FSDPStrategy,), {})(), deepspeed):  # subclasses too
         cb = StreamKLDistillation(make_teacher(), pairs=[LAST])
         name = type(strategy).__name__
         with pytest.raises(MisconfigurationException, match=f"does not support the {name} strategy"):
