@@ -109,7 +109,9 @@ class AttentionDistiller:
         padding_mask: ``fn(batch) -> [B, N] bool mask or None``; default: ``batch[config.mask_key]``.
         offload: keep the teacher in host memory and borrow device copies of its weights for each pass.
 
-    Example (plain PyTorch):
+    Example:
+        A step in plain PyTorch:
+
         >>> encoder = lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
         ...                                         enable_nested_tensor=False)
         >>> teacher, student = encoder(), encoder()

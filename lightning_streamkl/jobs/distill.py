@@ -260,7 +260,8 @@ class DistillationJob:
             batches in the same order.
         config_text: the resolved config, written to ``<run_dir>/config.yaml``.
 
-    Example (the job's arguments; :meth:`run` trains and writes the run directory)::
+    Example:
+        The arguments (:meth:`run` trains and writes the run directory):
 
         >>> from lightning_streamkl.jobs import RecallData, RecallModel
         >>> job = DistillationJob(RecallModel(d_model=16, num_heads=2), RecallModel(d_model=16, num_heads=2),
