@@ -148,3 +148,26 @@ def test_kl_of_a_bf16_teacher_on_an_fp32_student_matches_the_op():
     expected = attention_kl(t.q, t.k, s.q, s.k, causal=True, scale_t=t.scale, scale_s=s.scale,
                             key_padding_mask=mask, query_mask=mask)
     torch.testing.assert_close(distiller.end_step(batch).per_pair["last"], expected)
+
+
+def test_a_teacher_spread_with_device_map_is_never_moved(monkeypatch):
+    """A model dispatched over devices with ``device_map`` (``hf_device_map``) stays where it is, whatever
+    ``teacher_device`` says, and its inputs go to the device of its first tensor; any other teacher is moved."""
+    from lightning_streamkl.teacher import FrozenTeacher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("moved")
+
+    for spread in (True, False):
+        teacher = make_teacher()
+        if spread:
+            teacher.hf_device_map = {"": "cpu"}
+        monkeypatch.setattr(teacher, "to", refuse)
+        frozen = FrozenTeacher(teacher, device="student")
+        frozen.prepare()
+        if spread:
+            with frozen.placed(torch.device("meta")) as device:
+                assert device == torch.device("cpu")
+        else:
+            with pytest.raises(AssertionError, match="moved"), frozen.placed(torch.device("meta")):
+                pass
