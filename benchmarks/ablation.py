@@ -48,11 +48,11 @@ VARIANTS: dict[str, list[str] | None] = {
     "no attention KL": None,
 }
 COMMON = ["--trainer.enable_progress_bar=false", "--job.plots=false", "--job.eval_lengths=[128, 256]",
-          "--job.kl_eval_sequences=32"]
+          "--job.kl_eval_sequences=32", "--job.target_accuracy=null"]  # step-matched only (no training on to a target)
 
 
 def _run(args: list[str]) -> dict[str, Any]:
-    from lightning_streamkl.cli import main
+    from lightning_streamkl.jobs.cli import main
 
     results = main(args).results
     return json.loads(json.dumps(results, default=str))  # as in the run's results.json (string keys)

@@ -1,17 +1,20 @@
 """Lightning integration of StreamKL attention distillation.
 
-Three ways in: the :class:`StreamKLDistillation` callback (add it to ``Trainer(callbacks=[...])``), the
-:class:`AttentionDistillationMixin` (call ``self.attention_distillation_loss()`` from your own step), and
-LightningCLI YAML (``class_path: lightning_streamkl.StreamKLDistillation``). Layer pairs, weights and options
-are :class:`StreamKLConfig` structured configs; :class:`AttentionKLDivergence` logs per-pair divergence.
-For continual learning, :class:`ContinualAttentionRegularizer` regularises attention toward frozen snapshots
-of the model taken at task boundaries.
+Three ways in, each a thin adapter over one Lightning-free engine (:class:`AttentionDistiller`): the
+:class:`StreamKLDistillation` callback (add it to ``Trainer(callbacks=[...])``), the
+:class:`AttentionDistillationMixin` (call ``self.attention_distillation_loss()`` from your own step), and the
+:class:`ContinualAttentionRegularizer` (regularise attention toward frozen snapshots of the model taken at task
+boundaries). LightningCLI YAML works too (``class_path: lightning_streamkl.StreamKLDistillation``). Layer pairs,
+weights and options are :class:`StreamKLConfig` structured configs; :class:`AttentionKLDivergence` logs per-pair
+divergence. The demo job (``streamkl-distill``) lives in :mod:`lightning_streamkl.jobs`, which this package never
+imports.
 """
 
 from .callback import StreamKLDistillation
 from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCapture, RecorderCapture, record
-from .config import LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
+from .config import AttentionKLOptions, LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
 from .continual import ContinualAttentionRegularizer, ContinualConfig
+from .engine import AttentionDistiller, DistillationMetrics
 from .loss import AttentionDistillationLoss, last_to_last, uniform_pairs
 from .metrics import AttentionKLDivergence
 from .mixin import AttentionDistillationMixin
@@ -20,9 +23,12 @@ __all__ = [
     "AttentionCapture",
     "AttentionDistillationLoss",
     "AttentionDistillationMixin",
+    "AttentionDistiller",
     "AttentionKLDivergence",
+    "AttentionKLOptions",
     "ContinualAttentionRegularizer",
     "ContinualConfig",
+    "DistillationMetrics",
     "HFAttentionCapture",
     "LayerPair",
     "MultiheadAttentionCapture",

@@ -11,11 +11,11 @@ against the teacher's and the student's captures, map heads, decide causality an
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from streamkl import attention_kl
 
@@ -24,7 +24,7 @@ from .config import LayerPair, StreamKLConfig, validate_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "last_to_last", "uniform_pairs"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "last_to_last", "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -106,6 +106,11 @@ class LossOutput:
         per_pair: ``{pair name: KL_p}``, the mean KL over counted rows of each pair (differentiable).
         kl_sums: ``[P]`` float32, the per-pair KL summed over counted rows (detached), for the metric.
         rows: ``[P]`` float32, the per-pair counted rows (for the metric).
+
+    Example:
+        >>> out = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([2.0]), torch.tensor([4.0]))
+        >>> float(out.kl_sums[0] / out.rows[0]) == float(out.per_pair["last"])
+        True
     """
 
     total: torch.Tensor
@@ -215,8 +220,9 @@ class AttentionDistillationLoss:
         for rec, side in ((t, "teacher"), (s, "student")):
             if not rec.exact and side + r.pair.label not in self._warned:
                 self._warned.add(side + r.pair.label)
-                rank_zero_warn(f"StreamKL {label}: {rec.note}; the KL is computed from softmax(q kᵀ · scale) only.")
-        q_t, k_t, q_s, k_s = t.q, t.k, s.q, s.k
+                _warn_on_rank_zero(f"StreamKL {label}: {rec.note}; the KL is computed from softmax(q kᵀ · scale) only.")
+        device = s.q.device  # the teacher may run elsewhere: its queries and keys travel, not the models
+        q_t, k_t, q_s, k_s = t.q.to(device, non_blocking=True), t.k.to(device, non_blocking=True), s.q, s.k
         if q_t.dim() != 4 or q_s.dim() != 4 or k_t.dim() != 4 or k_s.dim() != 4:
             raise ValueError(
                 f"StreamKL {label}: expected 4-d [B, H, N, D] queries and keys, but got teacher q {tuple(q_t.shape)}, "
@@ -257,7 +263,6 @@ class AttentionDistillationLoss:
                 )
             kpm = key_padding_mask
         qm = query_mask if query_mask is not None and tuple(query_mask.shape) == (b_t, n_qt) else None
-        device = q_s.device
         kpm = None if kpm is None else kpm.to(device=device, dtype=torch.bool)
         qm = None if qm is None else qm.to(device=device, dtype=torch.bool)
         if k_t.dtype != q_t.dtype:
@@ -299,6 +304,13 @@ class AttentionDistillationLoss:
         return q_t, q_s.repeat_interleave(big // small, dim=1)
 
 
+def _warn_on_rank_zero(message: str) -> None:
+    """``warnings.warn`` on the process of global rank 0 only (every process when there is no process group)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or \
+            torch.distributed.get_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
 def _combine(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     if a is None or b is None:
         return a if b is None else b
@@ -317,3 +329,25 @@ def _lookup(records: Mapping[str, CapturedAttention], name: str, side: str, labe
     )
 
 
+
+
+def weighted_sum(outputs: list[LossOutput], weights: list[float]) -> LossOutput:
+    """``Σ_k weights_k · outputs_k`` of loss outputs computed on the same batch (e.g. one per teacher); the row
+    counts are those of the first (the same batch and masks give the same counts).
+
+    Example:
+        >>> one = LossOutput(torch.tensor(1.0), {"p": torch.tensor(1.0)}, torch.tensor([4.0]), torch.tensor([4.0]))
+        >>> two = LossOutput(torch.tensor(3.0), {"p": torch.tensor(3.0)}, torch.tensor([12.0]), torch.tensor([4.0]))
+        >>> out = weighted_sum([one, two], [0.75, 0.25])
+        >>> float(out.total), float(out.per_pair["p"]), out.kl_sums.tolist(), out.rows.tolist()
+        (1.5, 1.5, [6.0], [4.0])
+    """
+    if len(outputs) != len(weights) or not outputs:
+        raise ValueError(f"Expected one weight per output (and at least one), but got {len(weights)} weights for "
+                         f"{len(outputs)} outputs.")
+    if len(outputs) == 1 and weights[0] == 1.0:
+        return outputs[0]
+    total = sum(w * o.total for w, o in zip(weights, outputs))
+    per_pair = {k: sum(w * o.per_pair[k] for w, o in zip(weights, outputs)) for k in outputs[0].per_pair}
+    kl_sums = sum(w * o.kl_sums for w, o in zip(weights, outputs))
+    return LossOutput(total, per_pair, kl_sums, outputs[0].rows)  # type: ignore[arg-type]

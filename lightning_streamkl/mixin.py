@@ -2,8 +2,10 @@ r"""
 Attention distillation mixin
 ^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 
-For LightningModules that want explicit control: the same capture and loss as
-:class:`~lightning_streamkl.StreamKLDistillation`, called from the module's own ``training_step``.
+For LightningModules that want explicit control: the same engine as
+:class:`~lightning_streamkl.StreamKLDistillation` (:class:`~lightning_streamkl.engine.AttentionDistiller`), called
+from the module's own ``training_step``. The Lightning hooks it needs live in a small callback the module adds to
+its own trainer (``configure_callbacks``), so overriding the module's batch hooks cannot switch them off.
 """
 
 from __future__ import annotations
@@ -15,28 +17,39 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ._distiller import Distiller
-from .callback import load_metric_state, metric_state
+from .adapter import load_metric_state, log_epoch, log_step, metric_state
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
-from .metrics import AttentionKLDivergence
+from .engine import AttentionDistiller, DistillationMetrics
+
+__all__ = ["AttentionDistillationMixin"]
+
+#: What a step that could not record the student is missing, in every message that says so.
+_MISSING_CALLBACK = (
+    "the mixin's batch hooks did not run: they live in a callback that configure_callbacks() adds, so if you "
+    "override configure_callbacks, return super().configure_callbacks()'s callbacks too"
+)
 
 
 class AttentionDistillationMixin:
     r"""Give a LightningModule ``self.attention_distillation_loss()``.
 
     Call :meth:`configure_attention_distillation` once (in ``__init__``); then every training and validation
-    batch records the student's ``(q, k)`` at the paired layers (from ``on_train_batch_start`` /
-    ``on_validation_batch_start``: if you override those hooks, call ``super()``), and
-    :meth:`attention_distillation_loss` runs the teacher on the batch, returns
-    ``weight · ramp · Σ_p w_p · KL_p`` (differentiable) and releases the captured tensors. Add it to your loss
-    yourself, which also works with manual optimization. Per-step values are logged as
+    batch records the student's ``(q, k)`` at the paired layers (the mixin adds a callback to the trainer that
+    opens the recording when a batch starts), and :meth:`attention_distillation_loss` runs the teacher on the
+    batch, returns ``weight · ramp · Σ_p w_p · KL_p`` (differentiable) and releases the captured tensors. Add it
+    to your loss yourself, which also works with manual optimization. Per-step values are logged as
     ``train/<name>/<pair>`` and ``train/<name>/total``, epoch values (row-weighted, synced across processes)
-    from the metrics registered as ``self.train_attention_kl`` and ``self.val_attention_kl``.
+    from the metrics registered as ``self.train_attention_kl`` and ``self.val_attention_kl``. At the start of a
+    fit the pairing is printed, as the callback does; a training step that records the student but never calls
+    :meth:`attention_distillation_loss` gets one warning.
 
     Put the mixin before ``LightningModule`` (or your existing module class) in the bases; its ``__init__``
-    takes nothing of its own and passes any arguments on to ``super().__init__``.
+    takes nothing of its own and passes any arguments on to ``super().__init__``. If you override
+    ``configure_callbacks``, include ``super().configure_callbacks()``; if you override ``on_save_checkpoint`` or
+    ``on_load_checkpoint``, call ``super()``.
 
     Example::
 
@@ -54,19 +67,23 @@ class AttentionDistillationMixin:
         ...     def training_step(self, batch, batch_idx):
         ...         task_loss = self.encoder(batch).pow(2).mean()
         ...         return task_loss + self.attention_distillation_loss()
-        >>> student = Student(teacher=encoder())
-        >>> with student.capture_student_attention():            # what the batch-start hook does in a Trainer
-        ...     _ = student.encoder(torch.randn(2, 5, 16))
-        >>> loss = student.attention_distillation_loss(torch.randn(2, 5, 16))
+        >>> student = Student(teacher=nn.Sequential(encoder()))
+        >>> x = torch.randn(2, 5, 16)
+        >>> with student.capture_student_attention():            # what a Trainer does when a batch starts
+        ...     _ = student.encoder(x)
+        >>> loss = student.attention_distillation_loss(x)
         >>> loss.requires_grad, bool(loss > 0)
         (True, True)
     """
 
+    _streamkl_metrics: DistillationMetrics
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._streamkl: Distiller | None = None
+        self._streamkl: AttentionDistiller | None = None
         self._streamkl_batch: Any = None
         self._streamkl_recording: AbstractContextManager[Any] | None = None
+        self._streamkl_warned = False
 
     def configure_attention_distillation(
         self,
@@ -96,18 +113,19 @@ class AttentionDistillationMixin:
             base = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
         if pairs is not None:
             base["pairs"] = pairs
-        base.update(options)
-        cfg = validate_config(base)
-        distiller = Distiller(teacher, cfg, teacher_forward)
+        cfg = validate_config({**base, **options})
+        distiller = AttentionDistiller(teacher, cfg, teacher_forward=teacher_forward)
         object.__setattr__(self, "_streamkl", distiller)  # not a submodule: keeps the teacher out of state_dict
-        self.train_attention_kl = distiller.make_metric()
-        self.val_attention_kl = distiller.make_metric()
+        metrics = distiller.metrics()
+        object.__setattr__(self, "_streamkl_metrics", metrics)
+        self.train_attention_kl = metrics.train
+        self.val_attention_kl = metrics.val
         return cfg
 
     # ------------------------------------------------------------------------------------------ public
     @contextmanager
     def capture_student_attention(self) -> Iterator[None]:
-        """Record the student's paired layers inside the block (the batch-start hooks open one for you)."""
+        """Record the student's paired layers inside the block (in a Trainer, a callback opens one per batch)."""
         distiller = self._streamkl_ready()
         with distiller.student_recording():
             yield
@@ -120,68 +138,31 @@ class AttentionDistillationMixin:
 
         Raises:
             RuntimeError: :meth:`configure_attention_distillation` was not called, no batch is known, or the
-                student's paired layers were not recorded (e.g. an overridden batch-start hook skipped ``super()``).
+                student's paired layers were not recorded; the message says what is missing.
         """
         distiller = self._streamkl_ready()
+        trainer = self._streamkl_trainer()
         if batch is None:
             batch = self._streamkl_batch
             if batch is None:
-                raise RuntimeError("attention_distillation_loss() has no batch: pass it, or call it from a step.")
-        student = distiller.student_capture
-        assert student is not None
-        if not student.records:
+                where = f": {_MISSING_CALLBACK}" if trainer is not None else ""
+                raise RuntimeError(
+                    f"attention_distillation_loss() has no batch: pass it, or call it from a step{where}.")
+        if not distiller.student_recorded:
             distiller.clear()
             raise RuntimeError(
                 "attention_distillation_loss(): the student's paired layers were not recorded. Run the student's "
-                "forward first; in a Trainer, recording starts in on_train_batch_start/on_validation_batch_start "
-                "(call super() if you override them); outside one, use `with self.capture_student_attention():`."
+                "forward first; " + (f"in a Trainer, {_MISSING_CALLBACK}." if trainer is not None and
+                                     self._streamkl_recording is None else
+                                     "outside a Trainer, use `with self.capture_student_attention():`.")
             )
         self._streamkl_stop()  # nothing after this point (e.g. a checkpointed re-forward) is recorded
-        distiller.place_teacher(self._streamkl_device(), self)  # type: ignore[arg-type]
-        distiller.run_teacher(batch)
-        terms = distiller.compute(batch)
+        terms = distiller.end_step(batch)
         stage = self._streamkl_stage()
-        trainer = self._streamkl_trainer()
-        step = trainer.global_step if trainer is not None else 0
         if stage == "train" or (stage == "val" and distiller.config.validation):
-            metric = self._streamkl_metric(stage)
-            metric.to(terms.rows.device)
-            metric.update(terms.kl_sums, terms.rows)
-            if log and trainer is not None and stage == "train" and distiller.config.log_on_step:
-                name = distiller.config.name
-                values = {f"train/{name}/{k}": v.detach() for k, v in terms.per_pair.items()}
-                values[f"train/{name}/total"] = terms.total.detach()
-                self.log_dict(values, on_step=True, on_epoch=False)  # type: ignore[attr-defined]
-        return terms.total * distiller.weight_at(step)
-
-    # ------------------------------------------------------------------------------------------ hooks
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
-        out = super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        self._streamkl_start(batch)
-        return out
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
-        self._streamkl_stop(clear=True)
-
-    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        super().on_validation_batch_start(batch, batch_idx, dataloader_idx)  # type: ignore[misc]
-        if self._streamkl is not None:
-            self._streamkl_start(batch)  # (sanity-check batches are computed but not counted in the metric)
-
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        super().on_validation_batch_end(outputs, batch, batch_idx, dataloader_idx)  # type: ignore[misc]
-        self._streamkl_stop(clear=True)
-
-    def on_train_epoch_end(self) -> None:
-        super().on_train_epoch_end()  # type: ignore[misc]
-        self._streamkl_log_epoch("train")
-
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()  # type: ignore[misc]
-        trainer = self._streamkl_trainer()
-        if not (trainer and trainer.sanity_checking):
-            self._streamkl_log_epoch("val")
+            log_step(self, self._streamkl_metrics, stage, terms,  # type: ignore[arg-type]
+                     log_on_step=log and distiller.config.log_on_step, prog_bar=distiller.config.prog_bar)
+        return terms.total * distiller.weight_at(trainer.global_step if trainer is not None else 0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save the training metric's epoch-so-far sums (as the callback does), so that a mid-epoch resume logs
@@ -204,17 +185,18 @@ class AttentionDistillationMixin:
             load_metric_state(self.train_attention_kl, saved["train_metric"], self._streamkl_trainer())
 
     def configure_callbacks(self) -> Sequence[Callback] | Callback:
-        """Add a callback that closes the student's recording when a run raises (Lightning then skips the
-        batch-end hooks that close it otherwise). If you override this hook, include ``super()``'s callbacks."""
+        """Add the callback that runs the mixin's batch hooks (open the student's recording when a batch starts,
+        close it when it ends or the run raises, log epoch values, print the pairing). If you override this hook,
+        include ``super()``'s callbacks."""
         own = super().configure_callbacks()  # type: ignore[misc]
         own = list(own) if isinstance(own, Sequence) else [own]
-        return [*own, _CloseRecordingOnException()]
+        return [*own, _MixinHooks()]
 
     # ------------------------------------------------------------------------------------------ internals
     def _streamkl_checkpoint_key(self) -> str:
         return f"AttentionDistillationMixin[{self._streamkl.config.name}]"  # type: ignore[union-attr]
 
-    def _streamkl_ready(self) -> Distiller:
+    def _streamkl_ready(self) -> AttentionDistiller:
         distiller = self.__dict__.get("_streamkl")
         if distiller is None:
             raise RuntimeError("Call self.configure_attention_distillation(teacher, pairs=...) first (in __init__).")
@@ -223,10 +205,6 @@ class AttentionDistillationMixin:
 
     def _streamkl_trainer(self) -> Any:
         return getattr(self, "_trainer", None)
-
-    def _streamkl_device(self) -> torch.device:
-        param = next(self.parameters(), None)  # type: ignore[attr-defined]
-        return param.device if param is not None else torch.device("cpu")
 
     def _streamkl_stage(self) -> str | None:
         trainer = self._streamkl_trainer()
@@ -240,8 +218,6 @@ class AttentionDistillationMixin:
         return None
 
     def _streamkl_start(self, batch: Any) -> None:
-        if self.__dict__.get("_streamkl") is None:
-            return
         self._streamkl_stop(clear=True)
         self._streamkl_batch = batch
         ctx = self.capture_student_attention()
@@ -257,23 +233,57 @@ class AttentionDistillationMixin:
             if self._streamkl is not None:
                 self._streamkl.clear()
 
-    def _streamkl_metric(self, stage: str) -> AttentionKLDivergence:
-        return self.train_attention_kl if stage == "train" else self.val_attention_kl
-
-    def _streamkl_log_epoch(self, stage: str) -> None:
-        if self.__dict__.get("_streamkl") is None:
-            return
-        metric = self._streamkl_metric(stage)
-        if metric.update_count == 0:
-            return
-        values = {f"{stage}/{k}": v for k, v in metric.compute().items()}
-        self.log_dict(values, on_step=False, on_epoch=True, sync_dist=True)  # type: ignore[attr-defined]
-        metric.reset()
+    def _streamkl_end_training_batch(self) -> None:
+        distiller = self._streamkl
+        if distiller is not None and distiller.student_recorded and not self._streamkl_warned:
+            self._streamkl_warned = True
+            rank_zero_warn(
+                f"{type(self).__name__}: training_step ran the student's paired layers but never called "
+                "self.attention_distillation_loss(), so nothing was distilled in this batch; add it to the loss "
+                "training_step returns."
+            )
+        self._streamkl_stop(clear=True)
 
 
-class _CloseRecordingOnException(Callback):
-    """Closes an :class:`AttentionDistillationMixin` module's open recording when a run raises."""
+class _MixinHooks(Callback):
+    """The batch and epoch hooks of an :class:`AttentionDistillationMixin` module (added by its
+    ``configure_callbacks``)."""
+
+    @staticmethod
+    def _configured(pl_module: Any) -> bool:
+        return isinstance(pl_module, AttentionDistillationMixin) and pl_module.__dict__.get("_streamkl") is not None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._configured(pl_module) and stage in ("fit", "validate"):
+            rank_zero_info(pl_module._streamkl_ready().describe())
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._configured(pl_module):
+            pl_module._streamkl_start(batch)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._configured(pl_module):
+            pl_module._streamkl_end_training_batch()
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if self._configured(pl_module):
+            pl_module._streamkl_start(batch)  # (sanity-check batches are computed but not counted in the metric)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self._configured(pl_module):
+            pl_module._streamkl_stop(clear=True)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._configured(pl_module):
+            log_epoch(pl_module, pl_module._streamkl_metrics, "train", prog_bar=pl_module._streamkl.config.prog_bar)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._configured(pl_module) and not trainer.sanity_checking:
+            log_epoch(pl_module, pl_module._streamkl_metrics, "val", prog_bar=pl_module._streamkl.config.prog_bar)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if isinstance(pl_module, AttentionDistillationMixin):
             pl_module._streamkl_stop(clear=True)
+

@@ -109,7 +109,7 @@ def test_committed_ablation_table_is_the_scripts_output(ablation):
 
 def test_every_ablation_variant_is_a_valid_job_command_line(ablation, capsys):
     pytest.importorskip("jsonargparse")
-    from lightning_streamkl.cli import main
+    from lightning_streamkl.jobs.cli import main
 
     for name, overrides in ablation.VARIANTS.items():
         with pytest.raises(SystemExit) as exit_info:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .base import AttentionCapture, CapturedAttention
+from .base import AttentionCapture, CapturedAttention, closest, is_recording
 from .hf import HFAttentionCapture, is_hf_model
 from .mha import MultiheadAttentionCapture
 from .recorder import RecorderCapture, record
@@ -26,6 +26,8 @@ __all__ = [
     "MultiheadAttentionCapture",
     "RecorderCapture",
     "build_capture",
+    "closest",
+    "is_recording",
     "record",
 ]
 

@@ -45,6 +45,11 @@ class CapturedAttention:
             from ``q`` and ``k`` differs from the one between the layer's own probabilities.
         note: why ``exact`` is False.
         layer_idx: the layer's ``layer_idx`` when the module has one (Hugging Face attention modules).
+
+    Example:
+        >>> record = CapturedAttention(torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), causal=True)
+        >>> record.q.shape[1] // record.k.shape[1], record.exact
+        (2, True)
     """
 
     q: torch.Tensor
@@ -55,6 +60,16 @@ class CapturedAttention:
     exact: bool = True
     note: str | None = None
     layer_idx: int | None = None
+
+
+def is_recording() -> bool:
+    """True while any capture's :meth:`AttentionCapture.recording` block is open (e.g. inside a distilled step).
+
+    Example:
+        >>> is_recording()
+        False
+    """
+    return bool(_RECORDING)
 
 
 def closest(name: str, choices: Iterable[str], n: int = 3) -> list[str]:

@@ -42,7 +42,12 @@ _INEXACT_KWARGS = ("sliding_window", "softcap", "position_bias", "s_aux", "sinks
 
 
 def transformers_available() -> bool:
-    """True when transformers can be imported (the import is attempted only when it was not loaded yet)."""
+    """True when transformers can be imported (the import is attempted only when it was not loaded yet).
+
+    Example:
+        >>> transformers_available()
+        True
+    """
     if "transformers" in sys.modules:
         return True
     try:
@@ -84,7 +89,16 @@ def _interfaces() -> tuple[Any, Any, Any | None, Any | None]:
 
 
 def uses_attention_interface(module: nn.Module) -> bool:
-    """True when ``type(module).forward`` dispatches through transformers' ``ALL_ATTENTION_FUNCTIONS``."""
+    """True when ``type(module).forward`` dispatches through transformers' ``ALL_ATTENTION_FUNCTIONS``.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> from transformers.models.llama.modeling_llama import LlamaAttention
+        >>> uses_attention_interface(LlamaAttention(LlamaConfig(hidden_size=8, num_attention_heads=2), 0))
+        True
+        >>> uses_attention_interface(nn.MultiheadAttention(8, 2))
+        False
+    """
     cls = type(module)
     if cls not in _USES_INTERFACE:
         fn = inspect.unwrap(cls.forward)

@@ -76,6 +76,11 @@ class RecorderCapture(AttentionCapture):
             (which is what ``record(self, ...)`` produces) and any other name is accepted until the first
             step shows it was never recorded.
         exclude: submodules to ignore (see :class:`AttentionCapture`).
+
+    Example:
+        >>> capture = RecorderCapture(nn.Identity(), names=["a", "b"])
+        >>> capture.resolve(-1), capture.kind
+        ('b', 'recorder')
     """
 
     kind = "recorder"

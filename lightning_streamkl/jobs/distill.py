@@ -5,7 +5,10 @@ The distillation job
 What ``streamkl-distill fit`` runs: train a teacher, then two students from the same initialisation, seed,
 data and step budget, one with :class:`~lightning_streamkl.StreamKLDistillation` and one without; evaluate all
 three on held-out sequences at several context lengths, measure how far each student's attention is from the
-teacher's, and write a run directory with metrics, plots and a short report.
+teacher's, and write a run directory with metrics, plots and a short report. With a target accuracy
+(``job.target_accuracy``), a student that has not reached it when the step budget runs out keeps training until it
+does or until ``job.target_max_steps``, so the report can say how many steps (and seconds) each student needed;
+the step-matched comparison still uses the weights each student had at the budget.
 
 The job works with any teacher/student LightningModules and data module that follow a small protocol (the
 built-in :mod:`lightning_streamkl.tasks.recall` task does):
@@ -25,6 +28,7 @@ import logging
 import platform
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -33,22 +37,17 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from .._distiller import default_teacher_forward
-from ..callback import StreamKLDistillation
-from ..capture import build_capture
-from ..config import StreamKLConfig, validate_config
-from ..loss import AttentionDistillationLoss
+from lightning_streamkl import AttentionDistiller, StreamKLConfig, StreamKLDistillation, validate_config
+from lightning_streamkl.capture import build_capture
+from lightning_streamkl.engine import default_teacher_forward
+
+from .report import LABELS, WINDOW, first_step_reaching, write_outputs
 
 log = logging.getLogger(__name__)
-
-#: The three runs of a job, in the order they are trained.
-RUNS = ("teacher", "student_kl", "student_base")
-#: How the report names them.
-LABELS = {"teacher": "teacher", "student_kl": "student, with attention KL", "student_base": "student, without"}
 
 
 @dataclass
@@ -70,7 +69,16 @@ class JobConfig:
         eval_batch_size: sequences per evaluation batch.
         kl_eval_sequences: held-out sequences (at the students' training length) on which the attention KL of
             each student to the teacher is measured at the end.
+        target_accuracy: the training accuracy each student is timed to (the moving average over 20 steps of the
+            accuracy on each step's batch, which is fresh data every step); ``None``: no target, every student
+            trains exactly the step budget (``trainer.max_steps``). The built-in default config sets ``0.9``.
+        target_max_steps: the cap: a student still below the target when the budget runs out keeps training
+            until it reaches it or until this many steps (the report then says "not within" the cap).
         plots: write PNG plots (needs matplotlib).
+
+    Example:
+        >>> JobConfig(target_accuracy=0.9).target_max_steps
+        3000
     """
 
     run_dir: str = "runs/streamkl-distill"
@@ -83,12 +91,20 @@ class JobConfig:
     eval_sequences: int = 256
     eval_batch_size: int = 64
     kl_eval_sequences: int = 64
+    target_accuracy: float | None = None
+    target_max_steps: int = 3000
     plots: bool = True
 
 
 class RunStats(Callback):
-    """Records, for one training run: per-step wall time, the ``train/...`` values logged each step, the batch
-    shape, and the peak CUDA memory (``torch.cuda.max_memory_allocated``, reset when training starts)."""
+    """Records, for one training run: per-step wall time and the time since training started, the ``train/...``
+    values logged each step, the batch shape, and the peak CUDA memory (``torch.cuda.max_memory_allocated``, reset
+    when training starts).
+
+    Example:
+        >>> RunStats().summary()["steps"]
+        0
+    """
 
     def __init__(self) -> None:
         self.history: list[dict[str, float]] = []
@@ -119,7 +135,7 @@ class RunStats(Callback):
         self._sync(pl_module)
         dt = time.perf_counter() - self._t0
         self.step_times.append(dt)
-        row = {"step": float(trainer.global_step), "time_s": dt}
+        row = {"step": float(trainer.global_step), "time_s": dt, "elapsed_s": time.perf_counter() - self._start}
         for key, value in trainer.callback_metrics.items():
             if key.startswith("train/") and isinstance(value, torch.Tensor) and value.numel() == 1:
                 row[key] = float(value)
@@ -132,12 +148,54 @@ class RunStats(Callback):
             self.peak_cuda_bytes = int(torch.cuda.max_memory_allocated(pl_module.device))
 
     def summary(self) -> dict[str, Any]:
-        """Steps, wall time, median step time (after the first 5 steps), peak CUDA memory, batch shape."""
+        """Steps, wall time, median step time (after the first 5 steps), peak CUDA memory, batch shape, history."""
         times = sorted(self.step_times[5:] or self.step_times)
         median = times[len(times) // 2] if times else float("nan")
         return {"steps": len(self.step_times), "wall_s": self.wall_s, "step_ms_median": 1e3 * median,
                 "peak_cuda_bytes": self.peak_cuda_bytes,
-                "batch_shape": list(self.batch_shape) if self.batch_shape else None}
+                "batch_shape": list(self.batch_shape) if self.batch_shape else None, "history": self.history}
+
+
+class UntilTarget(Callback):
+    """Keeps a copy of the weights at the step budget (for the step-matched comparison) and stops training once,
+    past the budget, the moving average of ``train/acc`` has reached ``target`` (``None``: stop at the budget).
+
+    Example:
+        >>> UntilTarget(budget=300, target=0.9).weights_at_budget is None
+        True
+    """
+
+    def __init__(self, budget: int, target: float | None) -> None:
+        self.budget, self.target = budget, target
+        self.weights_at_budget: dict[str, torch.Tensor] | None = None
+        self._window: deque[float] = deque(maxlen=WINDOW)
+        self._reached = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        value = trainer.callback_metrics.get("train/acc")
+        if value is not None:
+            self._window.append(float(value))
+            full = len(self._window) == WINDOW
+            self._reached |= full and self.target is not None and sum(self._window) / WINDOW >= self.target
+        if trainer.global_step == self.budget:
+            self.weights_at_budget = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        if trainer.global_step >= self.budget and (self.target is None or self._reached):
+            trainer.should_stop = True
+
+
+class _RunLabel(Callback):
+    """Names the run in the TQDM progress bar instead of "Epoch 0/-2" (public API: ``trainer.progress_bar_callback``
+    and ``TQDMProgressBar.train_progress_bar``); set after the bar's own epoch start, on the first batch."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        bar = trainer.progress_bar_callback
+        if batch_idx == 0 and isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+            bar.train_progress_bar.set_description(self.label)
 
 
 def naive_loss_bytes(batch_size: int, heads: Iterable[int], seq_len: int) -> dict[str, int]:
@@ -201,6 +259,16 @@ class DistillationJob:
         seed: seeds every run (``seed_everything(seed)`` before each fit), so both students see the same
             batches in the same order.
         config_text: the resolved config, written to ``<run_dir>/config.yaml``.
+
+    Example:
+        The arguments (:meth:`run` trains and writes the run directory):
+
+        >>> from lightning_streamkl.jobs import RecallData, RecallModel
+        >>> job = DistillationJob(RecallModel(d_model=16, num_heads=2), RecallModel(d_model=16, num_heads=2),
+        ...                       RecallData(seq_len=16, batch_size=2), {"pairs": [[-1, -1]]},
+        ...                       {"teacher_steps": 3, "eval_lengths": [16]}, trainer_defaults={"max_steps": 3})
+        >>> job.config.teacher_steps, [p.label for p in job.distill_config.pairs]
+        (3, ['t-1_s-1'])
     """
 
     def __init__(self, teacher: L.LightningModule, student: L.LightningModule, datamodule: L.LightningDataModule,
@@ -220,12 +288,11 @@ class DistillationJob:
         self.run_dir = Path(self.config.run_dir)
         self.results: dict[str, Any] = {}
         self._trainers_made = 0
+        self._last_trainer: L.Trainer | None = None
 
     # ------------------------------------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:
         """Run the whole job; returns the results (also written to ``<run_dir>/results.json``)."""
-        from .report import write_outputs
-
         cfg = self.config
         start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,32 +313,28 @@ class DistillationJob:
                 teacher_dm = _clone_datamodule(self.datamodule, cfg.teacher_data)
                 _banner(1, n_stages, f"training the teacher: {cfg.teacher_steps} steps, {_data_note(teacher_dm)}")
                 trainer, stats = self._fit("teacher", self.teacher, teacher_dm, cfg.teacher_steps, [])
-                runs["teacher"] = stats.summary() | {"history": stats.history}
+                runs["teacher"] = stats.summary()
                 if cfg.save_teacher:
                     trainer.save_checkpoint(self.run_dir / "teacher.ckpt")
 
             # 2. the student with attention KL
+            budget = self._student_budget()
             distill = StreamKLDistillation(self.teacher, **self.distill_options)
-            student_kl = self.student
-            steps = None
             _banner(2, n_stages, "training the student WITH attention KL "
                                  f"({', '.join(p.label for p in self.distill_config.pairs)}; weight "
-                                 f"{self.distill_config.weight:g}), {_data_note(self.datamodule)}")
-            trainer, stats = self._fit("student_kl", student_kl, self.datamodule, steps, [distill])
-            runs["student_kl"] = stats.summary() | {"history": stats.history}
-            students = {"student_kl": student_kl}
+                                 f"{self.distill_config.weight:g}), {_data_note(self.datamodule)}"
+                                 + self._target_note(budget))
+            students = {"student_kl": self._fit_student("student_kl", self.student, budget, [distill], runs)}
 
             # 3. the student without
             if cfg.baseline:
-                student_base = initial_student
                 _banner(3, n_stages, "training the student WITHOUT attention KL (same initial weights, seed, data "
-                                     "and steps)")
-                trainer, stats = self._fit("student_base", student_base, self.datamodule, steps, [])
-                runs["student_base"] = stats.summary() | {"history": stats.history}
-                students["student_base"] = student_base
+                                     "and steps)" + self._target_note(budget))
+                students["student_base"] = self._fit_student("student_base", initial_student, budget, [], runs)
 
-        # 4. evaluation
+        # 4. evaluation (of the students' weights at the step budget)
         _banner(n_stages, n_stages, f"evaluating on held-out sequences at lengths {list(cfg.eval_lengths)}")
+        trainer = self._last_trainer
         device = trainer.strategy.root_device
         models = {"teacher": self.teacher, **students}
         accuracy = {name: self.evaluate_accuracy(m, device, trainer) for name, m in models.items()}
@@ -299,16 +362,56 @@ class DistillationJob:
              callbacks: list[Callback]) -> tuple[L.Trainer, RunStats]:
         stats = RunStats()
         kwargs: dict[str, Any] = {"logger": CSVLogger(str(self.run_dir), name=name, version=""),
-                                  "callbacks": [*callbacks, stats], "default_root_dir": str(self.run_dir / name)}
+                                  "callbacks": [*callbacks, stats, _RunLabel(LABELS[name])],
+                                  "default_root_dir": str(self.run_dir / name)}
         if max_steps is not None:
             kwargs["max_steps"] = max_steps
+        trainer = self._trainer(**kwargs)
+        L.seed_everything(self.seed, workers=True, verbose=False)
+        trainer.fit(module, datamodule=dm)
+        self._last_trainer = trainer
+        return trainer, stats
+
+    def _trainer(self, **kwargs: Any) -> L.Trainer:
         with _quiet_trainer_banner(self._trainers_made > 0):
             trainer = self.trainer_factory(**kwargs)
         self._trainers_made += 1
-        _label_progress_bar(trainer, LABELS[name])
-        L.seed_everything(self.seed, workers=True, verbose=False)
-        trainer.fit(module, datamodule=dm)
-        return trainer, stats
+        return trainer
+
+    def _student_budget(self) -> int:
+        """The students' step budget: the ``max_steps`` of the trainer the factory makes."""
+        budget = self._trainer(logger=False, enable_checkpointing=False).max_steps
+        if budget is None or budget < 1:
+            raise ValueError(f"Expected the students' trainer to have `max_steps` >= 1 (the step budget of the "
+                             f"comparison), but got {budget}.")
+        return int(budget)
+
+    def _target_note(self, budget: int) -> str:
+        target = self.config.target_accuracy
+        if target is None or self.config.target_max_steps <= budget:
+            return ""
+        return (f"; then, until its training accuracy reaches {100 * target:g}% (at most "
+                f"{self.config.target_max_steps} steps)")
+
+    def _fit_student(self, name: str, module: L.LightningModule, budget: int, callbacks: list[Callback],
+                     runs: dict[str, dict[str, Any]]) -> L.LightningModule:
+        """Train one student for the budget (and on to the target, up to the cap); returns the model with its
+        weights at the budget (a copy when it trained longer)."""
+        target = self.config.target_accuracy
+        cap = max(budget, self.config.target_max_steps) if target is not None else budget
+        until = UntilTarget(budget, target)
+        _, stats = self._fit(name, module, self.datamodule, cap, [*callbacks, until])
+        summary = stats.summary()
+        reached = first_step_reaching(summary["history"], "train/acc", target, WINDOW) if target is not None else None
+        summary["budget"] = budget
+        summary["target"] = {"accuracy": target, "max_steps": cap, "window": WINDOW, "step": reached,
+                             "elapsed_s": _elapsed_at(summary["history"], reached)}
+        runs[name] = summary
+        if until.weights_at_budget is None or summary["steps"] == budget:
+            return module
+        at_budget = copy.deepcopy(module)
+        at_budget.load_state_dict(until.weights_at_budget)
+        return at_budget
 
     # ------------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -333,25 +436,21 @@ class DistillationJob:
         cfg = self.config
         if cfg.kl_eval_sequences <= 0:
             return {}
-        loss = AttentionDistillationLoss(self.distill_config)
-        t_cap = build_capture(self.teacher, self.distill_config.teacher_capture)
-        s_cap = build_capture(student, self.distill_config.student_capture)
-        loss.resolve(t_cap, s_cap)
-        self.teacher.to(device).eval()
+        distiller = AttentionDistiller(self.teacher, self.distill_config)
         student.to(device).eval()
+        distiller.setup(student)
         sums = rows = None
         with _autocast(trainer, device):
             for batch in self.datamodule.eval_batches(seq_len, cfg.kl_eval_sequences, cfg.eval_batch_size, seed=2):
                 batch = {k: v.to(device) for k, v in batch.items()}
-                with t_cap.recording():
-                    default_teacher_forward(self.teacher, batch)
-                with s_cap.recording():
+                distiller.begin_step(batch)
+                with distiller.student_recording():
                     default_teacher_forward(student, batch)
-                out = loss(t_cap.pop(), s_cap.pop())
+                out = distiller.end_step(batch)
                 sums = out.kl_sums if sums is None else sums + out.kl_sums
                 rows = out.rows if rows is None else rows + out.rows
         assert sums is not None and rows is not None
-        return {name: float(s / r) for name, s, r in zip(loss.pair_names, sums, rows)}
+        return {name: float(s / r) for name, s, r in zip(distiller.loss.pair_names, sums, rows)}
 
     # ------------------------------------------------------------------------------------------ summaries
     def _setup_summary(self, runs: Mapping[str, Any]) -> dict[str, Any]:
@@ -368,7 +467,7 @@ class DistillationJob:
             "data": _plain(hp),
             "teacher_data": _plain(t_hp),
             "train_seq_len": _max_len(dm),
-            "student_steps": runs.get("student_kl", {}).get("steps"),
+            "student_steps": runs.get("student_kl", {}).get("budget", runs.get("student_kl", {}).get("steps")),
             "teacher_steps": runs.get("teacher", {}).get("steps", 0),
             "distillation": _plain({k: v for k, v in asdict(self.distill_config).items()}),
             "chance": 1.0 / hp["vocab_size"] if hp.get("vocab_size") else None,
@@ -430,6 +529,13 @@ def _data_note(dm: L.LightningDataModule) -> str:
     return type(dm).__name__
 
 
+def _elapsed_at(history: list[dict[str, float]], step: int | None) -> float | None:
+    """The time since training started when ``step`` ended (``None`` for no step)."""
+    if step is None:
+        return None
+    return next((row["elapsed_s"] for row in history if int(row["step"]) == step), None)
+
+
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -467,23 +573,6 @@ def _quiet_trainer_banner(quiet: bool) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(line_filter)
-
-
-def _label_progress_bar(trainer: L.Trainer, label: str) -> None:
-    """Name the run in the progress bar instead of "Epoch 0/-2" (max_steps runs have no epoch count)."""
-    bar = getattr(trainer, "progress_bar_callback", None)
-    if bar is not None and hasattr(bar, "_get_train_description"):  # RichProgressBar
-        bar._get_train_description = lambda current_epoch: label
-    elif bar is not None and hasattr(bar, "on_train_epoch_start"):  # TQDMProgressBar
-        start = bar.on_train_epoch_start
-
-        def on_train_epoch_start(*args: Any, **kwargs: Any) -> None:
-            start(*args, **kwargs)
-            progress = getattr(bar, "train_progress_bar", None)
-            if progress is not None:
-                progress.set_description(label)
-
-        bar.on_train_epoch_start = on_train_epoch_start
 
 
 def _banner(i: int, n: int, text: str) -> None:

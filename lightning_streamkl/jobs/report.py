@@ -14,10 +14,50 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .distill import LABELS, RUNS
+__all__ = ["LABELS", "RUNS", "WINDOW", "first_step_reaching", "headline_table", "outcome", "render_report",
+           "sample_results", "write_outputs"]
 
+#: The three runs of a job, in the order they are trained.
+RUNS = ("teacher", "student_kl", "student_base")
+#: How the report names them.
+LABELS = {"teacher": "teacher", "student_kl": "student, with attention KL", "student_base": "student, without"}
 #: A difference in accuracy (absolute) below this is reported as "no clear difference".
 MARGIN = 0.02
+#: Steps in the moving average of the training accuracy that the steps-to-target are read from.
+WINDOW = 20
+
+
+def sample_results() -> dict[str, Any]:
+    """A small made-up ``results`` dict with every key the report reads (for the examples).
+
+    Example:
+        >>> sorted(sample_results())
+        ['environment', 'eval', 'naive_loss', 'runs', 'setup']
+    """
+    history = {"student_kl": [{"step": s, "train/acc": min(1.0, s / 30), "train/attn_kl/l0": 1 / s, "elapsed_s": s / 10}
+                              for s in range(1, 61)],
+               "student_base": [{"step": s, "train/acc": 0.02, "elapsed_s": s / 20} for s in range(1, 81)]}
+    target = {"student_kl": {"accuracy": 0.9, "step": 37, "elapsed_s": 3.7, "max_steps": 80, "window": WINDOW},
+              "student_base": {"accuracy": 0.9, "step": None, "elapsed_s": None, "max_steps": 80, "window": WINDOW}}
+    runs = {"teacher": {"steps": 100, "wall_s": 9.0, "step_ms_median": 90.0, "peak_cuda_bytes": None, "history": []}}
+    for run in ("student_kl", "student_base"):
+        runs[run] = {"steps": len(history[run]), "budget": 50, "wall_s": 4.0, "step_ms_median": 50.0,
+                     "peak_cuda_bytes": None, "batch_shape": [4, 32], "history": history[run], "target": target[run]}
+    return {
+        "runs": runs,
+        "eval": {"lengths": [32, 64], "sequences": 8, "attention_kl_seq_len": 32,
+                 "accuracy": {"teacher": {32: 0.95, 64: 0.5}, "student_kl": {32: 0.9, 64: 0.4},
+                              "student_base": {32: 0.02, 64: 0.02}},
+                 "attention_kl": {"student_kl": {"l0": 0.1}, "student_base": {"l0": 2.0}}},
+        "setup": {"train_seq_len": 32, "chance": 1 / 64, "student_steps": 50, "teacher_steps": 100, "seed": 0,
+                  "job": {"kl_eval_sequences": 4, "teacher_checkpoint": None},
+                  "distillation": {"name": "attn_kl", "pairs": [{"teacher": 0, "student": 0, "name": "l0"}],
+                                   "weight": 1.0, "temperature": 1.0, "direction": "forward"},
+                  "data": {"batch_size": 4, "seq_len": 32}, "teacher_data": {"batch_size": 8, "seq_len": 32},
+                  "teacher_params": 10, "student_params": 10},
+        "naive_loss": {"batch_size": 4, "seq_len": 32, "heads": [2], "pairs": 1, "maps": 65536, "with_grad": 98304},
+        "environment": {"device": "cpu", "torch": "2", "lightning": "2", "threads": 2},
+    }
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
@@ -58,9 +98,18 @@ def _at(table: Mapping[Any, float], length: int) -> float | None:
 def outcome(results: Mapping[str, Any]) -> dict[str, Any]:
     """The verdict and per-length comparison of a job's results.
 
-    Returns ``{"verdict", "summary" (sentences), "per_length" (rows), "train_seq_len", "steps_to_half"}``;
-    the verdict is one of ``"helped"``, ``"hurt"``, ``"no clear difference"``, ``"teacher failed"`` and
-    ``"no baseline"``.
+    Returns ``{"verdict", "summary" (sentences), "per_length" (rows), "train_seq_len", "steps_to_half",
+    "to_target"}``; the verdict is one of ``"helped"``, ``"hurt"``, ``"no clear difference"``, ``"teacher failed"``
+    and ``"no baseline"``; ``to_target`` maps each student to ``{"accuracy", "step", "elapsed_s", "max_steps"}``
+    (``step`` ``None``: not reached within ``max_steps``), or is empty when the job had no target.
+
+    Example:
+        >>> out = outcome(sample_results())
+        >>> out["verdict"], out["to_target"]["student_kl"]["step"], out["to_target"]["student_base"]["step"]
+        ('helped', 37, None)
+        >>> out["summary"][1]
+        'Trained on until its training accuracy (moving average over 20 steps, on batches it had not seen) reached \
+90%, the student with attention KL needed 37 steps (4 s), the one without not within 80 steps.'
     """
     setup, ev = results["setup"], results["eval"]
     acc = ev["accuracy"]
@@ -81,6 +130,7 @@ def outcome(results: Mapping[str, Any]) -> dict[str, Any]:
     for run in ("student_kl", "student_base"):
         history = results["runs"].get(run, {}).get("history", [])
         half[run] = first_step_reaching(history, "train/acc", 0.5) if history else None
+    to_target = steps_to_target(results)
 
     def pct(x: float | None) -> str:
         return "–" if x is None else f"{100 * x:.1f}%"
@@ -112,7 +162,7 @@ def outcome(results: Mapping[str, Any]) -> dict[str, Any]:
             verdict = "no clear difference"
             lines.append(f"**No clear difference.** With {budget}, the students reach {pct(w)} (with attention KL) "
                          f"and {pct(b)} (without) at N={ref} (teacher {pct(t_ref)}).")
-        if half["student_kl"] is not None or half["student_base"] is not None:
+        if not to_target and (half["student_kl"] is not None or half["student_base"] is not None):
             def when(s: int | None) -> str:
                 return f"after {s} steps" if s is not None else f"not within {steps} steps"
 
@@ -131,6 +181,8 @@ def outcome(results: Mapping[str, Any]) -> dict[str, Any]:
         if longer and t_ref is not None and all(r["teacher"] < 0.5 * t_ref for r in longer):
             lines.append(f"Beyond the training length (N > {n_train}) every model degrades, the teacher included: "
                          "none of them was trained on retrieval distances that long.")
+    if to_target:
+        lines.append(_target_sentence(to_target))
     kl = ev.get("attention_kl", {})
     if kl.get("student_kl") and kl.get("student_base"):
         pairs = list(kl["student_kl"])
@@ -138,7 +190,46 @@ def outcome(results: Mapping[str, Any]) -> dict[str, Any]:
                      + ", ".join(f"{kl['student_kl'][p]:.3g}" for p in pairs) + " with, "
                      + ", ".join(f"{kl['student_base'][p]:.3g}" for p in pairs) + " without.")
     return {"verdict": verdict, "summary": lines, "per_length": rows, "train_seq_len": n_train,
-            "steps_to_half": half}
+            "steps_to_half": half, "to_target": to_target}
+
+
+def steps_to_target(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per student, what its run recorded about reaching the job's target training accuracy (see
+    :func:`outcome`); empty when the job had no target.
+
+    Example:
+        >>> runs = {"student_kl": {"target": {"accuracy": 0.9, "step": 150, "elapsed_s": 12.0, "max_steps": 3000}}}
+        >>> steps_to_target({"runs": runs})["student_kl"]["step"]
+        150
+    """
+    out = {}
+    for run in ("student_kl", "student_base"):
+        target = results["runs"].get(run, {}).get("target")
+        if target and target.get("accuracy") is not None:
+            out[run] = {k: target.get(k) for k in ("accuracy", "step", "elapsed_s", "max_steps")}
+    return out
+
+
+def _reach(entry: Mapping[str, Any]) -> str:
+    if entry["step"] is None:
+        return f"not within {entry['max_steps']} steps"
+    return f"{entry['step']} steps ({entry['elapsed_s']:.0f} s)"
+
+
+def _target_sentence(to_target: Mapping[str, Mapping[str, Any]]) -> str:
+    kl, base = to_target.get("student_kl"), to_target.get("student_base")
+    first = kl or base
+    assert first is not None
+    text = (f"Trained on until its training accuracy (moving average over {WINDOW} steps, on batches it had not "
+            f"seen) reached {100 * first['accuracy']:g}%, the student with attention KL needed "
+            f"{_reach(kl) if kl else '–'}")
+    if base is None:
+        return text + "."
+    text += f", the one without {_reach(base)}"
+    if kl and kl["step"] is not None and base["step"] is not None:
+        text += (f": {base['step'] / kl['step']:.1f}× the steps and {base['elapsed_s'] / kl['elapsed_s']:.1f}× the "
+                 "wall-clock time without it")
+    return text + "."
 
 
 def _list(values: Sequence[int]) -> str:
@@ -147,7 +238,15 @@ def _list(values: Sequence[int]) -> str:
 
 # ---------------------------------------------------------------------------------------------- files
 def write_outputs(results: dict[str, Any], run_dir: str | Path, *, plots: bool = True) -> dict[str, Any]:
-    """Write ``eval.csv``, ``steps.csv``, the plots and ``report.md`` into ``run_dir``; adds ``results["outcome"]``."""
+    """Write ``eval.csv``, ``steps.csv``, the plots and ``report.md`` into ``run_dir``; adds ``results["outcome"]``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     _ = write_outputs(sample_results(), run_dir, plots=False)
+        ...     sorted(p.name for p in Path(run_dir).iterdir())
+        ['eval.csv', 'report.md', 'steps.csv']
+    """
     run_dir = Path(run_dir)
     results["outcome"] = outcome(results)
     _write_eval_csv(results, run_dir / "eval.csv")
@@ -187,7 +286,14 @@ def _write_steps_csv(results: Mapping[str, Any], path: Path) -> None:
 
 def make_plots(results: Mapping[str, Any], run_dir: Path) -> list[tuple[str, str]]:
     """``accuracy.png`` (training accuracy, with vs without), ``attn_kl.png`` (per-pair KL over steps) and
-    ``accuracy_vs_length.png``; returns ``[(file, caption)]``."""
+    ``accuracy_vs_length.png``; returns ``[(file, caption)]``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     [file for file, _ in make_plots(sample_results(), Path(run_dir))]
+        ['accuracy.png', 'attn_kl.png', 'accuracy_vs_length.png']
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,6 +317,9 @@ def make_plots(results: Mapping[str, Any], run_dir: Path) -> list[tuple[str, str
         ax.axhline(t, color=colors["teacher"], ls=":", label=f"teacher (held-out, N={n_train})")
     if setup.get("chance"):
         ax.axhline(setup["chance"], color="#999999", ls="--", lw=0.8, label="chance")
+    if any(runs.get(run, {}).get("steps", 0) > setup["student_steps"] for run in ("student_kl", "student_base")):
+        ax.axvline(setup["student_steps"], color="#999999", ls=":", lw=1,
+                   label=f"step budget ({setup['student_steps']}): held-out comparison")
     ax.set(xlabel="optimizer step", ylabel="accuracy on the step's (unseen) batch",
            title=f"task accuracy during training (N={n_train}, moving average of 20)", ylim=(-0.02, 1.02))
     ax.legend(loc="center right", fontsize=8)
@@ -276,7 +385,15 @@ def _gib(x: float | None) -> str:
 
 
 def render_report(results: Mapping[str, Any], images: Sequence[tuple[str, str]] = ()) -> str:
-    """The markdown report."""
+    """The markdown report (``results`` with its ``"outcome"``).
+
+    Example:
+        >>> results = sample_results()
+        >>> results["outcome"] = outcome(results)
+        >>> report = render_report(results)
+        >>> report.splitlines()[0], "| student, without | not reached | – | 80 |" in report
+        ('# streamkl-distill report', True)
+    """
     out, setup, ev, runs = results["outcome"], results["setup"], results["eval"], results["runs"]
     env = results.get("environment", {})
     job, dist = setup["job"], setup["distillation"]
@@ -294,7 +411,20 @@ def render_report(results: Mapping[str, Any], images: Sequence[tuple[str, str]] 
         diff = "–" if r["difference"] is None else f"{100 * r['difference']:+.1f} pts"
         lines.append(f"| {r['length']}{mark} | {_pct(r['teacher'])} | {_pct(r['with_kl'])} | {_pct(r['without_kl'])} "
                      f"| {diff} |")
-    lines.append("")
+    lines += ["", f"(Each student's weights after the step budget of {setup['student_steps']} steps.)", ""]
+
+    if out.get("to_target"):
+        first = next(iter(out["to_target"].values()))
+        lines += ["## Steps to the target", "",
+                  f"Optimizer steps (and wall-clock time since training started) until the moving average over "
+                  f"{WINDOW} steps of the training accuracy, on batches not seen before, reached "
+                  f"{100 * first['accuracy']:g}%; a student below it at the budget kept training, up to the cap.", "",
+                  "| student | steps | wall-clock | cap |", "|---|---|---|---|"]
+        for run, entry in out["to_target"].items():
+            steps = "not reached" if entry["step"] is None else str(entry["step"])
+            wall = "–" if entry["elapsed_s"] is None else f"{entry['elapsed_s']:.1f} s"
+            lines.append(f"| {LABELS[run]} | {steps} | {wall} | {entry['max_steps']} |")
+        lines.append("")
 
     kl = ev.get("attention_kl", {})
     if kl:
@@ -349,9 +479,64 @@ def render_report(results: Mapping[str, Any], images: Sequence[tuple[str, str]] 
 
 
 def type_note(hp: Mapping[str, Any]) -> str:
-    """``batch_size x seq_len`` plus the other data settings."""
+    """``batch_size x seq_len`` plus the other data settings.
+
+    Example:
+        >>> type_note({"batch_size": 16, "seq_len": 128, "vocab_size": 64})
+        'batches of 16 × N=128 (vocab_size=64)'
+    """
     if not hp:
         return "–"
     rest = {k: v for k, v in hp.items() if k not in ("batch_size", "seq_len", "train_batches")}
     head = f"batches of {hp.get('batch_size')} × N={hp.get('seq_len')}"
     return head + (" (" + ", ".join(f"{k}={v}" for k, v in rest.items()) + ")" if rest else "")
+
+
+def headline_table(results: Mapping[str, Any]) -> str:
+    """The README's table of a job: held-out accuracy at the training length after the step budgets, and the
+    steps (wall-clock) each student needed to reach the target training accuracy.
+
+    Example:
+        >>> res = {"setup": {"train_seq_len": 8, "chance": 0.5, "teacher_steps": 10, "student_steps": 5},
+        ...        "eval": {"lengths": [8], "accuracy": {"teacher": {8: 1.0}, "student_kl": {8: 0.9},
+        ...                                              "student_base": {8: 0.5}}},
+        ...        "runs": {"student_kl": {"target": {"accuracy": 0.9, "step": 4, "elapsed_s": 1.0, "max_steps": 50}},
+        ...                 "student_base": {"target": {"accuracy": 0.9, "step": None, "elapsed_s": None,
+        ...                                             "max_steps": 50}}}}
+        >>> print(headline_table(res))
+        | N = 8 (the training length) | teacher | student with attention KL | student without |
+        |---|---|---|---|
+        | held-out accuracy after 10 / 5 / 5 steps | 100.0% | **90.0%** | 50.0% (chance 50.0%) |
+        | steps (wall-clock) to 90% training accuracy | – | **4 (1 s)** | not within 50 |
+    """
+    setup, acc = results["setup"], results["eval"]["accuracy"]
+    n = int(setup["train_seq_len"])
+    t, w, b = (_at(acc.get(run, {}), n) for run in RUNS)
+    budget = setup["student_steps"]
+    chance = f" (chance {_pct(setup['chance'])})" if setup.get("chance") else ""
+    better = "with" if (w or 0) >= (b or 0) else "without"
+    cells = {"with": _pct(w), "without": _pct(b)}
+    cells[better] = f"**{cells[better]}**"
+    lines = [f"| N = {n} (the training length) | teacher | student with attention KL | student without |",
+             "|---|---|---|---|",
+             f"| held-out accuracy after {setup['teacher_steps']} / {budget} / {budget} steps | {_pct(t)} | "
+             f"{cells['with']} | {cells['without']}{chance} |"]
+    to_target = steps_to_target(results)
+    if to_target:
+        first = next(iter(to_target.values()))
+
+        def reach(run: str) -> str:
+            entry = to_target.get(run)
+            if entry is None:
+                return "–"
+            if entry["step"] is None:
+                return f"not within {entry['max_steps']}"
+            return f"{entry['step']} ({entry['elapsed_s']:.0f} s)"
+
+        steps = {run: to_target.get(run, {}).get("step") for run in ("student_kl", "student_base")}
+        reached = [run for run, s in steps.items() if s is not None]
+        fastest = min(reached, key=lambda run: steps[run]) if reached else None
+        shown = {run: f"**{reach(run)}**" if run == fastest else reach(run) for run in steps}
+        lines.append(f"| steps (wall-clock) to {100 * first['accuracy']:g}% training accuracy | – | "
+                     f"{shown['student_kl']} | {shown['student_base']} |")
+    return "\n".join(lines)

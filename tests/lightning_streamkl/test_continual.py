@@ -14,7 +14,8 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from lightning_streamkl import ContinualAttentionRegularizer, HFAttentionCapture, StreamKLDistillation
-from lightning_streamkl.continual import _borrowed, validate_continual_config
+from lightning_streamkl.continual import validate_continual_config
+from lightning_streamkl.teacher import borrowed
 from streamkl import attention_kl
 
 from ._models import CausalLM, Regressor, loader, tiny_llama, trainer
@@ -153,24 +154,12 @@ def test_several_snapshots_with_weights():
     assert keep_all.snapshot_tasks == [0, 1, 2]
 
 
-def test_cpu_offload_keeps_the_snapshot_on_the_host_with_the_same_losses():
-    losses = {}
-    for device in ("same", "cpu"):
-        student = make_student()
-        reg = ContinualAttentionRegularizer(snapshot_device=device, weight=2.0)
-        fit(student, reg, loader(8, 4, seed=0), max_steps=2)
-        fit(student, reg, loader(8, 4, seed=1), max_steps=3)
-        losses[device] = student.step_losses
-        assert all(t.device.type == "cpu" for t in reg.snapshots[0].state_dict().values())
-    assert losses["cpu"] == losses["same"]
-
-
 def test_borrowed_copy_puts_the_host_tensors_back():
     """The offload mechanism: converted copies inside the block (float64 here, where a GPU run moves to the device),
     the very same host tensors afterwards."""
     module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()  # a snapshot is in eval mode
     host = {name: (t.data_ptr(), t.clone()) for name, t in module.state_dict().items()}
-    with _borrowed(module, torch.device("cpu"), torch.float64):
+    with borrowed(module, torch.device("cpu"), torch.float64):
         x = module(torch.randn(5, 3, dtype=torch.float64))
         assert x.dtype == torch.float64 and module[0].weight.dtype == torch.float64
         assert module[1].num_batches_tracked.dtype == torch.long  # integer buffers keep their dtype
@@ -343,13 +332,16 @@ def test_config_round_trip_and_unknown_keys():
 
 
 def test_trainer_conflicts_and_misuse_are_rejected():
+    """With Lightning's real strategies (FSDP needs CUDA to run, so its real object is handed to ``setup``)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
     reg = ContinualAttentionRegularizer()
-    fake = SimpleNamespace(strategy=SimpleNamespace(launcher=type("_MultiProcessingLauncher", (), {})()))
-    with pytest.raises(MisconfigurationException, match=r"spawning strategy.*strategy='ddp'"):
-        reg.setup(fake, make_student(), "fit")
-    fsdp = SimpleNamespace(strategy=type("FSDPStrategy", (), {})())
+    spawn = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, enable_progress_bar=False)
+    with pytest.raises(MisconfigurationException, match=r"spawning strategy \(DDPStrategy, e.g. 'ddp_spawn'\).*"
+                                                        r"strategy='ddp'"):
+        reg.setup(spawn, make_student(), "fit")
     with pytest.raises(MisconfigurationException, match="ContinualAttentionRegularizer does not support the FSDPStrategy"):
-        reg.setup(fsdp, make_student(), "fit")
+        reg.setup(SimpleNamespace(strategy=FSDPStrategy()), make_student(), "fit")
 
     class Manual(CausalLM):
         def __init__(self):
@@ -391,3 +383,45 @@ def test_the_guide_quick_start_runs(capsys):
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     expected = re.search(r"print\(.*\)\s*#\s*(.*)", code).group(1).strip()
     assert printed == expected
+
+
+# ------------------------------------------------------------------------------------------------ snapshot inputs
+class Embedded(L.LightningModule):
+    """The LightningModule embeds (token ids) or projects (floats) before the submodule that holds the attention
+    layers; at lr = 0 the model equals its snapshot, so the regulariser's KL must be 0."""
+
+    def __init__(self, front: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.front = nn.Embedding(50, 16) if front == "embedding" else nn.Linear(16, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 1)
+        with torch.no_grad():  # peaked attention, so that feeding the snapshot the wrong input shows in the KL
+            for p in self.encoder.parameters():
+                p.mul_(4.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.encoder(self.front(x))).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("front", ["embedding", "projection"])
+def test_the_snapshot_sees_what_its_live_counterpart_sees(front):
+    """The snapshot (here the `encoder` submodule) used to be fed `batch[0]`, the raw input of the LightningModule:
+    with token ids in front of an embedding it crashed ("mat1 and mat2 must have the same dtype"), behind a float
+    projection it was silently wrong (KL 2.25 and 0.22 at lr = 0). It now gets exactly the inputs the live encoder
+    receives in the step, so at lr = 0 the logged KL is 0."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (16, 6), generator=g) if front == "embedding" else torch.randn(16, 6, 16, generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.randn(16, 6, generator=g)),
+                                       batch_size=4)
+    model, reg, rec = Embedded(front), ContinualAttentionRegularizer(), Recorder()
+    fit(model, reg, data, max_steps=2)
+    fit(model, reg, data, rec, max_steps=4)
+    assert reg.root == "encoder" and len(rec.values) == 4
+    for logged in rec.values:
+        assert logged["total"] <= 1e-6 and logged["layer0"] <= 1e-6 and logged["layer1"] <= 1e-6, logged

@@ -128,11 +128,17 @@ class MemoryProbe(L.Callback):
 
 @pytest.mark.timeout(300)
 def test_gpu_memory_is_flat_over_a_long_run(capsys):
+    """Bounds the growth over many steps (it used to demand |Δ| <= 16 KiB, and allocated memory went *down* 92 KB
+    between steps 20 and 150 on 2×H200): a leak of the captured queries and keys (one pair's teacher and student
+    q/k are 4 tensors of B·H·N·D fp32 = 3 KiB each here) would add at least 12 KiB per step, about 3 MiB over the
+    250 steps measured; the allocator's own fluctuation stays far below that."""
     distill = StreamKLDistillation(make_teacher(), pairs=[LAST, {"teacher": 0, "student": 0, "name": "first"}])
-    probe = MemoryProbe(distill, at=(20, 150, 300))
+    steps = tuple(range(50, 301, 25))
+    probe = MemoryProbe(distill, at=steps)
     gpu_trainer(max_steps=300, callbacks=[distill, probe], log_every_n_steps=50).fit(make_student(), loader(8, 2))
+    allocated = [probe.allocated[s] for s in steps]
+    slope = float(torch.tensor(allocated, dtype=torch.float64).diff().sum()) / (steps[-1] - steps[0])
     with capsys.disabled():
-        print(f"\nGPU memory allocated after steps {list(probe.allocated)}: {list(probe.allocated.values())} bytes")
-    # a leak of the captured q/k would add kilobytes every step; allow the allocator's granularity only
-    assert abs(probe.allocated[150] - probe.allocated[20]) <= 16 * 1024
-    assert abs(probe.allocated[300] - probe.allocated[20]) <= 16 * 1024
+        print(f"\nGPU memory allocated after steps {list(steps)}: {allocated} bytes ({slope:+.1f} bytes/step)")
+    assert max(allocated) - allocated[0] <= 256 * 1024  # no growth beyond the allocator's granularity
+    assert slope <= 512  # bytes per step: far below one leaked tensor per step

@@ -5,10 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_streamkl.jobs import DistillationJob, JobConfig, naive_loss_bytes, outcome, render_report
+from lightning_streamkl.jobs import (
+    DistillationJob,
+    JobConfig,
+    RecallData,
+    RecallModel,
+    make_recall_batch,
+    naive_loss_bytes,
+    outcome,
+    render_report,
+)
+from lightning_streamkl.jobs.recall import IGNORE
 from lightning_streamkl.jobs.report import first_step_reaching
-from lightning_streamkl.tasks import RecallData, RecallModel, make_recall_batch
-from lightning_streamkl.tasks.recall import IGNORE
 
 
 def test_recall_batches_are_deterministic_and_scored_only_inside_the_repeat():

@@ -98,3 +98,45 @@ def test_mixin_outside_a_trainer():
     loss = task + model.attention_distillation_loss(batch)
     loss.backward()
     assert model.model.model.layers[1].self_attn.q_proj.weight.grad is not None
+
+
+def test_a_step_that_never_calls_the_loss_warns_once():
+    class Forgetful(DistilledLM):
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss  # attention_distillation_loss() forgotten
+
+    with pytest.warns(UserWarning, match=r"Forgetful: training_step ran the student's paired layers but never called "
+                                         r"self.attention_distillation_loss\(\), so nothing was distilled") as record:
+        trainer(max_steps=3).fit(Forgetful(make_teacher()), loader(12, 4))
+    assert sum("never called" in str(w.message) for w in record) == 1
+
+
+def test_overriding_the_batch_hooks_without_super_still_distils_and_the_pairing_is_printed(caplog):
+    """The mixin used to record the student from its own on_train_batch_start, so an override without super() lost
+    the batch ("has no batch: pass it, or call it from a step" while in a step); its hooks now live in a callback
+    that the module adds to the trainer. At the start of a fit it prints the pairing line the callback prints."""
+    import logging
+
+    class Overrides(DistilledLM):
+        def on_train_batch_start(self, batch, batch_idx):
+            pass
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            pass
+
+    model = Overrides(make_teacher())
+    with caplog.at_level(logging.INFO):
+        trainer(max_steps=2).fit(model, loader(8, 4))
+    assert all(s > t for s, t in zip(model.step_losses, model.task_losses)) and len(model.step_losses) == 2
+    assert "StreamKL 'attn_kl': distilling 1 layer pair(s): last (model.layers.1.self_attn -> " \
+           "model.model.layers.1.self_attn)" in caplog.text
+
+
+def test_dropping_the_mixins_callback_says_what_is_missing():
+    class NoCallbacks(DistilledLM):
+        def configure_callbacks(self):
+            return []
+
+    with pytest.raises(RuntimeError, match=r"has no batch: pass it, or call it from a step: the mixin's batch hooks did "
+                                           r"not run: .*return super\(\).configure_callbacks\(\)'s callbacks too"):
+        trainer(max_steps=1).fit(NoCallbacks(make_teacher()), loader(4, 4))

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 pytest.importorskip("transformers")
 
 from lightning_streamkl import AttentionKLDivergence, StreamKLDistillation
-from lightning_streamkl.callback import load_metric_state, metric_state
+from lightning_streamkl.adapter import load_metric_state, metric_state
 from lightning_streamkl.capture.base import _RECORDING
 
 from ._models import TokenDataset, trainer

@@ -4,7 +4,8 @@ streamkl-distill
 
 The command-line entry point, a :class:`~lightning.pytorch.cli.LightningCLI` whose ``fit`` runs the whole
 :class:`~lightning_streamkl.jobs.DistillationJob` (teacher, student with and without attention KL, evaluation,
-report)::
+report). It uses LightningCLI's public API only (``subcommands``, ``add_arguments_to_parser``, a method named after
+the subcommand, ``instantiate_classes``, ``config``/``config_init``/``parser``)::
 
     streamkl-distill                                   # the built-in default: a CPU run of ~2 minutes
     streamkl-distill fit --config my.yaml              # overrides on top of the default
@@ -22,10 +23,12 @@ teacher's is the same with ``job.teacher_steps``), ``model`` (the student), ``te
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
 try:
@@ -36,8 +39,9 @@ except ImportError as err:  # pragma: no cover - jsonargparse missing
         "(or 'jsonargparse[signatures,omegaconf]')."
     ) from err
 
-from .callback import StreamKLDistillation
-from .jobs import DistillationJob, JobConfig
+from lightning_streamkl import StreamKLDistillation
+
+from .distill import DistillationJob, JobConfig
 
 #: Folder of the built-in configs.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -73,6 +77,10 @@ class StreamKLCLI(LightningCLI):
     Adds the ``teacher`` (a LightningModule, like ``model``), ``distillation`` and ``job`` sections, links
     ``data.vocab_size`` into both models, and loads :data:`DEFAULT_CONFIG` before any other config. After a
     run, :attr:`results` holds what ``<run_dir>/results.json`` holds.
+
+    Example:
+        >>> sorted(StreamKLCLI.subcommands()["fit"])
+        ['datamodule', 'model', 'train_dataloaders', 'val_dataloaders']
     """
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
@@ -109,20 +117,31 @@ class StreamKLCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", "teacher.init_args.vocab_size", apply_on="instantiate")
 
+    def instantiate_classes(self) -> None:
+        """Instantiate the config's classes; an error raised by a class's own validation (e.g. a LightningCLI union
+        wrapping it) is re-raised as that error, so its message comes first."""
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            raise _config_error(_root_cause(err)) from None
+
     def fit(self, model: LightningModule, datamodule: LightningDataModule | None = None, **_: Any) -> None:
         """Run the job (replaces ``Trainer.fit`` for this CLI)."""
         cfg = self.config_init[self.subcommand]
-        config_text = self._parser(self.subcommand).dump(self.config[self.subcommand])
-        job = DistillationJob(
-            teacher=cfg["teacher"], student=model, datamodule=datamodule,
-            distillation=_as_dict(cfg["distillation"]), config=cfg["job"],
-            trainer_factory=self._make_trainer, seed=_seed(cfg.get("seed_everything")), config_text=config_text,
-        )
+        config_text = yaml.safe_dump(yaml.safe_load(self.parser.dump(self.config))[self.subcommand], sort_keys=False)
+        try:
+            job = DistillationJob(
+                teacher=cfg["teacher"], student=model, datamodule=datamodule,
+                distillation=_as_dict(cfg["distillation"]), config=cfg["job"],
+                trainer_factory=self._make_trainer, seed=_seed(cfg.get("seed_everything")), config_text=config_text,
+            )
+        except (ValueError, TypeError) as err:
+            raise _config_error(err) from None
         self.results = job.run()
 
     def _make_trainer(self, **overrides: Any) -> Trainer:
         """A fresh Trainer from the ``trainer`` section; the section's callbacks are copied for each run."""
-        base = self._get(self.config_init, "trainer", default={})
+        base = self.config_init[self.subcommand].get("trainer") or {}
         callbacks = [copy.deepcopy(c) for c in (base.get("callbacks") or [])]
         overrides["callbacks"] = callbacks + list(overrides.get("callbacks", []))
         return self.trainer_class(**{**base, **overrides})
@@ -168,19 +187,71 @@ def _normalise_args(argv: list[str]) -> list[str]:
 
 
 def main(args: list[str] | None = None) -> StreamKLCLI:
-    """Entry point of ``streamkl-distill`` (``args``: the command line without the program name)."""
+    """Entry point of ``streamkl-distill`` (``args``: the command line without the program name).
+
+    Example:
+        >>> import contextlib, io, sys
+        >>> argv, sys.argv = sys.argv, ["streamkl-distill"]  # LightningCLI warns when both hold arguments
+        >>> with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.suppress(SystemExit):
+        ...     _ = main(["--job.teacher_steps=5", "--print_config"])
+        >>> sys.argv = argv
+        >>> "teacher_steps: 5" in printed.getvalue()
+        True
+    """
     if args is None:
         sys.argv[1:] = _normalise_args(sys.argv[1:])
         return StreamKLCLI()
     return StreamKLCLI(args=_normalise_args(args))
 
 
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost cause of ``err`` that our own code raised (a config value error), else ``err``.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise ValueError("Expected `temperature` to be a finite number > 0, but got -2.0.")
+        ...     except ValueError as inner:
+        ...         raise ValueError("Does not validate against any of the Union subtypes") from inner
+        ... except ValueError as outer:
+        ...     print(_root_cause(outer))
+        Expected `temperature` to be a finite number > 0, but got -2.0.
+    """
+    seen = err
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    return seen if isinstance(seen, (ValueError, TypeError)) else err
+
+
+def _config_error(err: BaseException) -> BaseException:
+    """Mark ``err`` as an error in the config (raised before anything ran), for :func:`run`."""
+    err._streamkl_config_error = True  # type: ignore[attr-defined]
+    return err
+
+
 def run() -> None:
     """The ``streamkl-distill`` console script: :func:`main` on ``sys.argv``, exit status 0 when the job finishes.
 
-    (A console script exits with its function's return value, and :func:`main` returns the CLI object.)
+    A config error (a bad value or key, from the YAML or the command line) is printed as one line, ``error: ...``,
+    with exit status 2, as for the parser's own errors; ``STREAMKL_DEBUG=1`` shows the traceback instead. (A
+    console script exits with its function's return value, and :func:`main` returns the CLI object.)
+
+    Example:
+        >>> import contextlib, io, sys
+        >>> argv, sys.argv = sys.argv, ["streamkl-distill", "--distillation.temperature=0", "--trainer.logger=false"]
+        >>> with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.suppress(SystemExit):
+        ...     run()                    # fails before anything is trained
+        >>> sys.argv = argv
+        >>> err.getvalue().strip().splitlines()[-1]
+        'streamkl-distill: error: Expected `temperature` to be a finite number > 0, but got 0.0.'
     """
-    main()
+    try:
+        main()
+    except (ValueError, TypeError) as err:
+        if not getattr(err, "_streamkl_config_error", False) or os.environ.get("STREAMKL_DEBUG"):
+            raise
+        print(f"streamkl-distill: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

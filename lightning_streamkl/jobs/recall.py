@@ -2,6 +2,8 @@ r"""
 Long-range recall
 ^^^^^^^^^^^^^^^^^
 
+(Part of the demo job, :mod:`lightning_streamkl.jobs`; the library never imports it.)
+
 The synthetic task of the ``streamkl-distill`` job: a task where a model must look far back to succeed, and
 where *where it looks* is easy to state.
 
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..capture import record
+from lightning_streamkl import record
 
 __all__ = ["CausalSelfAttention", "RecallData", "RecallModel", "TinyTransformer", "make_recall_batch"]
 
@@ -183,6 +185,11 @@ class CausalSelfAttention(nn.Module):
         rotary_fraction: share of each head's dims that get the rotary position embedding (the rest carry
             content only, which helps the learned retrieval hold at lengths beyond training).
         rope_base: rotary base.
+
+    Example:
+        >>> attn = CausalSelfAttention(d_model=16, num_heads=2)
+        >>> tuple(attn(torch.randn(3, 5, 16)).shape), attn.rotary_dims
+        ((3, 5, 16), 4)
     """
 
     def __init__(self, d_model: int, num_heads: int, rotary_fraction: float = 0.5, rope_base: float = 10_000.0):
@@ -300,6 +307,11 @@ class RecallModel(L.LightningModule):
 
 
 def chance_accuracy(vocab_size: int) -> float:
-    """Accuracy of guessing uniformly: ``1 / vocab_size``."""
+    """Accuracy of guessing uniformly: ``1 / vocab_size``.
+
+    Example:
+        >>> chance_accuracy(64)
+        0.015625
+    """
     return 1.0 / vocab_size
 

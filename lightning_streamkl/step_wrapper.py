@@ -1,4 +1,8 @@
-"""Wrapping a LightningModule's ``training_step``/``validation_step`` so callbacks can add to the loss.
+r"""
+Step wrapper
+^^^^^^^^^^^^
+
+Wrapping a LightningModule's ``training_step``/``validation_step`` so callbacks can add to the loss.
 
 Lightning's callback hooks cannot change the loss. Instead, an instance attribute shadows the module's step
 method for the duration of a run: it runs each registered runner's teacher pass, calls the original step with
@@ -10,6 +14,7 @@ accumulation, scales it for fp16 and runs the one backward (under DDP as well, s
 
 from __future__ import annotations
 
+import contextlib  # noqa: F401 - used by the doctest
 import functools
 from contextlib import ExitStack
 from typing import Any, Protocol
@@ -19,7 +24,13 @@ from torch import nn
 _REGISTRY_ATTR = "_streamkl_step_wrappers"
 
 
+__all__ = ["StepRunner", "copy_memo", "install", "runners", "strip_wrappers", "uninstall"]
+
+
 class StepRunner(Protocol):
+    """What takes part in a wrapped step: begin (``False``: sit this step out), the student's recording around the
+    original step, end (may change the returned value), cleanup (always). See :func:`install` for an example."""
+
     def _step_begin(self, stage: str, batch: Any) -> bool: ...
     def _student_recording(self) -> Any: ...
     def _step_end(self, stage: str, batch: Any, output: Any) -> Any: ...
@@ -61,7 +72,24 @@ class _Wrapper:
 
 
 def install(module: nn.Module, method: str, stage: str, runner: StepRunner) -> None:
-    """Make ``runner`` take part in ``module.<method>`` (wrapping it on first use)."""
+    """Make ``runner`` take part in ``module.<method>`` (wrapping it on first use).
+
+    Example:
+        >>> module = nn.Module()
+        >>> module.training_step = lambda batch: batch
+        >>> class Double:
+        ...     def _step_begin(self, stage, batch): return True
+        ...     def _student_recording(self): return contextlib.nullcontext()
+        ...     def _step_end(self, stage, batch, output): return 2 * output
+        ...     def _step_cleanup(self): pass
+        >>> runner = Double()
+        >>> install(module, "training_step", "train", runner)
+        >>> module.training_step(3), runners(module, "training_step") == [runner]
+        (6, True)
+        >>> uninstall(module, "training_step", runner)
+        >>> module.training_step(3)
+        3
+    """
     registry: dict[str, _Wrapper] = module.__dict__.setdefault(_REGISTRY_ATTR, {})
     wrapper = registry.get(method)
     if wrapper is None:
@@ -72,7 +100,11 @@ def install(module: nn.Module, method: str, stage: str, runner: StepRunner) -> N
 
 
 def uninstall(module: nn.Module, method: str, runner: StepRunner) -> None:
-    """Remove ``runner``; restore the original method when no runner is left."""
+    """Remove ``runner``; restore the original method when no runner is left (see :func:`install`).
+
+    Example:
+        >>> uninstall(nn.Module(), "training_step", object())  # nothing installed: nothing to do
+    """
     registry: dict[str, _Wrapper] = module.__dict__.get(_REGISTRY_ATTR, {})
     wrapper = registry.get(method)
     if wrapper is None:
@@ -92,6 +124,40 @@ def uninstall(module: nn.Module, method: str, runner: StepRunner) -> None:
 
 
 def runners(module: nn.Module, method: str) -> list[StepRunner]:
-    """The runners currently taking part in ``module.<method>``."""
+    """The runners currently taking part in ``module.<method>`` (see :func:`install`).
+
+    Example:
+        >>> runners(nn.Module(), "training_step")
+        []
+    """
     wrapper = module.__dict__.get(_REGISTRY_ATTR, {}).get(method)
     return list(wrapper.runners) if wrapper is not None else []
+
+
+def copy_memo(module: nn.Module) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo that leaves the step wrappers of ``module`` (and what they reference: callbacks,
+    trainer) out of a copy; follow the copy with :func:`strip_wrappers`.
+
+    Example:
+        >>> import copy
+        >>> module = nn.Linear(2, 2)
+        >>> frozen = strip_wrappers(copy.deepcopy(module, copy_memo(module)))
+        >>> type(frozen).__name__
+        'Linear'
+    """
+    registry = module.__dict__.get(_REGISTRY_ATTR)
+    return {} if registry is None else {id(registry): {}}
+
+
+def strip_wrappers(copied: nn.Module) -> nn.Module:
+    """Remove the step-wrapper attributes a copy made with :func:`copy_memo` carries (returns ``copied``).
+
+    Example:
+        >>> strip_wrappers(nn.Linear(1, 1)).__dict__.get("training_step") is None
+        True
+    """
+    registry = copied.__dict__.pop(_REGISTRY_ATTR, None)
+    if registry is not None:
+        for method in ("training_step", "validation_step"):
+            copied.__dict__.pop(method, None)
+    return copied

@@ -1,0 +1,242 @@
+r"""
+Lightning adapter base
+^^^^^^^^^^^^^^^^^^^^^^
+
+The Lightning side that the three front doors share, written once: :class:`LossTermCallback`, the base of the
+callbacks that add a term to the loss ``training_step`` returns (:class:`~lightning_streamkl.StreamKLDistillation`,
+:class:`~lightning_streamkl.ContinualAttentionRegularizer`), and the functions the mixin uses too: log a step's
+values (:func:`log_step`) and an epoch's (:func:`log_epoch`), checkpoint a metric's epoch-so-far state
+(:func:`metric_state`, :func:`load_metric_state`), check the trainer (:func:`check_trainer`) and add a term to a
+step's output (:func:`add_to_loss`). Everything model-side is the engine's
+(:mod:`lightning_streamkl.engine`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from typing_extensions import override
+
+from . import step_wrapper
+from .config import AttentionKLOptions
+from .engine import DistillationMetrics
+from .loss import LossOutput
+from .metrics import AttentionKLDivergence
+
+__all__ = ["LossTermCallback", "add_to_loss", "check_trainer", "load_metric_state", "log_epoch", "log_step",
+           "metric_state"]
+
+#: Strategies whose sharded layers the captures do not support.
+UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+
+
+def check_trainer(who: Any, trainer: Trainer, pl_module: LightningModule, stage: str, *,
+                  alternative: str | None = None) -> None:
+    """The checks every loss-adding StreamKL callback makes in ``setup`` (``who.config.name`` is its name).
+
+    ``alternative`` is named in the manual-optimization and ``dataloader_iter`` messages as what to use instead.
+
+    Raises:
+        MisconfigurationException: a sharded strategy, manual optimization, a ``dataloader_iter`` training step,
+            or another StreamKL callback with the same name on this module.
+
+    Example:
+        >>> from lightning_streamkl import ContinualAttentionRegularizer
+        >>> class Manual(LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        >>> trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> check_trainer(ContinualAttentionRegularizer(), trainer, Manual(), "fit")
+        Traceback (most recent call last):
+        ...
+        lightning.fabric.utilities.exceptions.MisconfigurationException: ContinualAttentionRegularizer adds its term \
+to the loss returned by training_step, which manual optimization ignores.
+    """
+    name = type(who).__name__
+    strategy = type(trainer.strategy).__name__
+    if any(cls.__name__ in UNSUPPORTED_STRATEGIES for cls in type(trainer.strategy).__mro__):
+        raise MisconfigurationException(
+            f"{name} does not support the {strategy} strategy (the teacher is not sharded and the "
+            "captured queries/keys of sharded layers are untested); use 'ddp' or a single device."
+        )
+    if stage == "fit" and not pl_module.automatic_optimization:
+        hint = (f"; with `automatic_optimization = False` use {alternative} and add "
+                "`self.attention_distillation_loss()` to the loss you backpropagate") if alternative else ""
+        raise MisconfigurationException(
+            f"{name} adds its term to the loss returned by training_step, which manual optimization ignores{hint}."
+        )
+    if stage == "fit" and is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        hint = f" Use {alternative} instead." if alternative else ""
+        raise MisconfigurationException(
+            f"{name} needs the batch passed to training_step; a `dataloader_iter` training_step hides it.{hint}"
+        )
+    for method in ("training_step", "validation_step"):
+        for other in step_wrapper.runners(pl_module, method):
+            other_config = getattr(other, "config", None)
+            if other is not who and other_config is not None and other_config.name == who.config.name:
+                kinds = name if type(other) is type(who) else f"{type(other).__name__} and {name}"
+                raise MisconfigurationException(
+                    f"Two {kinds} callbacks use the name {who.config.name!r}; their logs and checkpoint state would "
+                    "collide. Give each a distinct `name`."
+                )
+
+
+def add_to_loss(output: Any, term: torch.Tensor, who: str) -> Any:
+    """``output`` (a loss tensor, or a mapping with a ``"loss"`` entry) with ``term`` added to the loss.
+
+    Example:
+        >>> add_to_loss({"loss": torch.tensor(1.0), "n": 2}, torch.tensor(0.5), "me")
+        {'loss': tensor(1.5000), 'n': 2}
+    """
+    if isinstance(output, torch.Tensor):
+        return output + term
+    if isinstance(output, Mapping) and "loss" in output:
+        return {**output, "loss": output["loss"] + term}
+    what = "a mapping without a 'loss' key" if isinstance(output, Mapping) else type(output).__name__
+    raise MisconfigurationException(
+        f"{who} adds its term to the loss returned by training_step, but it returned {what}; "
+        "return the loss tensor or a dict with a 'loss' entry."
+    )
+
+
+def log_step(module: LightningModule, metrics: DistillationMetrics, stage: str, terms: LossOutput, *,
+             log_on_step: bool, prog_bar: bool, extra: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Add one batch's terms to the stage's metric and, for training steps with ``log_on_step`` (and a trainer),
+    log the per-step values (``<name>/total`` in the progress bar with ``prog_bar``).
+
+    Example:
+        >>> metrics = DistillationMetrics(["last"], [1.0], "attn_kl")
+        >>> terms = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([2.0]), torch.tensor([4.0]))
+        >>> log_step(LightningModule(), metrics, "train", terms, log_on_step=True, prog_bar=False)  # no trainer: no log
+        >>> metrics.train.update_count
+        1
+    """
+    values = metrics.update(stage, terms, extra)
+    if stage != "train" or not log_on_step or getattr(module, "_trainer", None) is None:
+        return
+    total = f"{stage}/{metrics.name}/total"
+    module.log_dict({k: v for k, v in values.items() if k != total}, on_step=True, on_epoch=False)
+    module.log(total, values[total], on_step=True, on_epoch=False, prog_bar=prog_bar)
+
+
+def log_epoch(module: LightningModule, metrics: DistillationMetrics, stage: str, *, prog_bar: bool) -> None:
+    """Log the stage's epoch values (synced across processes; the validation total in the progress bar with
+    ``prog_bar``) and reset its metric. A stage that saw no batch logs nothing.
+
+    Example:
+        >>> log_epoch(LightningModule(), DistillationMetrics(["last"], [1.0], "attn_kl"), "val", prog_bar=True)
+    """
+    values = metrics.epoch_values(stage)
+    if values:
+        module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, prog_bar=prog_bar and stage == "val")
+
+
+def metric_state(metric: AttentionKLDivergence, trainer: Trainer | None) -> dict[str, Any]:
+    """The epoch-so-far state of ``metric`` for a checkpoint, summed over processes.
+
+    Under DDP every process calls ``state_dict`` while a checkpoint is written (Lightning's ``save_checkpoint``
+    must run on all of them), so the sum is one collective; the checkpoint then holds the whole group's state.
+
+    Example:
+        >>> metric = AttentionKLDivergence(["last"])
+        >>> metric.update(torch.tensor([2.0]), torch.tensor([4.0]))
+        >>> state = metric_state(metric, None)
+        >>> resumed = AttentionKLDivergence(["last"])
+        >>> load_metric_state(resumed, state, None)
+        >>> {k: float(v) for k, v in resumed.compute().items()}
+        {'attn_kl/last': 0.5}
+    """
+    state = torch.stack([metric.kl_sum, metric.rows]).detach()
+    updates = int(metric.update_count)
+    if trainer is not None and trainer.training and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        # written after the epoch's last batch but before its end hooks: a run resumed from here starts the next
+        # epoch (Lightning does not run the rest of this one), so nothing of this epoch may be carried over
+        state, updates = torch.zeros_like(state), 0
+    if trainer is not None and trainer.world_size > 1:
+        state = trainer.strategy.reduce(state.to(trainer.strategy.root_device), reduce_op="sum")
+    return {"kl_sum": state[0].cpu(), "rows": state[1].cpu(), "updates": updates}
+
+
+def load_metric_state(metric: AttentionKLDivergence, state: Mapping[str, Any], trainer: Trainer | None) -> None:
+    """Restore what :func:`metric_state` saved: global rank 0 takes the group's sums, the other ranks start from 0,
+    so the synced value over the rest of the epoch is the uninterrupted run's (example: :func:`metric_state`)."""
+    kl_sum, rows = state["kl_sum"], state["rows"]
+    if tuple(kl_sum.shape) != tuple(metric.kl_sum.shape):
+        return
+    metric.reset()
+    rank = trainer.global_rank if trainer is not None else 0
+    if rank == 0:
+        metric.kl_sum = kl_sum.to(metric.kl_sum)
+        metric.rows = rows.to(metric.rows)
+    metric._update_count = int(state.get("updates", 0))  # non-zero on every rank: all of them log the epoch
+
+
+class LossTermCallback(Callback):
+    """Base of the callbacks that add a term to the loss ``training_step`` returns.
+
+    Callback hooks cannot change the loss, so in ``setup`` the callback takes part in the module's
+    ``training_step`` (and ``validation_step``) through :mod:`lightning_streamkl.step_wrapper`, and leaves it in
+    ``teardown`` or when a run raises. A subclass sets :attr:`config` (with the
+    :class:`~lightning_streamkl.AttentionKLOptions`), returns its metric state from :meth:`_metrics`, and
+    implements the step protocol of :class:`~lightning_streamkl.step_wrapper.StepRunner`; epoch values are logged
+    here.
+
+    Example:
+        >>> from lightning_streamkl import ContinualAttentionRegularizer, StreamKLDistillation
+        >>> [issubclass(c, LossTermCallback) for c in (StreamKLDistillation, ContinualAttentionRegularizer)]
+        [True, True]
+    """
+
+    config: AttentionKLOptions
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._module: LightningModule | None = None
+        self._wrapped: list[str] = []
+
+    def _metrics(self) -> DistillationMetrics | None:
+        raise NotImplementedError
+
+    def _wrap_steps(self, pl_module: LightningModule, stage: str) -> None:
+        """Take part in ``training_step`` (``fit``) and ``validation_step`` (when it exists and
+        ``validation`` is on)."""
+        self._module = pl_module
+        methods = [("training_step", "train")] if stage == "fit" else []
+        if self.config.validation and is_overridden("validation_step", pl_module):
+            methods.append(("validation_step", "val"))
+        for method, step_stage in methods:
+            step_wrapper.install(pl_module, method, step_stage, self)  # type: ignore[arg-type]
+            self._wrapped.append(method)
+
+    def _unwrap_steps(self, pl_module: LightningModule) -> None:
+        for method in self._wrapped:
+            step_wrapper.uninstall(pl_module, method, self)  # type: ignore[arg-type]
+        self._wrapped = []
+        self._module = None
+
+    def _takes_part(self, stage: str) -> bool:
+        """Whether this step of ``stage`` is distilled (validation: not while sanity checking, only with
+        ``validation``)."""
+        module = self._module
+        assert module is not None
+        return stage == "train" or (not module.trainer.sanity_checking and self.config.validation)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        metrics = self._metrics()
+        if metrics is not None:
+            log_epoch(pl_module, metrics, "train", prog_bar=self.config.prog_bar)
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        metrics = self._metrics()
+        if metrics is not None and not trainer.sanity_checking:
+            log_epoch(pl_module, metrics, "val", prog_bar=self.config.prog_bar)

@@ -1,0 +1,368 @@
+r"""
+Distillation engine
+^^^^^^^^^^^^^^^^^^^
+
+The Lightning-free core the three front doors (:class:`~lightning_streamkl.StreamKLDistillation`,
+:class:`~lightning_streamkl.AttentionDistillationMixin`, :class:`~lightning_streamkl.ContinualAttentionRegularizer`)
+are thin adapters over, and what a plain PyTorch, Fabric or Hugging Face ``Trainer`` loop uses directly:
+:class:`AttentionDistiller` runs the frozen teacher (under ``no_grad``, stopping after the deepest paired layer),
+captures both models at the paired layers, and turns the records into the loss terms;
+:class:`DistillationMetrics` holds the per-stage metric state and the values a step or an epoch reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import AttentionCapture, build_capture, closest
+from .config import StreamKLConfig, validate_config
+from .loss import AttentionDistillationLoss, LossOutput
+from .metrics import AttentionKLDivergence
+from .teacher import FrozenTeacher, InputRecorder, find_copy, stop_after, to_device
+
+__all__ = ["AttentionDistiller", "DistillationMetrics", "default_teacher_forward", "padding_mask_from_batch"]
+
+TeacherForward = Callable[[nn.Module, Any], Any]
+
+
+def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
+    """Run ``teacher`` on a batch the way most training steps run their model.
+
+    - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``
+      (``use_cache=False`` is added when the forward takes it); when it names none of them, ``teacher(batch)``;
+    - a tuple or list: ``teacher(batch[0])`` (the ``(inputs, targets)`` convention);
+    - anything else: ``teacher(batch)``.
+
+    Example:
+        >>> out = default_teacher_forward(nn.Linear(3, 2), (torch.randn(4, 3), torch.zeros(4)))
+        >>> tuple(out.shape)
+        (4, 2)
+    """
+    if isinstance(batch, Mapping):
+        params = inspect.signature(teacher.forward).parameters
+        named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        kwargs = {k: v for k, v in batch.items() if k in named and k != "labels"}
+        if not kwargs:
+            return teacher(batch)
+        if "use_cache" in named and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False
+        return teacher(**kwargs)
+    if isinstance(batch, (tuple, list)):
+        return teacher(batch[0])
+    return teacher(batch)
+
+
+def padding_mask_from_batch(batch: Any, key: str | None) -> torch.Tensor | None:
+    """``batch[key]`` as a bool ``[B, N]`` mask (True = real token) for mapping batches, else ``None``.
+
+    Example:
+        >>> padding_mask_from_batch({"attention_mask": torch.tensor([[1, 0]])}, "attention_mask")
+        tensor([[ True, False]])
+    """
+    if key is None or not isinstance(batch, Mapping) or batch.get(key) is None:
+        return None
+    mask = batch[key]
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(
+            f"Expected the batch's `{key}` to be a [B, N] padding mask tensor (1/True = real token), but got "
+            f"{type(mask).__name__}{tuple(mask.shape) if isinstance(mask, torch.Tensor) else ''}; set `mask_key` to "
+            "the right key or None."
+        )
+    return mask.bool() if mask.dtype != torch.bool else mask
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+class AttentionDistiller:
+    r"""Teacher, captures and loss of one distillation setup; no Lightning needed.
+
+    Per step: :meth:`begin_step` runs the teacher on the batch (unless it is fed the student's inputs), the
+    student's forward pass runs inside :meth:`student_recording`, and :meth:`end_step` runs the teacher if it has
+    not run yet and returns the :class:`~lightning_streamkl.loss.LossOutput` (``total`` is
+    :math:`\sum_p w_p \overline{\mathrm{KL}}_p`, differentiable; multiply it by :meth:`weight_at`). Captured
+    tensors are released at the end of every step.
+
+    The teacher runs under ``no_grad`` in ``eval()`` mode and stops once every paired teacher layer is captured
+    (``teacher_early_exit``): later layers and the output head never run. Its placement and dtype follow
+    ``teacher_device`` and ``teacher_dtype``; its inputs follow ``teacher_inputs`` (see
+    :class:`~lightning_streamkl.StreamKLConfig`).
+
+    Args:
+        teacher: the teacher module, or a Hugging Face model name/path.
+        config: a :class:`~lightning_streamkl.StreamKLConfig` or a mapping of its fields.
+        teacher_forward: ``fn(teacher, batch)`` that runs the teacher on a batch; default
+            :func:`default_teacher_forward`. Giving one turns ``teacher_inputs="auto"`` into ``"batch"``.
+        padding_mask: ``fn(batch) -> [B, N] bool mask or None``; default: ``batch[config.mask_key]``.
+        offload: keep the teacher in host memory and borrow device copies of its weights for each pass.
+
+    Example:
+        A step in plain PyTorch:
+
+        >>> encoder = lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+        ...                                         enable_nested_tensor=False)
+        >>> teacher, student = encoder(), encoder()
+        >>> distiller = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "causal": False})
+        >>> distiller.setup(student)
+        [('layers.1.self_attn', 'layers.1.self_attn')]
+        >>> x = torch.randn(2, 5, 16)
+        >>> distiller.begin_step(x)
+        >>> with distiller.student_recording():
+        ...     y = student(x)
+        >>> terms = distiller.end_step(x)
+        >>> loss = y.pow(2).mean() + distiller.weight_at(step=0) * terms.total
+        >>> loss.backward()
+        >>> list(terms.per_pair), terms.total.requires_grad
+        (['t-1_s-1'], True)
+    """
+
+    def __init__(self, teacher: nn.Module | str, config: StreamKLConfig | Mapping[str, Any], *,
+                 teacher_forward: TeacherForward | None = None,
+                 padding_mask: Callable[[Any], torch.Tensor | None] | None = None, offload: bool = False) -> None:
+        if teacher_forward is not None and not callable(teacher_forward):
+            raise TypeError(f"Expected `teacher_forward` to be callable, but got {type(teacher_forward).__name__}.")
+        self.config = config = validate_config(config)
+        self.teacher = FrozenTeacher(teacher, dtype=config.teacher_dtype, device=config.teacher_device,
+                                     from_pretrained=config.teacher_from_pretrained, offload=offload)
+        self.custom_forward = teacher_forward is not None
+        self.teacher_forward = teacher_forward or default_teacher_forward
+        self.padding_mask = padding_mask or functools.partial(padding_mask_from_batch, key=config.mask_key)
+        self.loss = AttentionDistillationLoss(config)
+        self.teacher_capture: AttentionCapture | None = None
+        self.student_capture: AttentionCapture | None = None
+        self.student: nn.Module | None = None
+        self.resolved: list[tuple[str, str]] = []
+        #: The student submodule whose inputs the teacher is fed (``None``: the teacher gets the batch).
+        self.inputs_from: str | None = None
+        self._inputs: InputRecorder | None = None
+        self._teacher_ran = False
+
+    # ------------------------------------------------------------------------------------------ setup
+    @property
+    def teacher_module(self) -> nn.Module | None:
+        """The loaded, frozen teacher module (``None`` before :meth:`setup`)."""
+        return self.teacher.module
+
+    def setup(self, student: nn.Module) -> list[tuple[str, str]]:
+        """Load and freeze the teacher, build both captures, resolve the layer pairs and the teacher's inputs.
+
+        Idempotent for the same student. Returns the resolved ``(teacher layer, student layer)`` paths.
+
+        Raises:
+            ValueError: the teacher is the student itself or has no data (meta tensors), an unknown layer
+                (listing the closest names), or an unknown ``teacher_inputs`` submodule.
+        """
+        if self.student is student:
+            return self.resolved
+        teacher = self.teacher.prepare()
+        if teacher is student:
+            raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher.")
+        self.teacher_capture = build_capture(teacher, self.config.teacher_capture)
+        self.student_capture = build_capture(student, self.config.student_capture, exclude=[teacher])
+        self.resolved = self.loss.resolve(self.teacher_capture, self.student_capture)
+        self.inputs_from = self._resolve_inputs(teacher, student)
+        self._inputs = None if self.inputs_from is None else InputRecorder(student.get_submodule(self.inputs_from))
+        self.student = student
+        return self.resolved
+
+    def _resolve_inputs(self, teacher: nn.Module, student: nn.Module) -> str | None:
+        choice = self.config.teacher_inputs
+        if choice == "batch" or (choice == "auto" and self.custom_forward):
+            return None
+        if choice == "auto":
+            return find_copy(teacher, student)
+        paths = [name for name, _ in student.named_modules() if name]
+        if choice not in paths:
+            near = closest(choice, paths)
+            raise ValueError(
+                f"Expected `teacher_inputs` to be 'auto', 'batch' or a submodule of {type(student).__name__}, but it "
+                f"has no {choice!r}." + (f" Closest: {near}." if near else "")
+            )
+        return choice
+
+    @property
+    def feeds_student_inputs(self) -> bool:
+        """True when the teacher is fed the inputs of a student submodule (it then runs after the student)."""
+        return self.inputs_from is not None
+
+    def describe(self) -> str:
+        """One line saying what is distilled, e.g. for the start of a run.
+
+        Example:
+            >>> model = lambda: nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2))
+            >>> d = AttentionDistiller(model(), {"pairs": [[0, 0]], "name": "kd"})
+            >>> _ = d.setup(model())
+            >>> d.describe()
+            "StreamKL 'kd': distilling 1 layer pair(s): t0_s0 (1 -> 1)"
+        """
+        pairs = ", ".join(f"{p.label} ({t} -> {s})" for p, (t, s) in zip(self.config.pairs, self.resolved))
+        fed = f"; the teacher is fed the inputs of the student's {self.inputs_from!r}" if self.inputs_from else ""
+        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}"
+
+    def metrics(self) -> DistillationMetrics:
+        """A fresh :class:`DistillationMetrics` for this setup's pairs."""
+        return DistillationMetrics(self.loss.pair_names, self.loss.weights, self.config.name)
+
+    # ------------------------------------------------------------------------------------------ per step
+    def _ready(self) -> tuple[nn.Module, AttentionCapture, AttentionCapture]:
+        if self.student is None or self.teacher_capture is None or self.student_capture is None:
+            raise RuntimeError("AttentionDistiller.setup(student) must run before the first step.")
+        return self.student, self.teacher_capture, self.student_capture
+
+    def run_teacher(self, batch: Any) -> None:
+        """Run the teacher once for this step, under ``no_grad`` with its capture recording: on the batch, or on
+        the inputs the student submodule received (then after the student's forward pass)."""
+        student, teacher_capture, student_capture = self._ready()
+        teacher = self.teacher.prepare()
+        layers = [teacher.get_submodule(p) for p in (teacher_capture.selected or ()) if _has_submodule(teacher, p)]
+        early_exit = stop_after(layers, lambda: teacher_capture.selected <= teacher_capture.records.keys()) \
+            if self.config.teacher_early_exit and teacher_capture.selected else nullcontext()
+        with ExitStack() as stack:
+            stack.enter_context(student_capture.paused())
+            stack.enter_context(torch.no_grad())
+            device = stack.enter_context(self.teacher.placed(_device_of(student)))
+            stack.enter_context(teacher_capture.recording())
+            stack.enter_context(early_exit)
+            if self._inputs is not None:
+                args, kwargs = to_device(self._inputs.take(), device)
+                teacher(*args, **kwargs)
+            else:
+                self.teacher_forward(teacher, to_device(batch, device))
+        self._teacher_ran = True
+
+    def begin_step(self, batch: Any) -> None:
+        """Start a step: run the teacher on ``batch`` now, unless it is fed the student's inputs."""
+        self.clear()
+        if not self.feeds_student_inputs:
+            self.run_teacher(batch)
+
+    @contextmanager
+    def student_recording(self) -> Iterator[None]:
+        """Record the student's paired layers (and, when the teacher is fed them, its submodule's inputs)."""
+        _, _, student_capture = self._ready()
+        with ExitStack() as stack:
+            stack.enter_context(student_capture.recording())
+            if self._inputs is not None:
+                stack.enter_context(self._inputs.recording())
+            yield
+
+    @property
+    def student_recorded(self) -> bool:
+        """True when the student's paired layers recorded something since the last :meth:`clear`."""
+        return bool(self.student_capture is not None and self.student_capture.records)
+
+    def end_step(self, batch: Any) -> LossOutput:
+        """The loss terms of this step (running the teacher first if it has not run), then release the records."""
+        try:
+            if not self._teacher_ran:
+                self.run_teacher(batch)
+            return self.compute(batch)
+        finally:
+            self.clear()
+
+    def compute(self, batch: Any) -> LossOutput:
+        """The loss terms from the records of this step (both models have run), then release the records."""
+        _, teacher_capture, student_capture = self._ready()
+        try:
+            mask = self.padding_mask(batch)
+            return self.loss(teacher_capture.pop(), student_capture.pop(), key_padding_mask=mask,
+                             query_mask=mask if self.config.mask_queries else None)
+        finally:
+            self.clear()
+
+    def clear(self) -> None:
+        """Release everything captured in this step."""
+        for capture in (self.teacher_capture, self.student_capture):
+            if capture is not None:
+                capture.clear()
+        if self._inputs is not None:
+            self._inputs.clear()
+        self._teacher_ran = False
+
+    def weight_at(self, step: int) -> float:
+        """The global weight at optimizer step ``step`` (linear warm-up from 0 over ``warmup_steps``).
+
+        Example:
+            >>> AttentionDistiller(nn.Identity(), {"pairs": [[0, 0]], "weight": 2.0, "warmup_steps": 4}).weight_at(1)
+            0.5
+        """
+        cfg = self.config
+        if cfg.warmup_steps <= 0:
+            return cfg.weight
+        return cfg.weight * min(1.0, max(step, 0) / cfg.warmup_steps)
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+class DistillationMetrics:
+    """The metric state of a distillation: one :class:`~lightning_streamkl.AttentionKLDivergence` per stage, and
+    the values a step and an epoch report (``<stage>/<name>/<pair>`` and ``<stage>/<name>/total``).
+
+    Args:
+        pair_names: the pairs' names.
+        weights: the pairs' weights (for the total).
+        name: the log namespace (the config's ``name``).
+
+    Example:
+        >>> from lightning_streamkl.loss import LossOutput
+        >>> metrics = DistillationMetrics(["last"], [1.0], "attn_kl")
+        >>> terms = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([4.0]), torch.tensor([8.0]))
+        >>> {k: float(v) for k, v in metrics.update("train", terms).items()}
+        {'train/attn_kl/last': 0.5, 'train/attn_kl/total': 0.5}
+        >>> {k: float(v) for k, v in metrics.epoch_values("train").items()}
+        {'train/attn_kl/last': 0.5, 'train/attn_kl/total': 0.5}
+        >>> metrics.epoch_values("train")
+        {}
+    """
+
+    def __init__(self, pair_names: list[str], weights: list[float], name: str) -> None:
+        self.name = name
+        self.train = AttentionKLDivergence(pair_names, weights=weights, prefix=f"{name}/")
+        self.val = AttentionKLDivergence(pair_names, weights=weights, prefix=f"{name}/")
+
+    def __getitem__(self, stage: str) -> AttentionKLDivergence:
+        if stage not in ("train", "val"):
+            raise ValueError(f"Expected `stage` to be 'train' or 'val', but got {stage!r}.")
+        return self.train if stage == "train" else self.val
+
+    def update(self, stage: str, terms: LossOutput, extra: Mapping[str, torch.Tensor] | None = None,
+               ) -> dict[str, torch.Tensor]:
+        """Add one batch's terms to the stage's metric; returns the step's values (``extra`` goes under the same
+        namespace, e.g. ``{"weight": ...}``), total last."""
+        metric = self[stage]
+        metric.to(terms.rows.device)
+        metric.update(terms.kl_sums, terms.rows)
+        prefix = f"{stage}/{self.name}/"
+        values = {prefix + k: v.detach() for k, v in terms.per_pair.items()}
+        values.update({prefix + k: v for k, v in (extra or {}).items()})
+        values[prefix + "total"] = terms.total.detach()
+        return values
+
+    def epoch_values(self, stage: str) -> dict[str, torch.Tensor]:
+        """The stage's epoch values (row-weighted, synced across processes), then a reset; ``{}`` when no batch
+        was added."""
+        metric = self[stage]
+        if metric.update_count == 0:
+            return {}
+        values = {f"{stage}/{k}": v for k, v in metric.compute().items()}
+        metric.reset()
+        return values

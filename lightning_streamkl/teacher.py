@@ -1,0 +1,321 @@
+r"""
+Frozen teacher
+^^^^^^^^^^^^^^
+
+Everything about running the teacher of a distillation, and nothing else: loading it by name
+(:func:`load_teacher`), freezing it, placing it (:class:`FrozenTeacher`: its own dtype unless told otherwise, on
+the student's device, where it is, on another device, or kept in host memory and borrowed onto the device for
+each pass), stopping its forward pass once the paired layers have been captured (:func:`stop_after`), and
+feeding it the inputs a student submodule received (:class:`InputRecorder`, :func:`find_copy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FrozenTeacher", "InputRecorder", "borrowed", "find_copy", "load_teacher", "stop_after", "to_device"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def load_teacher(teacher: nn.Module | str, from_pretrained: Mapping[str, Any] | None = None) -> nn.Module:
+    """A module as is; a string is a Hugging Face model name or local path, loaded with ``AutoModel`` (no LM head).
+
+    Args:
+        teacher: the module, or the name/path of a Hugging Face model.
+        from_pretrained: keyword arguments of ``AutoModel.from_pretrained`` (``dtype``, ``revision``,
+            ``attn_implementation``, ``trust_remote_code``, ``device_map``, ...); ``attn_implementation``
+            defaults to ``"sdpa"``.
+
+    Example:
+        >>> load_teacher(nn.Linear(2, 2))
+        Linear(in_features=2, out_features=2, bias=True)
+        >>> load_teacher(3)
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `teacher` to be a torch.nn.Module or the name/path of a Hugging Face model, but got int.
+    """
+    if isinstance(teacher, nn.Module):
+        return teacher
+    if isinstance(teacher, str):
+        try:
+            from transformers import AutoModel
+        except ImportError as err:  # pragma: no cover
+            raise ImportError(f"A teacher given by name ({teacher!r}) needs transformers; install it.") from err
+        return AutoModel.from_pretrained(teacher, **{"attn_implementation": "sdpa", **dict(from_pretrained or {})})
+    raise TypeError(
+        f"Expected `teacher` to be a torch.nn.Module or the name/path of a Hugging Face model, but got "
+        f"{type(teacher).__name__}."
+    )
+
+
+def to_device(data: Any, device: torch.device) -> Any:
+    """``data`` with every tensor in it (in mappings, lists and tuples, at any depth) moved to ``device``.
+
+    Example:
+        >>> to_device({"x": [torch.ones(1)], "n": 3}, torch.device("cpu"))
+        {'x': [tensor([1.])], 'n': 3}
+    """
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, Mapping):
+        return {k: to_device(v, device) for k, v in data.items()}
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
+        return type(data)(*(to_device(v, device) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(to_device(v, device) for v in data)
+    return data
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+@contextmanager
+def borrowed(module: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """Run ``module`` (kept in host memory) on ``device``: inside the block its tensors' data are device copies.
+
+    ``dtype`` also casts the floating-point tensors. The host tensors are put back afterwards without a copy (a
+    frozen teacher never changes), which releases the device copies.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> with borrowed(layer, torch.device("cpu"), torch.float64):
+        ...     layer.weight.dtype
+        torch.float64
+        >>> layer.weight.dtype
+        torch.float32
+    """
+
+    def target(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    saved = [(t, t.data) for t in _tensors(module) if t.device != device or t.dtype != target(t)]
+    try:
+        for t, host in saved:
+            t.data = host.to(device=device, dtype=target(t), non_blocking=True)
+        yield
+    finally:
+        for t, host in saved:
+            t.data = host
+
+
+class _TeacherDone(BaseException):
+    """Raised from a forward hook once every paired teacher layer has been captured; caught by :func:`stop_after`.
+
+    A ``BaseException``, so that a model's own ``except Exception`` cannot swallow it.
+    """
+
+
+@contextmanager
+def stop_after(modules: Iterable[nn.Module], done: Callable[[], bool]) -> Iterator[None]:
+    """Stop the forward pass run inside the block as soon as one of ``modules`` finishes and ``done()`` is true.
+
+    Later layers (and an output head) then never run; the block ends normally. Hooks are removed afterwards.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> ran = []
+        >>> _ = model[2].register_forward_hook(lambda *_: ran.append("last"))
+        >>> with stop_after([model[0]], lambda: True):
+        ...     model(torch.ones(1, 2))
+        >>> ran
+        []
+    """
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if done():
+            raise _TeacherDone
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    except _TeacherDone:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(n, tuple(t.shape)) for n, t in (*module.named_parameters(), *module.named_buffers())]
+
+
+def find_copy(teacher: nn.Module, student: nn.Module) -> str | None:
+    """The path of the submodule of ``student`` that ``teacher`` is a copy of (same type, parameter and buffer
+    names and shapes), or ``None``; the root itself and the teacher object (if the student holds it) never count.
+
+    Example:
+        >>> import copy
+        >>> student = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+        >>> find_copy(copy.deepcopy(student[1]), student)
+        '1'
+    """
+    kind, shapes = type(teacher), None
+    for path, module in student.named_modules():
+        if not path or module is teacher or type(module) is not kind:
+            continue
+        shapes = _shapes(teacher) if shapes is None else shapes
+        if _shapes(module) == shapes:
+            return path
+    return None
+
+
+class InputRecorder:
+    """Record the arguments of the last call of ``module`` while :meth:`recording` is open (a forward pre-hook).
+
+    The distiller replays them into a teacher that is a copy of ``module``, so the teacher sees exactly what its
+    live counterpart saw, whatever the LightningModule did to the batch first (embeddings, projections).
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> recorder = InputRecorder(layer)
+        >>> with recorder.recording():
+        ...     _ = layer(torch.ones(1, 2))
+        >>> args, kwargs = recorder.take()
+        >>> args[0].shape, kwargs, recorder.called
+        (torch.Size([1, 2]), {}, False)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+    @property
+    def called(self) -> bool:
+        """True when the module ran since the last :meth:`take` or :meth:`clear`."""
+        return self._call is not None
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the module's calls inside the block (the last one is kept)."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._call = (args, dict(kwargs))
+
+        handle = self.module.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def take(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Hand over the recorded ``(args, kwargs)`` and forget them.
+
+        Raises:
+            RuntimeError: the module did not run.
+        """
+        if self._call is None:
+            raise RuntimeError(
+                f"The teacher is fed the inputs of the student's {type(self.module).__name__}, but it did not run "
+                "during this step; set `teacher_inputs='batch'` (and a `teacher_forward`) or run that submodule."
+            )
+        call, self._call = self._call, None
+        return call
+
+    def clear(self) -> None:
+        """Forget the recorded call."""
+        self._call = None
+
+
+class FrozenTeacher:
+    """A teacher module, frozen (``eval()``, no gradients) and placed for each forward pass.
+
+    Args:
+        source: the module, or a Hugging Face model name/path (loaded by :func:`load_teacher` in :meth:`prepare`).
+        dtype: ``"auto"`` or ``None`` keeps the teacher's own dtype; ``"float32"``, ``"float16"``,
+            ``"bfloat16"``, ``"float64"`` casts it (every floating-point tensor, checked each pass).
+        device: ``"student"`` (moved to the device each pass asks for), ``"keep"`` (left where it is) or a
+            device name (moved there). A model spread with ``device_map`` (``hf_device_map``) is always kept.
+        from_pretrained: keyword arguments for loading by name.
+        offload: keep the teacher in host memory (pinned when CUDA is available) and borrow device copies of its
+            tensors for each pass (:func:`borrowed`); overrides ``device``.
+
+    Example:
+        >>> teacher = FrozenTeacher(nn.Linear(2, 2), dtype="float64")
+        >>> module = teacher.prepare()
+        >>> with teacher.placed(torch.device("cpu")) as device:
+        ...     out = module(torch.ones(1, 2, dtype=torch.float64, device=device))
+        >>> out.dtype, module.training, module.weight.requires_grad
+        (torch.float64, False, False)
+    """
+
+    def __init__(self, source: nn.Module | str, *, dtype: str | None = "auto", device: str = "student",
+                 from_pretrained: Mapping[str, Any] | None = None, offload: bool = False) -> None:
+        if not isinstance(source, (nn.Module, str)):
+            load_teacher(source)  # raises the TypeError
+        self.source = source
+        self.dtype = None if dtype in (None, "auto") else DTYPES[dtype]
+        self.device = device
+        self.from_pretrained = dict(from_pretrained or {})
+        self.offload = offload
+        self.module: nn.Module | None = None
+
+    def prepare(self) -> nn.Module:
+        """Load (once), check and freeze the teacher; returns the module.
+
+        Raises:
+            ValueError: a teacher with parameters or buffers on the meta device (no data).
+        """
+        if self.module is not None:
+            return self.module
+        teacher = load_teacher(self.source, self.from_pretrained)
+        on_meta = [name for name, t in (*teacher.named_parameters(), *teacher.named_buffers()) if t.is_meta]
+        if on_meta:
+            raise ValueError(
+                f"The teacher has {len(on_meta)} parameters/buffers on the meta device (no data), e.g. {on_meta[0]!r}; "
+                "load or materialise its weights (e.g. `to_empty()` then `load_state_dict()`) before training."
+            )
+        teacher.eval()
+        teacher.requires_grad_(False)
+        if self.offload:
+            teacher.to("cpu")
+            _pin(teacher)
+        self.module = teacher
+        return teacher
+
+    @property
+    def spread(self) -> bool:
+        """True for a model dispatched over devices with ``device_map`` (never moved)."""
+        return bool(getattr(self.module, "hf_device_map", None))
+
+    @contextmanager
+    def placed(self, device: torch.device) -> Iterator[torch.device]:
+        """Place the teacher for one forward pass toward ``device`` (the student's); yields the device its inputs
+        go to. Cheap when it is already in place: every tensor is checked, so a teacher partly elsewhere (or
+        partly cast) is moved whole."""
+        module = self.prepare()
+        if self.offload:
+            with borrowed(module, device, self.dtype):
+                yield device
+            return
+        target = None if self.device == "keep" or self.spread else device if self.device == "student" \
+            else torch.device(self.device)
+        tensors = list(_tensors(module))
+        misplaced = target is not None and any(t.device != target for t in tensors)
+        miscast = self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype for t in tensors)
+        if misplaced or miscast:
+            module.to(device=target, dtype=self.dtype)
+        if module.training:
+            module.eval()
+        yield target if target is not None else _input_device(module, device)
+
+
+def _input_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    for t in _tensors(module):
+        return t.device
+    return fallback
+
+
+def _pin(module: nn.Module) -> None:
+    if not torch.cuda.is_available():
+        return
+    for t in _tensors(module):
+        if t.device.type == "cpu" and not t.is_pinned():
+            t.data = t.data.pin_memory()

@@ -1,0 +1,130 @@
+"""The package's import graph points one way: options/config/capture → loss/metrics/teacher → engine → adapter base
+→ adapters (callback, mixin, continual) → the demo job. No cycles; the engine and everything below it work without
+Lightning; an adapter never imports another adapter or a private name; the library never imports the job, and the
+job uses the library's public names only. Read from the source (every import statement, including those inside
+functions), so a violation fails here before it surprises a user."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_streamkl"
+
+#: Module (or subpackage) -> layer; a module may import only from its own layer or below.
+LAYERS = {
+    "options": 0, "capture": 0, "config": 1,
+    "loss": 2, "metrics": 2, "teacher": 2,
+    "engine": 3,
+    "step_wrapper": 4, "adapter": 5,
+    "callback": 6, "mixin": 6, "continual": 6,
+    "__init__": 7,
+    "jobs": 8,
+}
+ADAPTERS = {"callback", "mixin", "continual"}
+LIGHTNING_FREE = {"options", "capture", "config", "loss", "metrics", "teacher", "engine"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(absolute module, imported names)`` for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [alias.name for alias in node.names]
+            if node.module is None:  # `from . import step_wrapper`
+                found += [(f"{module}.{name}", []) for name in names]
+            else:
+                found.append((module, names))
+    return found
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a ``lightning_streamkl`` module: its first component below the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {name: [(m, names) for m, names in _imports(path)] for name, path in MODULES.items()}
+
+
+def test_every_module_has_a_layer():
+    assert {_unit(m) for m in MODULES} <= set(LAYERS), sorted({_unit(m) for m in MODULES} - set(LAYERS))
+
+
+def test_no_import_cycles():
+    edges = {m: {t for t, _ in imports if t in MODULES and t != m} for m, imports in GRAPH.items()}
+    done, path = set(), []
+
+    def visit(node: str) -> None:
+        if node in path:
+            cycle = path[path.index(node):] + [node]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+        if node in done:
+            return
+        path.append(node)
+        for target in sorted(edges[node]):
+            visit(target)
+        path.pop()
+        done.add(node)
+
+    for module in sorted(MODULES):
+        visit(module)
+    assert done == set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_layers(module):
+    unit = _unit(module)
+    for target, names in GRAPH[module]:
+        if not target.startswith("lightning_streamkl"):
+            continue
+        other = _unit(target) if target != "lightning_streamkl" else "__init__"
+        if other == unit:
+            continue
+        assert LAYERS[other] <= LAYERS[unit], f"{module} imports {target}: a higher layer ({other} > {unit})"
+        assert not (unit in ADAPTERS and other in ADAPTERS), f"adapter {module} imports adapter {target}"
+        private = [n for n in names if n.startswith("_")]
+        assert not private, f"{module} imports private names {private} from {target}"
+        if unit == "jobs":
+            assert target == "lightning_streamkl" or not target.split(".")[-1].startswith("_"), (module, target)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _unit(m) in LIGHTNING_FREE))
+def test_the_engine_and_below_do_not_import_lightning(module):
+    lightning = [t for t, _ in GRAPH[module] if t.split(".")[0] in ("lightning", "pytorch_lightning")]
+    assert not lightning, f"{module} imports {lightning}: the engine and everything below it are Lightning-free"
+
+
+def test_the_library_never_imports_the_job():
+    for module, imports in GRAPH.items():
+        if _unit(module) != "jobs":
+            assert not [t for t, _ in imports if t.startswith("lightning_streamkl.jobs")], module
+
+
+def test_no_module_holds_a_huge_class():
+    """The continual regulariser was one 600-line class in an 893-line module."""
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno < 450, f"{module}.{node.name}: {node.end_lineno - node.lineno} lines"

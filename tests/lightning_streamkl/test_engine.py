@@ -1,0 +1,173 @@
+"""The Lightning-free engine: plain PyTorch use, a teacher that costs what it must (stops after the deepest paired
+layer, keeps its dtype, loads by name with from_pretrained options), and a teacher fed what its live counterpart
+receives. Tiny Hugging Face models built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from lightning_streamkl import AttentionDistiller, StreamKLDistillation
+from streamkl import attention_kl
+
+from ._models import CausalLM, loader, tiny_llama, trainer
+from .test_callback import LAST, Recorder, make_student, make_teacher, manual_kl
+
+
+def test_plain_pytorch_step_equals_the_manual_kl():
+    teacher, student = make_teacher(), make_student().model
+    batch = next(iter(loader(4, 4)))
+    distiller = AttentionDistiller(teacher, {"pairs": [LAST], "weight": 0.5})
+    assert distiller.setup(student) == [("model.layers.1.self_attn", "model.layers.1.self_attn")]
+    distiller.begin_step(batch)
+    with distiller.student_recording():
+        task = student(**batch).loss
+    terms = distiller.end_step(batch)
+    _, expected = manual_kl(teacher, copy.deepcopy(student), batch, "model.layers.1.self_attn",
+                            "model.layers.1.self_attn")
+    torch.testing.assert_close(terms.per_pair["last"], expected)
+    (task + distiller.weight_at(0) * terms.total).backward()
+    assert student.model.layers[1].self_attn.q_proj.weight.grad is not None
+    assert distiller.teacher_capture.records == {} and distiller.student_capture.records == {}
+
+
+def _counting(model: nn.Module, names: list[str]) -> dict[str, int]:
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("pair", [{"teacher": 1, "student": -1, "name": "mid"}, {"teacher": 0, "student": 0}])
+def test_the_teacher_stops_after_the_deepest_paired_layer(pair):
+    """The teacher ran every layer and its LM head on every batch (at 16k tokens and a 128k vocabulary the logits
+    alone are 4 GiB in bf16). Its forward pass now stops once the paired layers are captured, inside the nested
+    attention module of a Hugging Face model, and the KL is the full teacher's."""
+    teacher = tiny_llama(hidden=32, heads=4, kv_heads=2, layers=4, seed=0, init=0.3)
+    later = [f"model.layers.{i}" for i in range(pair["teacher"] + 1, 4)]
+    calls = _counting(teacher, ["lm_head", "model.norm", *later, f"model.layers.{pair['teacher']}"])
+    student = make_student(seed=1)
+    values = {}
+    for early_exit in (True, False):
+        rec = Recorder("train/attn_kl/total")
+        cb = StreamKLDistillation(teacher, pairs=[pair], teacher_early_exit=early_exit)
+        calls.update(dict.fromkeys(calls, 0))
+        trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(copy.deepcopy(student), loader(8, 4))
+        values[early_exit] = rec.values["train/attn_kl/total"]
+        if early_exit:
+            assert calls[f"model.layers.{pair['teacher']}"] == 2  # the paired layer ran, once per step
+            assert all(calls[name] == 0 for name in ["lm_head", "model.norm", *later]), calls
+        else:
+            assert calls["lm_head"] == 2
+    assert values[True] == pytest.approx(values[False], rel=1e-6)
+
+
+def test_a_teacher_by_name_takes_from_pretrained_options(tmp_path):
+    make_teacher().save_pretrained(tmp_path / "teacher")
+    cb = StreamKLDistillation(str(tmp_path / "teacher"), pairs=[LAST],
+                              teacher_from_pretrained={"dtype": "bfloat16", "attn_implementation": "eager"})
+    rec = Recorder("train/attn_kl/last")
+    trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))
+    assert {p.dtype for p in cb.teacher.parameters()} == {torch.bfloat16}  # kept: teacher_dtype="auto"
+    assert cb.teacher.config._attn_implementation == "eager" and rec.values["train/attn_kl/last"][0] > 0
+
+
+class EmbeddedLM(CausalLM):
+    """A LightningModule that embeds the tokens itself and runs the decoder on ``inputs_embeds``."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_llama(hidden=32, heads=4, kv_heads=2, layers=2, seed=3, init=0.3), lr=0.0)
+        self.embed = nn.Embedding(50, 32)
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.model.model(inputs_embeds=self.embed(batch["input_ids"]) * 3.0,
+                                  attention_mask=batch["attention_mask"]).last_hidden_state
+        loss = hidden.pow(2).mean()
+        self.task_losses.append(float(loss.detach()))
+        return loss
+
+
+@pytest.mark.parametrize("teacher_inputs", ["auto", "model.model"])
+def test_a_teacher_that_is_a_copy_of_the_student_gets_its_inputs(teacher_inputs):
+    """A teacher that is a copy of a student submodule is fed exactly what that submodule receives in the step
+    (``teacher_inputs``, detected with "auto"), not the batch: at lr = 0 the KL is 0."""
+    student = EmbeddedLM()
+    teacher = copy.deepcopy(student.model.model)
+    rec = Recorder("train/attn_kl/last")
+    cb = StreamKLDistillation(teacher, pairs=[LAST], teacher_inputs=teacher_inputs)
+    trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(student, loader(8, 4))
+    assert cb.distiller.inputs_from == "model.model"
+    assert max(rec.values["train/attn_kl/last"]) <= 1e-6
+    fed_the_batch = StreamKLDistillation(teacher, pairs=[LAST], teacher_inputs="batch")
+    rec = Recorder("train/attn_kl/last")
+    trainer(max_steps=1, callbacks=[fed_the_batch, rec], log_every_n_steps=1).fit(EmbeddedLM(), loader(4, 4))
+    assert rec.values["train/attn_kl/last"][0] > 1e-3  # what the batch gives the teacher is not what the student saw
+
+
+def test_a_teacher_fed_a_submodule_that_did_not_run_fails_clearly():
+    cb = StreamKLDistillation(make_teacher(), pairs=[LAST], teacher_inputs="model.lm_head")
+    with pytest.raises(RuntimeError, match=r"fed the inputs of the student's Linear, but it did not run during this step"):
+        trainer(max_steps=1, callbacks=[cb]).fit(HeadlessLM(), loader(4, 4))
+    with pytest.raises(ValueError, match=r"Expected `teacher_inputs` to be 'auto', 'batch' or a submodule of CausalLM, "
+                                         r"but it has no 'modle'\. Closest: \['model'"):
+        trainer(max_steps=1, callbacks=[StreamKLDistillation(make_teacher(), pairs=[LAST], teacher_inputs="modle")]).fit(
+            make_student(), loader(4, 4))
+
+
+class HeadlessLM(CausalLM):
+    def training_step(self, batch, batch_idx):
+        return self.model.model(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state.pow(2).mean()
+
+
+def test_default_pair_names_are_short_in_the_logs():
+    rec = Recorder("train/attn_kl/t1_s1", "train/attn_kl/t0_s0")
+    cb = StreamKLDistillation(make_teacher(), pairs=[["model.layers.1.self_attn", "model.model.layers.1.self_attn"],
+                                                     ["model.layers.0.self_attn", 0]])
+    trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))
+    assert cb.distiller.loss.pair_names == ["t1_s1", "t0_s0"] and all(v[0] > 0 for v in rec.values.values())
+
+
+def test_kl_of_a_bf16_teacher_on_an_fp32_student_matches_the_op():
+    """Teacher and student dtypes may differ: the op takes each side in its own dtype."""
+    teacher, student = make_teacher(dtype=torch.bfloat16), make_student().model
+    batch = next(iter(loader(4, 4)))
+    distiller = AttentionDistiller(teacher, {"pairs": [LAST]})
+    distiller.setup(student)
+    distiller.begin_step(batch)
+    with distiller.student_recording():
+        student(**batch)
+    s = distiller.student_capture.records["model.layers.1.self_attn"]
+    t = distiller.teacher_capture.records["model.layers.1.self_attn"]
+    assert t.q.dtype == torch.bfloat16 and s.q.dtype == torch.float32
+    mask = batch["attention_mask"].bool()
+    expected = attention_kl(t.q, t.k, s.q, s.k, causal=True, scale_t=t.scale, scale_s=s.scale,
+                            key_padding_mask=mask, query_mask=mask)
+    torch.testing.assert_close(distiller.end_step(batch).per_pair["last"], expected)
+
+
+def test_a_teacher_spread_with_device_map_is_never_moved(monkeypatch):
+    """A model dispatched over devices with ``device_map`` (``hf_device_map``) stays where it is, whatever
+    ``teacher_device`` says, and its inputs go to the device of its first tensor; any other teacher is moved."""
+    from lightning_streamkl.teacher import FrozenTeacher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("moved")
+
+    for spread in (True, False):
+        teacher = make_teacher()
+        if spread:
+            teacher.hf_device_map = {"": "cpu"}
+        monkeypatch.setattr(teacher, "to", refuse)
+        frozen = FrozenTeacher(teacher, device="student")
+        frozen.prepare()
+        if spread:
+            with frozen.placed(torch.device("meta")) as device:
+                assert device == torch.device("cpu")
+        else:
+            with pytest.raises(AssertionError, match="moved"), frozen.placed(torch.device("meta")):
+                pass
