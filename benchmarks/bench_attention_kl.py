@@ -345,7 +345,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--naive-max-n", type=int, default=8192, help="largest N for the eager naive loss")
     parser.add_argument("--compile-n", type=int, default=8192,
                         help="the N at which the torch.compile'd naive loss is timed (compiling costs ~1 min a shape)")
+    parser.add_argument("--merge", default=None, metavar="RUN",
+                        help="measure nothing: merge the records of RUN (a results file of this script, e.g. a "
+                             "--quick run after a kernel change) into --out, with --note")
+    parser.add_argument("--note", default="", help="the note --merge appends to the results file")
     args = parser.parse_args(argv)
+    if args.merge:
+        with open(args.out) as f:
+            previous = json.load(f)
+        with open(args.merge) as f:
+            run_ = json.load(f)
+        merged = merge_records(previous, run_["records"], args.note or f"records of {os.path.basename(args.merge)} "
+                               f"({run_.get('torch')}, triton {run_.get('triton')}) merged")
+        with open(args.out, "w") as f:
+            json.dump(merged, f, indent=1)
+        print(f"merged {len(run_['records'])} records of {args.merge} into {args.out}")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention_kl.py needs a CUDA GPU.")
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")

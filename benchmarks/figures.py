@@ -43,6 +43,7 @@ PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/atte
          "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
          "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
+         "docs/concepts/architecture.md",
          "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md")
 
 #: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
@@ -55,6 +56,7 @@ GENERATED = {
     "ablation": "benchmarks/ablation.py",  # written between <!-- ablation:table --> and <!-- /ablation -->
     "job-headline": "benchmarks/job_headline.py", "figures:quickstart-eval": "benchmarks/figures.py",
     "figures:gpu-long": "benchmarks/figures.py",
+    "figures:v4-first": "benchmarks/figures.py", "figures:v4-final": "benchmarks/figures.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -143,6 +145,11 @@ class Results:
 
     def row(self, h: int, d: int, causal: bool, n: int) -> dict:
         return self.grid[1][report.plain(h, d, causal, n)]
+
+    @cached_property
+    def grid_v3(self) -> tuple[dict, dict]:
+        """The full grid as the v3 kernels measured it (the perf notes' v3 section quotes it)."""
+        return report.load(os.path.join(RESULTS, "runs", "nvidia-h100-80gb-hbm3-v3.json"))
 
     @cached_property
     def tuning(self) -> dict:
@@ -275,7 +282,29 @@ def gpu_long_table(r: Results) -> str:
     return "\n".join(lines)
 
 
+def _v4_table(r: Results, run: str, label: str) -> str:
+    """perf-notes v4: forward and backward at N=8192, H=16, the v3 grid against one v4 run."""
+    new = report.load(os.path.join(RESULTS, "runs", run))[1]
+    lines = [f"| D | causal | fwd ms, v3 → {label} | bwd ms, v3 → {label} |", "|---|---|---|---|"]
+    for d in (64, 128):
+        for causal in (False, True):
+            old, now = r.grid_v3[1][report.plain(16, d, causal, 8192)], new[report.plain(16, d, causal, 8192)]
+            cells = [f"{old[m]:.3f} → {now[m]:.3f} ({100 * (now[m] / old[m] - 1):+.0f}%)"
+                     for m in ("streamkl/fwd", "streamkl/bwd")]
+            lines.append(f"| {d} | {causal} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def v4_first(r: Results) -> str:
+    return _v4_table(r, "nvidia-h100-80gb-hbm3-v4-first.json", "v4 first")
+
+
+def v4_final(r: Results) -> str:
+    return _v4_table(r, "nvidia-h100-80gb-hbm3-v4-quick.json", "v4")
+
+
 BLOCKS = {"figures:quickstart-eval": ("docs/quickstart.md", quickstart_eval),
+          "figures:v4-first": ("docs/perf-notes.md", v4_first), "figures:v4-final": ("docs/perf-notes.md", v4_final),
           "figures:gpu-long": ("docs/guides/long-context.md", gpu_long_table)}
 
 
@@ -532,19 +561,25 @@ def claims(r: Results) -> list[Claim]:
     tu_file = "benchmarks/results/nvidia-h100-80gb-hbm3-tuning.json"
     best = {(k.split("/")[0], int(k.split("/D")[1].split("/")[0])): v["false"]["ms"]
             for k, v in r.tuning.items() if k.endswith("/best")}
+    grid, grid_file = r.grid_v3, "benchmarks/results/runs/nvidia-h100-80gb-hbm3-v3.json"  # the v3 kernels
+
+    def v3(h: int, d: int, causal: bool, n: int) -> dict:
+        return grid[1][report.plain(h, d, causal, n)]
+
+    d64 = v3(16, 64, False, 8192)
     meta = grid[0]
     add("docs/perf-notes.md", grid_file,
         f"(torch {meta['torch'].split('+')[0].rsplit('.', 1)[0]}, Triton {meta['triton'].rsplit('.', 1)[0]})")
     add("docs/perf-notes.md", tu_file,
         f"({best['bwd-det-dq', 64]:.3f} against {best['bwd-atomic', 64]:.3f} ms at D=64, {best['bwd-det-dq', 128]:.3f} "
         f"against {best['bwd-atomic', 128]:.3f} ms at D=128, non-causal)")
-    fp32 = r.grid[1][(16, 64, False, 4096, "float32", None, None, False)]
-    d128 = r.row(16, 128, False, 32768)
+    fp32 = grid[1][(16, 64, False, 4096, "float32", None, None, False)]
+    d128 = v3(16, 128, False, 32768)
     fwd_bound = {d: grid[0]["bounds"][report.plain(16, d, False, 8192)]["fwd_bound_ms"] for d in (64, 128)}
     b1024 = grid[0]["bounds"][report.plain(16, 64, False, 1024)]
-    short = [r.row(16, d, c, n)["streamkl/fwd+bwd"] for d in (64, 128) for c in (False, True)
+    short = [v3(16, d, c, n)["streamkl/fwd+bwd"] for d in (64, 128) for c in (False, True)
              for n in (1024, 2048, 4096)]
-    d128_8k = r.row(16, 128, False, 8192)
+    d128_8k = v3(16, 128, False, 8192)
     spread = re.search(r"(\d\.\d-\d\.\d) ms", " ".join(meta["notes"])).group(1)
     add("docs/perf-notes.md", grid_file,
         f"fp32 inputs ({fp32['streamkl-atomic/bwd']:.1f} against {fp32['streamkl/bwd']:.1f} ms at N=4096, D=64) and "
@@ -575,6 +610,12 @@ def claims(r: Results) -> list[Claim]:
         f"launcher ~{1e6 * launch_cum / launches:.0f} µs per launch (three launches per call; `JITFunction.run` "
         f"re-specialises ~{specialise / launches:.0f} arguments on\n  every launch), the autograd engine "
         f"~{1e6 * engine[1] / engine[0]:.0f} µs")
+
+    rt_file = "benchmarks/results/nvidia-h100-80gb-hbm3-real-teacher.json"
+    ratios = _json("nvidia-h100-80gb-hbm3-real-teacher.json")["ratios_fwd_bwd"]
+    add("docs/perf-notes.md", rt_file,
+        f"cost {ratios['packed / dense (causal, same pairs)']:.1f}× the separate dense problems with the same allowed\n"
+        f"  pairs, and a window {ratios['window / dense-full (same pairs)']:.1f}×")
 
     # --- reliability: nothing measured on two GPUs is quoted (no result file was committed)
     return out

@@ -36,6 +36,11 @@ def is_tuning(raw) -> bool:
     return isinstance(raw, dict) and "shape" in raw and any(k.endswith("/best") for k in raw)
 
 
+def is_real_teacher(raw: object) -> bool:
+    """Whether a parsed JSON file was written by ``bench_real_teacher.py`` (packed and windowed problems)."""
+    return isinstance(raw, dict) and "ratios_fwd_bwd" in raw and "rows" in raw
+
+
 def find_results(kind=is_grid, directory: str = RESULTS) -> list[str]:
     """The JSON files under ``directory`` of one kind (``is_grid`` or ``is_tuning``), sorted."""
     found = []
@@ -418,6 +423,16 @@ def perf_notes(text: str, grid_path: str, tuning_path: str) -> str:
     return text
 
 
+def render_real_teacher(result: dict) -> str:
+    """The real-teacher section (see ``bench_real_teacher.render_markdown``)."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from bench_real_teacher import render_markdown
+
+    return render_markdown(result)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="*", help="benchmark grids (default: every one under benchmarks/results/)")
@@ -428,8 +443,12 @@ def main(argv: list[str] | None = None) -> None:
         for path in paths:
             meta, t = load(path)
             plots(meta, t, os.path.splitext(os.path.basename(path))[0])
+    page = render(paths)
+    for path in find_results(is_real_teacher):
+        with open(path) as f:
+            page += "\n" + render_real_teacher(json.load(f))
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
-        f.write(render(paths))
+        f.write(page)
     print("wrote docs/benchmarks.md")
     tunings = find_results(is_tuning)
     if paths and tunings:

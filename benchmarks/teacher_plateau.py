@@ -32,7 +32,7 @@ COMMON = ["--trainer.enable_progress_bar=false", "--job.plots=false", "--job.bas
 
 def run_check(name: str, out: str = OUT) -> str:
     """Run one check with ``streamkl-distill`` and keep the files the docs quote; returns its directory."""
-    from lightning_streamkl.cli import main
+    from lightning_streamkl.jobs.cli import main
 
     run_dir = os.path.relpath(os.path.join(out, name))  # relative, as the resolved config records it
     main([*COMMON, *CHECKS[name], f"--job.run_dir={run_dir}"])

@@ -57,7 +57,7 @@ def tune_head_dim(d: int, n: int, h: int, top: int, results: dict) -> None:
     """Time every candidate of every kernel at head dim ``d`` and store rows and winners in ``results``."""
     q_t, k_t, q_s, k_s = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = d**-0.5
-    inputs = KLInputs(q_t, k_t, q_s, k_s, *[None] * 6)
+    inputs = KLInputs(q_t, k_t, q_s, k_s, *[None] * 7)
     specs = {causal: KLSpec(scale_a=scale, scale_b=scale, window_right=0 if causal else -1)
              for causal in (False, True)}
     state = {}

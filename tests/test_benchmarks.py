@@ -198,7 +198,7 @@ def test_max_n_merges_into_the_existing_results_file(tmp_path, monkeypatch):
 
 def test_every_teacher_plateau_check_is_a_valid_job_command_line(capsys):
     pytest.importorskip("jsonargparse")
-    from lightning_streamkl.cli import main
+    from lightning_streamkl.jobs.cli import main
 
     plateau = _load(ROOT / "benchmarks" / "teacher_plateau.py", "teacher_plateau")
     for name, overrides in plateau.CHECKS.items():

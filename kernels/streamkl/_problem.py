@@ -14,7 +14,8 @@ Scores of one side, for a raw product ``r = q·k``:
 Masks are one rule for every layout: query ``i`` of a sequence with ``n_q`` queries and ``n_k`` keys, aligned
 bottom-right to key position ``i' = i + n_k − n_q``, may see key ``j`` iff
 ``i' − window_left ≤ j ≤ i' + window_right`` (−1 = unbounded on that side; ``causal`` is ``window_right = 0``),
-and the key padding mask keeps it. Packed sequences (``cu_seqlens``) are separate problems.
+the key padding mask keeps it and a general ``attn_mask`` (if any) allows it. Packed sequences (``cu_seqlens``) are
+separate problems.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class KLInputs(NamedTuple):
     query_mask: torch.Tensor | None  # [B, N_q] bool, False = row excluded
     cu_seqlens_q: torch.Tensor | None  # [S + 1] int32 offsets of packed sequences
     cu_seqlens_k: torch.Tensor | None
+    attn_mask: torch.Tensor | None = None  # [B or 1, H or 1, N_q, N_k] bool, True = allowed (any mask)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class AttentionKLProblem:
     query_mask: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
+    attn_mask: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
     window: tuple[int, int]
@@ -147,12 +150,13 @@ class AttentionKLProblem:
         if self.reverse:
             teacher, student, spec = student, teacher, spec.swapped()
         inputs = KLInputs(teacher[0], teacher[1], student[0], student[1], teacher[2], student[2],
-                          self.key_padding_mask, self.query_mask, self.cu_seqlens_q, self.cu_seqlens_k)
+                          self.key_padding_mask, self.query_mask, self.cu_seqlens_q, self.cu_seqlens_k, self.attn_mask)
         return inputs, spec
 
     def every_row_counts(self) -> bool:
         """True when no row can be empty, so ``"mean"`` divides by the number of rows without looking at them."""
-        if self.packed or self.key_padding_mask is not None or self.query_mask is not None or self.n_k == 0:
+        masked = self.key_padding_mask is not None or self.query_mask is not None or self.attn_mask is not None
+        if self.packed or masked or self.n_k == 0:
             return False
         left, right = self.window
         offset = self.n_k - self.n_q  # row i is aligned to key i + offset

@@ -151,6 +151,27 @@ def _check_mask(name: str, mask: object, batch: int, length: int, length_name: s
     return mask
 
 
+def _check_attn_mask(mask: object, batch: int, heads: int, n_q: int, n_k: int, device) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"Expected argument `attn_mask` to be None or a torch.Tensor, but got {type(mask).__name__}.")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"Expected argument `attn_mask` to have dtype torch.bool (True = the query may see the key), but got "
+            f"{mask.dtype}; an additive float mask m converts as `m == 0` (or `m > -inf`)."
+        )
+    shape = tuple(mask.shape)
+    if mask.dim() != 4 or shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2:] != (n_q, n_k):
+        raise ValueError(
+            f"Expected argument `attn_mask` to have shape (B or 1, H or 1, N_q, N_k) = ({batch} or 1, {heads} or 1, "
+            f"{n_q}, {n_k}), but got {shape}."
+        )
+    if mask.device != device:
+        raise ValueError(f"Expected argument `attn_mask` to be on {device} like q_t, but got {mask.device}.")
+    return mask
+
+
 def _check_sinks(sinks_t: object, sinks_s: object, heads: int, device: torch.device) -> None:
     if (sinks_t is None) != (sinks_s is None):
         given, missing = ("sinks_t", "sinks_s") if sinks_s is None else ("sinks_s", "sinks_t")
@@ -240,6 +261,7 @@ def prepare_problem(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> AttentionKLProblem:
     """Validate all arguments of :func:`streamkl.attention_kl` and return the canonical problem."""
     check_options(
@@ -316,7 +338,8 @@ def prepare_problem(
             )
 
     if packed:
-        for name, mask in (("key_padding_mask", key_padding_mask), ("query_mask", query_mask)):
+        masks = (("key_padding_mask", key_padding_mask), ("query_mask", query_mask), ("attn_mask", attn_mask))
+        for name, mask in masks:
             if mask is not None:
                 raise ValueError(
                     f"Got `{name}` with layout='thd': packed sequences carry no padding, and their boundaries come "
@@ -353,6 +376,7 @@ def prepare_problem(
         max_q, max_k = n_q, n_k
     key_padding_mask = _check_mask("key_padding_mask", key_padding_mask, batch, n_k, "N_k", device)
     query_mask = _check_mask("query_mask", query_mask, batch, n_q, "N_q", device)
+    attn_mask = _check_attn_mask(attn_mask, batch, heads, n_q, n_k, device)
     _check_sinks(sinks_t, sinks_s, heads, device)
 
     left, right = check_window(window)
@@ -371,6 +395,7 @@ def prepare_problem(
         query_mask=query_mask,
         cu_seqlens_q=cu_seqlens_q if packed else None,
         cu_seqlens_k=cu_seqlens_k if packed else None,
+        attn_mask=attn_mask,
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         window=(left, right),

@@ -75,6 +75,7 @@ def attention_kl(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    attn_mask: torch.Tensor | None = None,
     allow_tf32: bool = False,
     deterministic: bool = True,
     check_finite: bool = False,
@@ -143,6 +144,10 @@ def attention_kl(
             which costs a device synchronisation and checks the offsets. With both maxima given the offsets are
             trusted, as in flash-attn (the kernels still never read outside the tensors).
         max_seqlen_k: the longest key sequence (layout "thd"). Default: ``None``.
+        attn_mask: any other mask, ``[B or 1, H or 1, N_q, N_k]`` bool, True = the query may see the key (e.g. a
+            prefix-LM or custom block mask a model built); combined with every other mask. It costs an ``N_q × N_k``
+            bool read and every tile is masked, so prefer the structured options where they describe the mask
+            (not with "thd"). Default: ``None``.
         allow_tf32: let float32 inputs use TF32 tensor-core products (Triton backend). Default: ``False``
             (true fp32 products).
         deterministic: bitwise-reproducible gradients. ``True`` runs the two-pass backward (a key-stationary
@@ -216,6 +221,7 @@ def attention_kl(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        attn_mask=attn_mask,
     )
     if not isinstance(check_finite, bool):
         raise TypeError(f"Expected argument `check_finite` to be a bool, but got {type(check_finite).__name__}.")

@@ -120,13 +120,13 @@ def _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, nee
 
 class AttentionKLFunction(torch.autograd.Function):
     """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask,
-    cu_seqlens_q, cu_seqlens_k, spec, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only ``kl``
-    is differentiable.
+    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only
+    ``kl`` is differentiable.
 
     Example:
         >>> q = torch.randn(1, 2, 5, 8, requires_grad=True)
         >>> spec = KLSpec(scale_a=0.3, scale_b=0.3)
-        >>> kl, lse_a, lse_b = AttentionKLFunction.apply(q, q.detach(), q, q.detach() * 2, *[None] * 6, spec,
+        >>> kl, lse_a, lse_b = AttentionKLFunction.apply(q, q.detach(), q, q.detach() * 2, *[None] * 7, spec,
         ...                                              "reference", False, True)
         >>> kl.sum().backward()
         >>> tuple(q.grad.shape)
@@ -135,9 +135,9 @@ class AttentionKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                spec, backend, allow_tf32, deterministic):
+                attn_mask, spec, backend, allow_tf32, deterministic):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
-                          cu_seqlens_k)
+                          cu_seqlens_k, attn_mask)
         kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32)
         _save(ctx, inputs, kl, lse_a, lse_b, spec, (backend, allow_tf32, deterministic))
         return kl, lse_a, lse_b
@@ -161,6 +161,7 @@ def attention_kl_fwd_op(
     query_mask: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
     scale_a: float,
     scale_b: float,
     softcap_a: float,
@@ -174,7 +175,8 @@ def attention_kl_fwd_op(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` (see the module docstring)."""
-    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k)
+    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
+                      attn_mask)
     spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
     return forward_impl(inputs, spec, backend, allow_tf32)
 
@@ -199,6 +201,7 @@ def attention_kl_bwd_op(
     query_mask: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
     kl: torch.Tensor,
     lse_a: torch.Tensor,
     lse_b: torch.Tensor,
@@ -220,7 +223,8 @@ def attention_kl_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``Σ grad_kl · KL``; a gradient that was not asked for is an empty tensor (custom ops
     cannot return None)."""
-    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k)
+    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
+                      attn_mask)
     spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
     grads = _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b, need_sink_a,
                             need_sink_b, backend, allow_tf32, deterministic)
@@ -230,7 +234,7 @@ def attention_kl_bwd_op(
 
 @attention_kl_bwd_op.register_fake
 def _attention_kl_bwd_fake(grad_kl, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
-                           cu_seqlens_k, kl, lse_a, lse_b, *args):
+                           cu_seqlens_k, attn_mask, kl, lse_a, lse_b, *args):
     need_a, need_b, need_sink_a, need_sink_b = args[8:12]
     need = (need_a, need_a, need_b, need_b)
     grads = [
@@ -243,10 +247,10 @@ def _attention_kl_bwd_fake(grad_kl, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padd
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    tensors = KLInputs(*inputs[:10])
-    spec = KLSpec(*inputs[10:18])
+    tensors = KLInputs(*inputs[:11])
+    spec = KLSpec(*inputs[11:19])
     kl, lse_a, lse_b = output
-    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(inputs[18:]))
+    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(inputs[19:]))
 
 
 def _compiled_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,

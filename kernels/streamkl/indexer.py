@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._constants import BACKENDS, LAYOUTS, REDUCTIONS
+from ._constants import BACKENDS, REDUCTIONS
+
+#: The layouts of :func:`indexer_kl` (the packed "thd" layout of attention_kl is not one of them).
+INDEXER_LAYOUTS: tuple[str, ...] = ("bhnd", "bnhd")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -133,7 +136,7 @@ def check_indexer_options(*, causal: object, scale: object, reduction: object, l
     if not isinstance(causal, bool):
         raise TypeError(f"Expected argument `causal` to be a bool, but got {type(causal).__name__}.")
     _check_choice("reduction", reduction, REDUCTIONS)
-    _check_choice("layout", layout, LAYOUTS)
+    _check_choice("layout", layout, INDEXER_LAYOUTS)
     _check_choice("backend", backend, BACKENDS)
     if scale is None:
         return None

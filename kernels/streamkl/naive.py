@@ -36,11 +36,11 @@ def _positions(cu_seqlens: torch.Tensor | None, total: int, device: torch.device
 
 
 def allowed_keys(problem: AttentionKLProblem) -> torch.Tensor:
-    """Bool map ``(B or 1, 1, N_q, N_k)`` of allowed (query, key) pairs.
+    """Bool map ``(B or 1, 1 or H, N_q, N_k)`` of allowed (query, key) pairs.
 
     Query ``i`` of a sequence with ``n_q`` queries and ``n_k`` keys sees key ``j`` of the same sequence iff
     ``i' − left ≤ j ≤ i' + right`` with ``i' = i + n_k − n_q`` (bottom-right alignment, as FlashAttention;
-    −1 = unbounded; causal is ``right = 0``) and the key padding mask keeps ``j``.
+    −1 = unbounded; causal is ``right = 0``), the key padding mask keeps ``j`` and ``attn_mask`` allows the pair.
     """
     device = problem.q_t.device
     seq_q, pos_q, len_q = _positions(problem.cu_seqlens_q, problem.n_q, device)
@@ -61,6 +61,8 @@ def allowed_keys(problem: AttentionKLProblem) -> torch.Tensor:
     allowed = allowed[None, None]
     if problem.key_padding_mask is not None:
         allowed = allowed & problem.key_padding_mask[:, None, None, :]
+    if problem.attn_mask is not None:
+        allowed = allowed & problem.attn_mask
     return allowed
 
 
@@ -128,6 +130,7 @@ def naive_attention_kl(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    attn_mask: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     r"""KL divergence between two attention distributions, computed by materialising them.
@@ -173,6 +176,7 @@ def naive_attention_kl(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        attn_mask=attn_mask,
     )
     dtype = compute_dtype or result_dtype(q_t, k_t, q_s, k_s)
     kl, counted = naive_per_row_kl(problem, dtype)

@@ -70,8 +70,9 @@ def _grad_k(ds: torch.Tensor, q: torch.Tensor, h_k: int, scale: float) -> torch.
 
 
 def _chunk_allowed(i0: int, i1: int, j0: int, j1: int, n_q: int, n_k: int, spec: KLSpec,
-                   key_padding_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """Allowed (query, key) pairs of one chunk as ``(B or 1, 1, i1-i0, j1-j0)`` bool, or None if all are."""
+                   key_padding_mask: torch.Tensor | None, device: torch.device,
+                   attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Allowed (query, key) pairs of one chunk as ``(B or 1, 1 or H, i1-i0, j1-j0)`` bool, or None if all are."""
     allowed = None
     if spec.banded:
         rows = torch.arange(i0, i1, device=device)[:, None] + (n_k - n_q)
@@ -85,6 +86,9 @@ def _chunk_allowed(i0: int, i1: int, j0: int, j1: int, n_q: int, n_k: int, spec:
     if key_padding_mask is not None:
         kpm = key_padding_mask[:, None, None, j0:j1]
         allowed = kpm if allowed is None else allowed & kpm
+    if attn_mask is not None:
+        block = attn_mask[:, :, i0:i1, j0:j1]
+        allowed = block if allowed is None else allowed & block
     return allowed
 
 
@@ -121,7 +125,7 @@ def _merge_sink(m, z, sink):
 
 
 def _forward_one(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, spec: KLSpec, chunk: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, attn_mask: torch.Tensor | None = None):
     """``(kl, lse_a, lse_b)`` of one dense ``(B, H, N_q)`` problem (one packed sequence is B = 1)."""
     batch, heads, n_q, _ = q_a.shape
     n_k = k_a.shape[2]
@@ -142,7 +146,7 @@ def _forward_one(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mas
         for j0, j1 in _key_chunks(i0, i1, n_q, n_k, spec, chunk):
             x, _ = _scores(_raw_scores(qa, k_a[:, :, j0:j1].to(dtype)), spec.scale_a, spec.softcap_a)
             y, _ = _scores(_raw_scores(qb, k_b[:, :, j0:j1].to(dtype)), spec.scale_b, spec.softcap_b)
-            allowed = _chunk_allowed(i0, i1, j0, j1, n_q, n_k, spec, key_padding_mask, device)
+            allowed = _chunk_allowed(i0, i1, j0, j1, n_q, n_k, spec, key_padding_mask, device, attn_mask)
             m_a, z_a, alpha, p_a = _online_update(x, allowed, m_a, z_a)
             diff = x - y if allowed is None else torch.where(allowed, x - y, 0.0)  # p_a is exactly 0 on masked pairs
             acc = acc * alpha + (p_a * diff).sum(-1)
@@ -192,7 +196,7 @@ def chunked_attention_kl_fwd(
         >>> from streamkl._problem import KLInputs, KLSpec
         >>> q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
         >>> spec = KLSpec(scale_a=0.3, scale_b=0.3, window_right=0)  # causal
-        >>> kl, lse_a, lse_b = chunked_attention_kl_fwd(KLInputs(q, k, q, k, *[None] * 6), spec)
+        >>> kl, lse_a, lse_b = chunked_attention_kl_fwd(KLInputs(q, k, q, k, *[None] * 7), spec)
         >>> kl.abs().max().item()
         0.0
     """
@@ -207,6 +211,7 @@ def chunked_attention_kl_fwd(
         out = _forward_one(
             q_a[:, :, rows], inputs.k_a[:, :, keys], inputs.q_b[:, :, rows], inputs.k_b[:, :, keys],
             inputs.sink_a, inputs.sink_b, inputs.key_padding_mask, inputs.query_mask, spec, chunk, dtype,
+            inputs.attn_mask,
         )
         for buffer, value in zip((kl, lse_a, lse_b), out):
             buffer[:, :, rows] = value
@@ -214,7 +219,7 @@ def chunked_attention_kl_fwd(
 
 
 def _backward_one(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_b, spec: KLSpec,
-                  need_a: bool, need_b: bool, grads, chunk: int):
+                  need_a: bool, need_b: bool, grads, chunk: int, attn_mask: torch.Tensor | None = None):
     """Accumulate one dense problem's gradients into ``grads = [dq_a, dk_a, dq_b, dk_b]`` (views of the result)."""
     dq_a, dk_a, dq_b, dk_b = grads
     dtype = kl.dtype
@@ -236,7 +241,7 @@ def _backward_one(grad_kl, q_a, k_a, q_b, k_b, key_padding_mask, kl, lse_a, lse_
             ka, kb = k_a[:, :, j0:j1].to(dtype), k_b[:, :, j0:j1].to(dtype)
             x, u_a = _scores(_raw_scores(qa, ka), spec.scale_a, spec.softcap_a)
             y, u_b = _scores(_raw_scores(qb, kb), spec.scale_b, spec.softcap_b)
-            allowed = _chunk_allowed(i0, i1, j0, j1, n_q, n_k, spec, key_padding_mask, device)
+            allowed = _chunk_allowed(i0, i1, j0, j1, n_q, n_k, spec, key_padding_mask, device, attn_mask)
             keep = row_ok if allowed is None else allowed & row_ok
             p_a = torch.exp(x - la).masked_fill(~keep, 0.0)
             p_b = torch.exp(y - lb).masked_fill(~keep, 0.0)
@@ -281,7 +286,7 @@ def chunked_attention_kl_bwd(
         >>> from streamkl._problem import KLInputs, KLSpec
         >>> q_t, k_t = torch.randn(1, 2, 6, 8), torch.randn(1, 1, 6, 8)
         >>> q_s, k_s = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
-        >>> inputs, spec = KLInputs(q_t, k_t, q_s, k_s, *[None] * 6), KLSpec(scale_a=0.3, scale_b=0.5)
+        >>> inputs, spec = KLInputs(q_t, k_t, q_s, k_s, *[None] * 7), KLSpec(scale_a=0.3, scale_b=0.5)
         >>> kl, la, lb = chunked_attention_kl_fwd(inputs, spec)
         >>> grads = chunked_attention_kl_bwd(torch.ones_like(kl), inputs, spec, kl, la, lb,
         ...                                  need_grad_a=False, need_grad_b=True)
@@ -305,7 +310,7 @@ def chunked_attention_kl_bwd(
         _backward_one(
             grad_kl[:, :, rows], q_a[:, :, rows], k_a[:, :, keys], q_b[:, :, rows], k_b[:, :, keys],
             inputs.key_padding_mask, kl[:, :, rows], lse_a[:, :, rows], lse_b[:, :, rows], spec,
-            need_grad_a, need_grad_b, views, chunk,
+            need_grad_a, need_grad_b, views, chunk, inputs.attn_mask,
         )
     return tuple(grads)
 

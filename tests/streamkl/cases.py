@@ -39,6 +39,7 @@ class Case:
     sinks: bool = False
     seqlens: tuple[int, ...] | None = None
     seqlens_k: tuple[int, ...] | None = None
+    attn_mask: str = "none"  # "none" | "prefix" (prefix-LM, per batch row) | "random" (per batch row and head)
 
     @property
     def packed(self) -> bool:
@@ -74,6 +75,8 @@ class Case:
             parts.append(f"cap{self.softcap_t}_{self.softcap_s}")
         if self.sinks:
             parts.append("sinks")
+        if self.attn_mask != "none":
+            parts.append(f"mask-{self.attn_mask}")
         return "-".join(parts)
 
     def kwargs(self) -> dict:
@@ -158,6 +161,13 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str = "cpu", generator: 
         extras["key_padding_mask"] = kpm.to(device)
     if case.query_mask:
         extras["query_mask"] = (torch.rand(case.b, case.n_q, generator=g) > 0.25).to(device)
+    if case.attn_mask == "prefix":  # prefix-LM: bidirectional over a per-row prefix, causal after it
+        prefix = torch.randint(0, case.n_k + 1, (case.b, 1, 1, 1), generator=g)
+        rows = torch.arange(case.n_q)[:, None] + (case.n_k - case.n_q)
+        cols = torch.arange(case.n_k)[None, :]
+        extras["attn_mask"] = ((cols < prefix) | (cols <= rows)).to(device)
+    elif case.attn_mask == "random":
+        extras["attn_mask"] = (torch.rand(case.b, case.h, case.n_q, case.n_k, generator=g) > 0.4).to(device)
     return Inputs(tensors, extras)
 
 
@@ -210,4 +220,7 @@ REAL_TEACHER_CASES: list[Case] = [
     replace(BASE, seqlens=(25, 18, 31), causal=True, window=(6, -1), softcap_t=2.0, sinks=True,
             teacher_grad=True, d_t=24, d_s=12, h=4, h_kt=1, h_ks=2),  # everything together
     replace(BASE, seqlens=(40,), direction="reverse", window=(3, 3), softcap_s=1.0, sinks=True),
+    replace(BASE, n_q=37, n_k=37, attn_mask="prefix", teacher_grad=True),  # a prefix-LM mask (general attn_mask)
+    replace(BASE, n_q=29, n_k=35, attn_mask="random", key_mask="random", window=(9, 4), sinks=True,
+            direction="reverse", teacher_grad=True),  # a general per-head mask with everything else
 ]

@@ -40,10 +40,10 @@ def test_custom_op_and_function_agree(backend):
     torch.manual_seed(3)
     sinks_o = _sinks()
     a = _inputs(True) + sinks_f
-    kl_f, lse_f, _ = AttentionKLFunction.apply(*a, None, None, None, None, SPEC, backend, False, True)
+    kl_f, lse_f, _ = AttentionKLFunction.apply(*a, None, None, None, None, None, SPEC, backend, False, True)
     (kl_f * torch.arange(kl_f.numel(), device=DEVICE).view_as(kl_f)).sum().backward()
     b = _inputs(True) + sinks_o
-    kl_o, lse_o, _ = attention_kl_fwd_op(*b, None, None, None, None, *dataclasses.astuple(SPEC), backend, False, True)
+    kl_o, lse_o, _ = attention_kl_fwd_op(*b, None, None, None, None, None, *dataclasses.astuple(SPEC), backend, False, True)
     (kl_o * torch.arange(kl_o.numel(), device=DEVICE).view_as(kl_o)).sum().backward()
     assert torch.equal(kl_f, kl_o) and torch.equal(lse_f, lse_o)
     for x, y in zip(a, b):
@@ -54,7 +54,7 @@ def test_custom_op_passes_opcheck():
     """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
     xs = [x.detach().requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
     sinks = [s.detach().requires_grad_(i == 1) for i, s in enumerate(_sinks())]
-    torch.library.opcheck(attention_kl_fwd_op, (*xs, *sinks, None, None, None, None, *dataclasses.astuple(SPEC),
+    torch.library.opcheck(attention_kl_fwd_op, (*xs, *sinks, None, None, None, None, None, *dataclasses.astuple(SPEC),
                                                 "reference", False, True))
 
 

@@ -229,6 +229,9 @@ CU = torch.tensor([0, 5, 12], dtype=torch.int32)
         (dict(sinks_t=torch.zeros(4, dtype=torch.long), sinks_s=torch.zeros(4)), TypeError, r"`sinks_t` to have a floating dtype"),
         (dict(sinks_t=[0.0] * 4, sinks_s=torch.zeros(4)), TypeError, r"`sinks_t` to be None or a torch.Tensor, but got list"),
         (dict(cu_seqlens_q=CU), ValueError, r"Got `cu_seqlens_q` with layout='bhnd'"),
+        (dict(attn_mask=torch.ones(2, 4, 8, 8)), TypeError, r"`attn_mask` to have dtype torch.bool .* but got torch.float32"),
+        (dict(attn_mask=torch.ones(2, 3, 8, 8, dtype=torch.bool)), ValueError, r"`attn_mask` to have shape \(B or 1, H or 1, N_q, N_k\) = \(2 or 1, 4 or 1, 8, 8\), but got \(2, 3, 8, 8\)"),
+        (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), ValueError, r"`attn_mask` to have shape"),
         (dict(max_seqlen_k=4), ValueError, r"Got `max_seqlen_k` with layout='bhnd'"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, dict) else "",
@@ -256,9 +259,10 @@ def test_option_errors_name_the_argument(kwargs, error, match):
         (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, key_padding_mask=torch.ones(1, 12, dtype=torch.bool)), ValueError,
          r"Got `key_padding_mask` with layout='thd': packed sequences carry no padding"),
         (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, query_mask=torch.ones(1, 12, dtype=torch.bool)), ValueError, r"Got `query_mask` with layout='thd'"),
+        (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_mask=torch.ones(1, 1, 12, 12, dtype=torch.bool)), ValueError, r"Got `attn_mask` with layout='thd'"),
     ],
     ids=["missing", "int64", "list", "short", "decreasing", "last", "first", "count", "max-too-small", "max-negative",
-         "kpm", "qmask"],
+         "kpm", "qmask", "attn-mask"],
 )
 def test_packed_errors_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):

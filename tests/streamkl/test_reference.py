@@ -41,7 +41,7 @@ def test_reference_low_precision_inputs(case: Case, dtype: torch.dtype):
 def test_reference_chunk_size_does_not_change_the_result(chunk_size: int):
     q_t, k_t, q_s, k_s = (torch.randn(2, 3, 37, 8, dtype=torch.float64) * 4 for _ in range(4))
     kpm = torch.rand(2, 37) > 0.5
-    inputs = KLInputs(q_t, k_t, q_s, k_s, None, None, kpm, None, None, None)
+    inputs = KLInputs(q_t, k_t, q_s, k_s, None, None, kpm, None, None, None, None)
     spec = KLSpec(scale_a=0.3, scale_b=0.4, window_right=0)
     kl, lse_a, _ = reference.chunked_attention_kl_fwd(inputs, spec, chunk_size=chunk_size)
     ref = naive_attention_kl(q_t, k_t, q_s, k_s, causal=True, key_padding_mask=kpm, scale_t=0.3, scale_s=0.4,
@@ -184,7 +184,7 @@ def _reference_peak_bytes(n: int) -> int:
     q_t, k_t, q_s, k_s = (torch.randn(b, h, n, d) for _ in range(4))
     g = torch.ones(b, h, n)
 
-    inputs, spec = KLInputs(q_t, k_t, q_s, k_s, *[None] * 6), KLSpec(scale_a=0.25, scale_b=0.25)
+    inputs, spec = KLInputs(q_t, k_t, q_s, k_s, *[None] * 7), KLSpec(scale_a=0.25, scale_b=0.25)
 
     def run():
         kl, la, lb = reference.chunked_attention_kl_fwd(inputs, spec)

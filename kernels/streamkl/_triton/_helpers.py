@@ -95,12 +95,13 @@ def _band(start, last, n_self, n_other, left, right, BLOCK: tl.constexpr, HAS_LE
 
 
 @triton.jit
-def _allowed(rows, cols, key_ok, n_q, n_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+def _allowed(rows, cols, key_ok, n_q, n_k, left, right, am_ptr, stride_am_q, stride_am_k, HAS_LEFT: tl.constexpr,
+             HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_ATTN_MASK: tl.constexpr):
     """Bool mask broadcastable to the tile: key ``cols`` is allowed for query ``rows`` (local indices).
 
-    ``key_ok`` is the loaded key padding mask (bool, shaped like ``cols``) or None. ``MASKED`` tiles check the
-    window and the key bounds; the others only the padding mask (call it only if one of the two applies).
+    ``key_ok`` is the loaded key padding mask (bool, shaped like ``cols``) or None; ``am_ptr`` points at the general
+    ``attn_mask`` of this (batch, head) (with ``HAS_ATTN_MASK``; every tile is then masked). ``MASKED`` tiles check
+    the window, the bounds and the general mask; the others only the padding mask (call it only if one applies).
     """
     if MASKED:
         allowed = cols < n_k
@@ -111,6 +112,9 @@ def _allowed(rows, cols, key_ok, n_q, n_k, left, right, HAS_LEFT: tl.constexpr, 
             allowed = allowed & (cols <= aligned + right)
         if HAS_KEY_MASK:
             allowed = allowed & key_ok
+        if HAS_ATTN_MASK:
+            inside = (rows < n_q) & (cols < n_k)
+            allowed = allowed & (tl.load(am_ptr + rows * stride_am_q + cols * stride_am_k, mask=inside, other=0) != 0)
     else:
         allowed = key_ok
     return allowed
@@ -154,6 +158,14 @@ def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
 def as_uint8_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """Bool masks are passed to the kernels as uint8 views (no copy)."""
     return None if mask is None else mask.view(torch.uint8)
+
+
+def attn_mask_view(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int, int, int, int]]:
+    """A bool ``attn_mask`` as a uint8 view and its (b, h, q, k) strides, 0 on broadcast dims (no copy)."""
+    if mask is None:
+        return None, (0, 0, 0, 0)
+    view = mask.view(torch.uint8)
+    return view, tuple(0 if size == 1 else stride for size, stride in zip(view.shape, view.stride()))
 
 
 def side_scales(scale: float, softcap: float) -> tuple[float, float]:

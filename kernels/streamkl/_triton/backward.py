@@ -51,6 +51,7 @@ from ._helpers import (
     _pre_exponent,
     _sequence,
     as_uint8_mask,
+    attn_mask_view,
     dot_precision,
     needs_wide_offsets,
     side_scales,
@@ -113,13 +114,15 @@ def _attention_kl_bwd_dk_queries(
     GRAD, KL, LSE_A, LSE_B,
     DQ_A, DQ_B,  # [B, H, N_Q, D_*] fp32 atomic accumulators (ATOMIC_DQ), else None
     keys, key_row,  # [BLOCK_N] local key indices; loaded key padding mask as a column, or None
+    am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     da_in, db_in,
     dk_a, dk_b,  # [BLOCK_N, BLOCK_D*] fp32 accumulators
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b,
     n_q, n_k, left, right,
     D_A: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_QUERY_MASK: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HAS_QUERY_MASK: tl.constexpr, HAS_ATTN_MASK: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
@@ -149,8 +152,8 @@ def _attention_kl_bwd_dk_queries(
         xt = _pre_exponent(_dot(k_a, qt_a, DOT_PRECISION_A, INTERPRET), cap_scale_a, SOFTCAP_A)  # [BLOCK_N, BLOCK_M]
         yt = _pre_exponent(_dot(k_b, qt_b, DOT_PRECISION_B, INTERPRET), cap_scale_b, SOFTCAP_B)
         if MASKED or HAS_KEY_MASK:
-            allowed = _allowed(offs_m[None, :], keys[:, None], key_row, n_q, n_k, left, right, HAS_LEFT, HAS_RIGHT,
-                               MASKED, HAS_KEY_MASK)
+            allowed = _allowed(offs_m[None, :], keys[:, None], key_row, n_q, n_k, left, right, am_ptr, stride_am_q,
+                               stride_am_k, HAS_LEFT, HAS_RIGHT, MASKED, HAS_KEY_MASK, HAS_ATTN_MASK)
         else:
             allowed = None
         dst_a, dst_b = _attention_kl_bwd_ds(xt, yt, allowed, lse2_a[None, :], lse2_b[None, :], kl, g[None, :],
@@ -183,6 +186,7 @@ def _attention_kl_bwd_dk_queries(
 def _attention_kl_bwd_dk_keys(
     n0, pid_n,  # first local key of this tile; the program's tile index (staggers the atomic dQ sweep)
     Q_A, K_A, Q_B, K_B, GRAD, KL, LSE_A, LSE_B, DK_A, DK_B, DQ_A, DQ_B, km_ptr,
+    ATTN_MASK, stride_am_b, stride_am_h, stride_am_q, stride_am_k,
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
@@ -194,6 +198,7 @@ def _attention_kl_bwd_dk_keys(
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
+    HAS_ATTN_MASK: tl.constexpr,
     NEED_A: tl.constexpr, NEED_B: tl.constexpr, DK_A_PER_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
@@ -216,6 +221,9 @@ def _attention_kl_bwd_dk_keys(
     lo, b_full, c_full, hi = _band(n0, last, n_k, n_q, right, left, BLOCK_M, HAS_RIGHT, HAS_LEFT)
     if not HAS_LEFT:
         c_full = hi
+    if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
+        b_full = hi
+        c_full = hi
     if ATOMIC_DQ:  # programs start at different query tiles so their atomic dQ adds do not collide
         shift = pid_n
     else:
@@ -237,29 +245,39 @@ def _attention_kl_bwd_dk_keys(
         qb_base = (Q_B + b64 * stride_qb_b + h64 * stride_qb_h + _offset(q_start, stride_qb_n, WIDE)
                    + offs_db[:, None] * stride_qb_d)
         row_base = (b64 * H + h64) * N_Q + q_start
-        if HAS_RIGHT:  # rows above the full tiles exist only with a right bound (causal)
+        if HAS_ATTN_MASK:
+            am_ptr = ATTN_MASK + b64 * stride_am_b + h64 * stride_am_h
+        else:
+            am_ptr = ATTN_MASK
+        if HAS_RIGHT or HAS_ATTN_MASK:  # rows above the full tiles exist only with a right bound (causal)
             dk_a, dk_b = _attention_kl_bwd_dk_queries(
                 lo, b_full, 0, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
-                GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, da_in, db_in, dk_a, dk_b,
+                GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, am_ptr, stride_am_q, stride_am_k, da_in, db_in,
+                dk_a, dk_b,
                 qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, n_q, n_k, left, right,
                 D_A, D_B, BLOCK_M, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_QUERY_MASK,
+                HAS_ATTN_MASK,
                 NEED_A, NEED_B, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B,
                 DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
         dk_a, dk_b = _attention_kl_bwd_dk_queries(
             b_full, c_full, shift, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
-            GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, da_in, db_in, dk_a, dk_b,
+            GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, am_ptr, stride_am_q, stride_am_k, da_in, db_in,
+                dk_a, dk_b,
             qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, n_q, n_k, left, right,
             D_A, D_B, BLOCK_M, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, HAS_QUERY_MASK,
+                HAS_ATTN_MASK,
             NEED_A, NEED_B, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B,
             DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
         if HAS_LEFT:  # rows below the full tiles exist only with a left window bound
             dk_a, dk_b = _attention_kl_bwd_dk_queries(
                 c_full, hi, 0, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
-                GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, da_in, db_in, dk_a, dk_b,
+                GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, am_ptr, stride_am_q, stride_am_k, da_in, db_in,
+                dk_a, dk_b,
                 qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, n_q, n_k, left, right,
                 D_A, D_B, BLOCK_M, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_QUERY_MASK,
+                HAS_ATTN_MASK,
                 NEED_A, NEED_B, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B,
                 DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
@@ -284,6 +302,8 @@ def _attention_kl_bwd_dk_kernel(
     GRAD, KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous: upstream gradient, saved KL and lse (nats)
     DK_A, DK_B,  # [B, H_KA, N_K, D_A] / [B, H_KB, N_K, D_B] contiguous, or [B, H, N_K, D_A] fp32 when DK_A_PER_HEAD
     DQ_A, DQ_B,  # [B, H, N_Q, D_*] fp32 contiguous accumulators (ATOMIC_DQ), else None
+    ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
+    stride_am_b, stride_am_h, stride_am_q, stride_am_k,
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
@@ -297,8 +317,8 @@ def _attention_kl_bwd_dk_kernel(
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, DK_A_PER_HEAD: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    HAS_ATTN_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
+    DK_A_PER_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
@@ -326,24 +346,24 @@ def _attention_kl_bwd_dk_kernel(
             _attention_kl_bwd_dk_keys(
                 n0, pid_n,
                 Q_A, K_A, Q_B, K_B, GRAD, KL, LSE_A, LSE_B, DK_A, DK_B, DQ_A, DQ_B, km_ptr,
-                stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d, stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
+                ATTN_MASK, stride_am_b, stride_am_h, stride_am_q, stride_am_k, stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d, stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
                 stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d, stride_kb_b, stride_kb_h, stride_kb_n, stride_kb_d,
                 stride_km_n, b64, hg, heads_per_group, H, N_Q, N_K, GROUP_A, GROUP_B, H_KG, q_start, k_start, n_q, n_k,
                 offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
                 grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT,
-                HAS_KEY_MASK, HAS_QUERY_MASK, NEED_A, NEED_B, DK_A_PER_HEAD, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A,
+                HAS_KEY_MASK, HAS_QUERY_MASK, HAS_ATTN_MASK, NEED_A, NEED_B, DK_A_PER_HEAD, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A,
                 FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
     else:
         _attention_kl_bwd_dk_keys(
             pid_n * BLOCK_N, pid_n,
             Q_A, K_A, Q_B, K_B, GRAD, KL, LSE_A, LSE_B, DK_A, DK_B, DQ_A, DQ_B, km_ptr,
-            stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d, stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
+            ATTN_MASK, stride_am_b, stride_am_h, stride_am_q, stride_am_k, stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d, stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
             stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d, stride_kb_b, stride_kb_h, stride_kb_n, stride_kb_d,
             stride_km_n, b64, hg, heads_per_group, H, N_Q, N_K, GROUP_A, GROUP_B, H_KG, q_start, k_start, n_q, n_k,
             offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
             grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT,
-            HAS_KEY_MASK, HAS_QUERY_MASK, NEED_A, NEED_B, DK_A_PER_HEAD, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A,
+            HAS_KEY_MASK, HAS_QUERY_MASK, HAS_ATTN_MASK, NEED_A, NEED_B, DK_A_PER_HEAD, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A,
             FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
 
@@ -354,13 +374,15 @@ def _attention_kl_bwd_dq_keys(
     q_a, q_b,  # [BLOCK_M, BLOCK_D*] query tiles (input dtype)
     ka_ptrs, kb_ptrs,  # [BLOCK_D*, BLOCK_N] transposed key pointers at key 0 of the sequence
     km_ptr, stride_km_n, stride_ka_n, stride_kb_n,
+    am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     offs_m, offs_n, da_in, db_in,
     lse2_a, lse2_b, kl, g,  # [BLOCK_M, 1] row state
     dq_a, dq_b,  # [BLOCK_M, BLOCK_D*] fp32 accumulators
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
     n_q, n_k, left, right,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, BANDED: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, BANDED: tl.constexpr, HAS_ATTN_MASK: tl.constexpr, NEED_A: tl.constexpr,
+    NEED_B: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
@@ -381,15 +403,15 @@ def _attention_kl_bwd_dq_keys(
             kb_load = db_in[:, None]
         kt_a = tl.load(ka_ptrs + _offset(n0, stride_ka_n, WIDE), mask=ka_load, other=0.0)
         kt_b = tl.load(kb_ptrs + _offset(n0, stride_kb_n, WIDE), mask=kb_load, other=0.0)
-        if MASKED and BANDED:  # a non-finite key that some row of the tile does not see must not meet its zero dS
+        if MASKED and (BANDED or HAS_ATTN_MASK):  # a non-finite key that some row of the tile does not see must not meet its zero dS
             # (0 * NaN); a row that does see it has a NaN lse and stays NaN
             kt_a = _finite(kt_a)
             kt_b = _finite(kt_b)
         x = _pre_exponent(_dot(q_a, kt_a, DOT_PRECISION_A, INTERPRET), cap_scale_a, SOFTCAP_A)
         y = _pre_exponent(_dot(q_b, kt_b, DOT_PRECISION_B, INTERPRET), cap_scale_b, SOFTCAP_B)
         if MASKED or HAS_KEY_MASK:
-            allowed = _allowed(offs_m[:, None], keys[None, :], key_row, n_q, n_k, left, right, HAS_LEFT, HAS_RIGHT,
-                               MASKED, HAS_KEY_MASK)
+            allowed = _allowed(offs_m[:, None], keys[None, :], key_row, n_q, n_k, left, right, am_ptr, stride_am_q,
+                               stride_am_k, HAS_LEFT, HAS_RIGHT, MASKED, HAS_KEY_MASK, HAS_ATTN_MASK)
         else:
             allowed = None
         ds_a, ds_b = _attention_kl_bwd_ds(x, y, allowed, lse2_a, lse2_b, kl, g, qk_scale_a, qk_scale_b, NEED_A,
@@ -413,13 +435,15 @@ def _attention_kl_bwd_dq_keys(
 def _attention_kl_bwd_dq_rows(
     m_start,  # first local query row of this tile
     qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr,
+    am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B,
     stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n,
     q_start, n_q, n_k, row_base, offs_n, offs_da, offs_db, da_in, db_in,
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, left, right,
     D_A: tl.constexpr, D_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, BANDED: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, BANDED: tl.constexpr, HAS_ATTN_MASK: tl.constexpr, NEED_A: tl.constexpr,
+    NEED_B: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
@@ -439,25 +463,28 @@ def _attention_kl_bwd_dq_rows(
     dq_b = tl.zeros((BLOCK_M, BLOCK_DB), tl.float32)
     last = tl.minimum(m_start + BLOCK_M, n_q) - 1
     lo, b_full, c_full, hi = _band(m_start, last, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    if HAS_LEFT:  # keys below the full tiles exist only with a left window bound
+    if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
+        b_full = hi
+        c_full = hi
+    if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
         dq_a, dq_b = _attention_kl_bwd_dq_keys(
-            lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n,
-                offs_m, offs_n,
+            lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr,
+            stride_am_q, stride_am_k, offs_m, offs_n,
             da_in, db_in, lse2_a[:, None], lse2_b[:, None], kl, g, dq_a, dq_b, qk_scale_a, qk_scale_b,
-            cap_scale_a, cap_scale_b, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, BANDED,
+            cap_scale_a, cap_scale_b, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, BANDED, HAS_ATTN_MASK,
             NEED_A, NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
     dq_a, dq_b = _attention_kl_bwd_dq_keys(
-        b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n,
-        offs_m, offs_n, da_in, db_in, lse2_a[:, None], lse2_b[:, None], kl, g, dq_a, dq_b, qk_scale_a, qk_scale_b,
-        cap_scale_a, cap_scale_b, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, BANDED,
+        b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr,
+        stride_am_q, stride_am_k, offs_m, offs_n, da_in, db_in, lse2_a[:, None], lse2_b[:, None], kl, g, dq_a, dq_b, qk_scale_a, qk_scale_b,
+        cap_scale_a, cap_scale_b, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, BANDED, HAS_ATTN_MASK,
         NEED_A, NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
     )
     dq_a, dq_b = _attention_kl_bwd_dq_keys(
-        c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n,
-        offs_m, offs_n,
+        c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr,
+        stride_am_q, stride_am_k, offs_m, offs_n,
         da_in, db_in, lse2_a[:, None], lse2_b[:, None], kl, g, dq_a, dq_b, qk_scale_a, qk_scale_b,
-        cap_scale_a, cap_scale_b, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, BANDED,
+        cap_scale_a, cap_scale_b, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, BANDED, HAS_ATTN_MASK,
         NEED_A, NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
     )
     out = rows.to(tl.int64)[:, None]
@@ -479,6 +506,8 @@ def _attention_kl_bwd_dq_kernel(
     CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None
     GRAD, KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous
     DQ_A, DQ_B,  # [B, H, N_Q, D_*] contiguous, input dtype (None when not needed)
+    ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
+    stride_am_b, stride_am_h, stride_am_q, stride_am_k,
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
@@ -491,7 +520,7 @@ def _attention_kl_bwd_dq_kernel(
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BANDED: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
+    HAS_ATTN_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
@@ -524,26 +553,32 @@ def _attention_kl_bwd_dq_kernel(
     else:
         km_ptr = KEY_MASK
     row_base = (b64 * H + h64) * N_Q + q_start
+    if HAS_ATTN_MASK:
+        am_ptr = ATTN_MASK + b64 * stride_am_b + h64 * stride_am_h
+    else:
+        am_ptr = ATTN_MASK
 
     if IS_VARLEN:  # grid-stride: a packed sequence longer than the grid's max_seqlen_q is still covered
         for m_start in range(pid_m * BLOCK_M, n_q, tl.num_programs(0) * BLOCK_M):
             _attention_kl_bwd_dq_rows(
                 m_start,
-                qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B,
+                qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, am_ptr, stride_am_q, stride_am_k, GRAD, KL, LSE_A,
+                LSE_B, DQ_A, DQ_B,
                 stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, q_start, n_q, n_k, row_base, offs_n,
                 offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
                 grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK,
-                BANDED, NEED_A,
+                BANDED, HAS_ATTN_MASK, NEED_A,
                 NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
     else:
         _attention_kl_bwd_dq_rows(
             pid_m * BLOCK_M,
-            qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B,
+            qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, am_ptr, stride_am_q, stride_am_k, GRAD, KL, LSE_A,
+                LSE_B, DQ_A, DQ_B,
             stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, q_start, n_q, n_k, row_base, offs_n,
             offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
             grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK,
-            BANDED, NEED_A,
+            BANDED, HAS_ATTN_MASK, NEED_A,
             NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
 
@@ -582,10 +617,12 @@ def attention_kl_bwd(
     grad_kl = grad_kl.to(torch.float32).contiguous()
     esize = max(q_a.element_size(), q_b.element_size())
     atomic = not deterministic
-    cfg = dk_launch or dk_config(d_a, d_b, spec.banded, esize, atomic_dq=atomic)
-    cfg_q = dq_launch or dq_config(d_a, d_b, spec.banded, esize)
+    masked = spec.banded or inputs.attn_mask is not None
+    cfg = dk_launch or dk_config(d_a, d_b, masked, esize, atomic_dq=atomic)
+    cfg_q = dq_launch or dq_config(d_a, d_b, masked, esize)
     km = as_uint8_mask(inputs.key_padding_mask)
     km_strides = km.stride() if km is not None else (0, 0)
+    am, am_strides = attn_mask_view(inputs.attn_mask)
     h_kg = h_kb if need_grad_b else h_ka
     dk_a_per_head = need_grad_a and h_ka != h_kg
     sequences = inputs.cu_seqlens_q.numel() - 1 if varlen else batch
@@ -610,7 +647,7 @@ def attention_kl_bwd(
     common = dict(
         D_A=d_a, D_B=d_b, BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
         HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km is not None,
-        IS_VARLEN=varlen, NEED_A=need_grad_a, NEED_B=need_grad_b,
+        HAS_ATTN_MASK=am is not None, IS_VARLEN=varlen, NEED_A=need_grad_a, NEED_B=need_grad_b,
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
         FP16_A=q_a.dtype == torch.float16, FP16_B=q_b.dtype == torch.float16,
         DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
@@ -620,7 +657,7 @@ def attention_kl_bwd(
     max_q = spec.max_seqlen_q if varlen else n_q
     _attention_kl_bwd_dk_kernel[(max(triton.cdiv(max_k, cfg.block_n), 1), sequences * h_kg)](
         q_a, k_a, q_b, k_b, km, inputs.cu_seqlens_q, inputs.cu_seqlens_k, grad_kl, kl, lse_a, lse_b,
-        dk_a, dk_b, dq_acc_a, dq_acc_b, *strides, heads, n_q, n_k, heads // h_ka, heads // h_kb, h_kg, *scales,
+        dk_a, dk_b, dq_acc_a, dq_acc_b, am, *am_strides, *strides, heads, n_q, n_k, heads // h_ka, heads // h_kb, h_kg, *scales,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DK_A_PER_HEAD=dk_a_per_head, ATOMIC_DQ=atomic,
         HAS_QUERY_MASK=inputs.query_mask is not None, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -633,7 +670,7 @@ def attention_kl_bwd(
         dq_b = alloc(q_b.shape, dtype=q_b.dtype, device=device) if need_grad_b else None
         _attention_kl_bwd_dq_kernel[(max(triton.cdiv(max_q, cfg_q.block_m), 1), sequences * heads)](
             q_a, k_a, q_b, k_b, km, inputs.cu_seqlens_q, inputs.cu_seqlens_k, grad_kl, kl, lse_a, lse_b, dq_a, dq_b,
-            *strides, heads, n_q, n_k, heads // h_ka, heads // h_kb, *scales,
+            am, *am_strides, *strides, heads, n_q, n_k, heads // h_ka, heads // h_kb, *scales,
             BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BANDED=spec.banded, **common,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
         )

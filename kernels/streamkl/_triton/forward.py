@@ -27,6 +27,7 @@ from ._helpers import (
     _pre_exponent,
     _sequence,
     as_uint8_mask,
+    attn_mask_view,
     dot_precision,
     needs_wide_offsets,
     side_scales,
@@ -40,12 +41,13 @@ def _attention_kl_fwd_keys(
     q_a, q_b,  # [BLOCK_M, BLOCK_DA], [BLOCK_M, BLOCK_DB] query tiles (input dtype)
     ka_ptrs, kb_ptrs,  # [BLOCK_DA, BLOCK_N], [BLOCK_DB, BLOCK_N] pointers of the transposed key tiles at key 0
     km_ptr, stride_km_n, stride_ka_n, stride_kb_n,
+    am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     offs_m, offs_n, da_in, db_in,  # local query rows [BLOCK_M]; key offsets [BLOCK_N]; head-dim masks
     m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state: maxima of the pre-exponents, sums, coupled accumulator
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
     n_q, n_k, left, right,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -75,8 +77,8 @@ def _attention_kl_fwd_keys(
         y = _pre_exponent(_dot(q_b, k_b, DOT_PRECISION_B, INTERPRET), cap_scale_b, SOFTCAP_B)
         diff = x * qk_scale_a - y * qk_scale_b
         if MASKED or HAS_KEY_MASK:
-            allowed = _allowed(offs_m[:, None], keys[None, :], key_row, n_q, n_k, left, right, HAS_LEFT, HAS_RIGHT,
-                               MASKED, HAS_KEY_MASK)
+            allowed = _allowed(offs_m[:, None], keys[None, :], key_row, n_q, n_k, left, right, am_ptr, stride_am_q,
+                               stride_am_k, HAS_LEFT, HAS_RIGHT, MASKED, HAS_KEY_MASK, HAS_ATTN_MASK)
             x = tl.where(allowed, x, float("-inf"))
             y = tl.where(allowed, y, float("-inf"))
             if MASKED:
@@ -102,6 +104,7 @@ def _attention_kl_fwd_rows(
     qa_base, qb_base,  # [1, BLOCK_DA], [1, BLOCK_DB] query pointers of (batch, head) at token 0, head-dim offsets
     ka_ptrs, kb_ptrs,  # transposed key tile pointers at key 0 of the sequence
     km_ptr, qm_ptr,  # key / query mask rows of this batch row, or None
+    am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     SINK_A, SINK_B, KL, LSE_A, LSE_B,
     stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n,
     q_start, n_q, n_k, h, row_base,
@@ -109,7 +112,7 @@ def _attention_kl_fwd_rows(
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One tile of ``BLOCK_M`` query rows: stream its key band, then write KL and both lse per row."""
@@ -125,23 +128,29 @@ def _attention_kl_fwd_rows(
     acc = tl.zeros((BLOCK_M,), tl.float32)
     last = tl.minimum(m_start + BLOCK_M, n_q) - 1
     lo, b_full, c_full, hi = _band(m_start, last, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    if HAS_LEFT:  # keys below the full tiles exist only with a left window bound
+    if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
+        b_full = hi
+        c_full = hi
+    if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
         m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
-            lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, offs_m, offs_n,
+            lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
+            stride_am_k, offs_m, offs_n,
             da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
-            left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK,
+            left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_ATTN_MASK,
             DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
         )
     m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
-        b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, offs_m,
+        b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
+            stride_am_k, offs_m,
         offs_n, da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q,
-        n_k, left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK,
+        n_k, left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, HAS_ATTN_MASK,
         DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
     )
     m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
-        c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, offs_m, offs_n,
+        c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
+            stride_am_k, offs_m, offs_n,
         da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
-        left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK,
+        left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_ATTN_MASK,
         DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
     )
 
@@ -180,12 +189,14 @@ def _attention_kl_fwd_kernel(
     SINK_A, SINK_B,  # [H] sink logits in nats (score units), or None
     KEY_MASK, QUERY_MASK,  # [B, N_K], [B, N_Q] uint8 (1 = keep) or None
     CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None (then a "sequence" is a batch row)
+    ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32, contiguous: per-row KL (nats) and log-sum-exps (nats, +inf if empty)
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
     stride_kb_b, stride_kb_h, stride_kb_n, stride_kb_d,
     stride_km_b, stride_km_n, stride_qm_b, stride_qm_n,
+    stride_am_b, stride_am_h, stride_am_q, stride_am_k,  # 0 on broadcast dims
     H, N_Q, N_K,  # heads; queries and keys per batch row (packed: all tokens)
     GROUP_A, GROUP_B,  # query heads per key head: H // H_KA, H // H_KB
     qk_scale_a, qk_scale_b,  # base-2 score = pre-exponent * qk_scale (> 0)
@@ -195,6 +206,7 @@ def _attention_kl_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
     HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr,
+    HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -229,22 +241,30 @@ def _attention_kl_fwd_kernel(
         qm_ptr = QUERY_MASK + b64 * stride_qm_b
     else:
         qm_ptr = QUERY_MASK
+    if HAS_ATTN_MASK:
+        am_ptr = ATTN_MASK + b64 * stride_am_b + h64 * stride_am_h
+    else:
+        am_ptr = ATTN_MASK
     row_base = (b64 * H + h64) * N_Q + q_start
     if IS_VARLEN:  # grid-stride: a packed sequence longer than the grid's max_seqlen_q is still covered
         for m_start in range(pid_m * BLOCK_M, n_q, tl.num_programs(0) * BLOCK_M):
             _attention_kl_fwd_rows(
-                m_start, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, SINK_A, SINK_B, KL, LSE_A, LSE_B,
+                m_start, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, am_ptr, stride_am_q, stride_am_k, SINK_A, SINK_B, KL,
+                LSE_A, LSE_B,
                 stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n, q_start, n_q, n_k, h,
                 row_base, offs_n, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_QUERY_MASK, HAS_SINKS, SOFTCAP_A, SOFTCAP_B,
+                HAS_ATTN_MASK,
                 DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
             )
     else:
         _attention_kl_fwd_rows(
-            pid_m * BLOCK_M, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, SINK_A, SINK_B, KL, LSE_A, LSE_B,
+            pid_m * BLOCK_M, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, am_ptr, stride_am_q, stride_am_k, SINK_A, SINK_B, KL,
+                LSE_A, LSE_B,
             stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n, q_start, n_q, n_k, h,
             row_base, offs_n, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_QUERY_MASK, HAS_SINKS, SOFTCAP_A, SOFTCAP_B,
+                HAS_ATTN_MASK,
             DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
         )
 
@@ -276,24 +296,25 @@ def attention_kl_fwd(
         kl.zero_()  # rows outside every sequence (none when the offsets are valid) read as empty rows
         lse_a.fill_(float("inf"))
         lse_b.fill_(float("inf"))
-    cfg = config or forward_config(d_a, d_b, spec.banded, max(q_a.element_size(), q_b.element_size()))
+    cfg = config or forward_config(d_a, d_b, spec.banded or inputs.attn_mask is not None, max(q_a.element_size(), q_b.element_size()))
     km, qm = as_uint8_mask(inputs.key_padding_mask), as_uint8_mask(inputs.query_mask)
     km_strides = km.stride() if km is not None else (0, 0)
     qm_strides = qm.stride() if qm is not None else (0, 0)
+    am, am_strides = attn_mask_view(inputs.attn_mask)
     sequences = inputs.cu_seqlens_q.numel() - 1 if varlen else batch
     grid = (max(triton.cdiv(spec.max_seqlen_q if varlen else n_q, cfg.block_m), 1), sequences * heads)
     (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
     _attention_kl_fwd_kernel[grid](
-        q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-        kl, lse_a, lse_b,
-        *q_a.stride(), *k_a.stride(), *q_b.stride(), *k_b.stride(), *km_strides, *qm_strides,
+        q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, inputs.cu_seqlens_q,
+        inputs.cu_seqlens_k, am, kl, lse_a, lse_b,
+        *q_a.stride(), *k_a.stride(), *q_b.stride(), *k_b.stride(), *km_strides, *qm_strides, *am_strides,
         heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b, cap_a, cap_b,
         spec.window_left, spec.window_right,
         D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
         HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km is not None,
         HAS_QUERY_MASK=qm is not None, HAS_SINKS=inputs.sink_a is not None, IS_VARLEN=varlen,
-        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
+        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b), HAS_ATTN_MASK=am is not None,
         DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
         INTERPRET=interpreting(), WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
