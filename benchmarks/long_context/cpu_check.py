@@ -50,6 +50,13 @@ CHECKS: dict[str, dict[str, Any]] = {
                     "eval": {128: 32, 512: 16, 2048: 8, 8192: 2}},
     "length_nope_logscale": {"kind": "length", "model": {**TEACHER, "position": "nope", "length_scale": True},
                              "train": [128, 32], "steps": 800, "eval": {128: 32, 512: 16, 2048: 8, 8192: 2}},
+    # a short curriculum up to 2048 tokens: does the lookup then hold at 2, 4 and 8 times that?
+    "curriculum_nope": {"kind": "length", "model": {**TEACHER, "position": "nope"},
+                        "stages": [[500, [[128, 32]]], [300, [[512, 8], [2048, 2]]]],
+                        "eval": {2048: 4, 4096: 2, 8192: 2, 16384: 1}},
+    "curriculum_nope_logscale": {"kind": "length", "model": {**TEACHER, "position": "nope", "length_scale": True},
+                                 "stages": [[500, [[128, 32]]], [300, [[512, 8], [2048, 2]]]],
+                                 "eval": {2048: 4, 4096: 2, 8192: 2, 16384: 1}},
     "length_rope": {"kind": "length", "model": {**TEACHER, "position": "rope"}, "train": [128, 32], "steps": 800,
                     "eval": {128: 32, 512: 16, 2048: 8, 8192: 2}},
     "students_128": {"kind": "students", "train": [128, 32], "steps": 300, "eval": {128: 32, 512: 16, 2048: 4}},
@@ -80,9 +87,9 @@ def _log(name: str):
 def run_length(name: str, spec: dict[str, Any], task: MQAR) -> dict[str, Any]:
     torch.manual_seed(0)
     model = ModelConfig(**spec["model"]).build(task.vocab_size)
-    n, b = spec["train"]
-    r = train(model, task, Schedule([(spec["steps"], [(n, b)])]), seed=0, device=torch.device("cpu"), lr=LR,
-              log_every=50, on_log=_log(name))
+    stages = spec.get("stages") or [[spec["steps"], [spec["train"]]]]
+    schedule = Schedule([(steps, [tuple(x) for x in shapes]) for steps, shapes in stages])
+    r = train(model, task, schedule, seed=0, device=torch.device("cpu"), lr=LR, log_every=50, on_log=_log(name))
     if name == "length_nope":
         os.makedirs(os.path.dirname(TEACHER_CACHE), exist_ok=True)
         torch.save(model.state_dict(), TEACHER_CACHE)
@@ -138,7 +145,8 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(cpu_dir: str = OUT) -> str:
-    """Two tables: length generalisation of the NoPE and RoPE teachers; the students' steps to 50 % and 90 %."""
+    """Two tables: length generalisation of the teachers (RoPE, NoPE, NoPE with the log-length scale; trained at
+    N = 128, or with a short curriculum up to 2048); the students' steps to 50 % and 90 %."""
     def load(name: str) -> dict[str, Any] | None:
         path = os.path.join(cpu_dir, f"{name}.json")
         if not os.path.exists(path):
@@ -147,16 +155,24 @@ def markdown(cpu_dir: str = OUT) -> str:
             return json.load(f)
 
     lines = []
-    lengths = [load(n) for n in ("length_nope", "length_rope")]
-    if all(lengths):
-        ns = list(lengths[0]["result"]["eval"])
-        lines += ["| teacher trained at N = 128 | " + " | ".join(f"N = {n}" for n in ns) + " |",
-                  "|---|" + "---|" * len(ns)]
-        for data, label in zip(lengths, ("NoPE (no position encoding)", "RoPE")):
-            lines.append(f"| {label} | " + " | ".join(_pct(data["result"]["eval"][n]["acc"]) for n in ns) + " |")
+    rows = {"length_rope": "RoPE", "length_nope": "NoPE", "length_nope_logscale": "NoPE, log-length scale",
+            "curriculum_nope": "NoPE", "curriculum_nope_logscale": "NoPE, log-length scale"}
+    teachers = {name: data for name in rows if (data := load(name)) is not None}
+    if teachers:
+        ns = sorted({int(n) for d in teachers.values() for n in d["result"]["eval"]})
+        lines += ["| teacher (d=64) | trained on N × batch (steps) | " + " | ".join(f"N = {n}" for n in ns) + " |",
+                  "|---|---|" + "---|" * len(ns)]
+        for name, data in teachers.items():
+            spec = data["spec"]
+            stages = spec.get("stages") or [[spec["steps"], [spec["train"]]]]
+            trained = ", then ".join(" and ".join(f"{n} × {b}" for n, b in shapes) + f" ({steps})"
+                                     for steps, shapes in stages)
+            ev = data["result"]["eval"]
+            lines.append(f"| {rows[name]} | {trained} | "
+                         + " | ".join(_pct(ev[str(n)]["acc"]) if str(n) in ev else "–" for n in ns) + " |")
         lines.append("")
-    students = [load(n) for n in ("students_128", "students_512")]
-    if all(students):
+    students = [data for n in ("students_128", "students_512") if (data := load(n)) is not None]
+    if students:
         labels = {"base": "without attention KL", "kl_all": "attention KL, every row",
                   "kl_queries": "attention KL, query rows"}
         lines += ["| student (d=32), N × batch | attention KL | step at 50 % | step at 90 % | held-out accuracy after "

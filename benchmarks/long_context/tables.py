@@ -30,6 +30,12 @@ NOT_RUN = ("*Not yet run on a GPU*: this table is generated from `benchmarks/res
 THRESHOLDS = ("0.5", "0.9")
 
 
+def _here_on_path() -> None:
+    """This folder's modules (experiment, mqar, cpu_check) importable, also when a loader took it off ``sys.path``."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+
+
 # ------------------------------------------------------------------------------------------------ comparisons
 def done_seeds(results: dict[str, Any]) -> list[str]:
     seeds = results.get("students", {}).get("seeds", {})
@@ -233,6 +239,7 @@ def cost_table(results: dict[str, Any] | None) -> str:
 
 def cpu_table(cpu_dir: str = CPU_RESULTS) -> str:
     """The CPU checks behind the design (cpu_check.py): length generalisation and the students at short N."""
+    _here_on_path()
     from cpu_check import markdown
 
     return markdown(cpu_dir)
@@ -311,3 +318,81 @@ def findings(results: dict[str, Any] | None) -> str:
     if results.get("status") != "complete":
         out.append("- The run is **partial** (`status` in the JSON): a second call resumes it.")
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ setup, README
+def setup_table(results: dict[str, Any] | None) -> str:
+    """The experiment's setup, from the results' config (or, before the GPU run, from ``experiment.GPU``)."""
+    _here_on_path()
+    from experiment import GPU
+    from mqar import MQAR, ModelConfig, count_params
+
+    cfg = results["config"] if results is not None else GPU
+    task = MQAR(**cfg["task"])
+    tt, sc, kl, ev = cfg["teacher_train"], cfg["student_train"], cfg["kl"], cfg["eval"]
+
+    def model(spec: dict[str, Any]) -> str:
+        m = ModelConfig(**spec)
+        return (f"{m.num_layers} layers, {m.num_heads} heads of {m.d_model // m.num_heads}, d_model {m.d_model}"
+                + (f", MLP {m.mlp_ratio}×" if m.mlp_ratio else "") + f": {count_params(m.build(task.vocab_size)):,} "
+                "parameters")
+
+    def shapes(items: list[list[int]]) -> str:
+        return " and ".join(f"{b} × {n}" for n, b in items)
+
+    stages = ", then ".join(f"{steps} steps of {shapes(items)}" + (" in turn" if len(items) > 1 else "")
+                            for steps, items in tt["stages"])
+    rows = [
+        ("model", model(cfg["teacher"]), model(cfg["student"])),
+        ("position", "none in the attention (NoPE); a causal depthwise convolution of kernel "
+                     f"{cfg['teacher']['conv_kernel']} before each attention layer", "the same"),
+        ("training (batch × N)", f"{stages}; then more of the last stage while below {_pct(tt['target'], 0)} at "
+                                 f"N = {tt['check_len']}, within {tt['time_limit_s']} s",
+         f"{sc['steps']} steps of {sc['batch']} × {sc['seq_len']} (fewer only if the budget forces it: the JSON "
+         f"records it); seeds {', '.join(map(str, cfg['seeds']))}"),
+        ("optimizer", f"AdamW, learning rate {tt['lr']:g}, warm-up {tt['warmup']} steps",
+         f"AdamW, learning rate {sc['lr']:g}, warm-up {sc['warmup']} steps, bf16 autocast"),
+        ("attention KL", "–", ", ".join(f"layer {t} → layer {s}" for t, s in kl["pairs"])
+         + f", weight {kl['weight']:g}, over the {'query rows' if kl['rows'] == 'queries' else 'rows'}; a third "
+           "arm over every row"),
+        ("evaluation", f"N = {', '.join(map(str, ev['lengths']))}: {ev['sequences']} held-out sequences each",
+         "the same"),
+    ]
+    lines = ["| | teacher | students |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    n = sc["seq_len"]
+    lines += ["", f"Task: MQAR with {task.num_pairs} key-value pairs per sequence, {task.num_keys} keys, "
+                  f"{task.num_values} values and {task.num_noise} filler tokens, one query every "
+                  f"{task.query_every} positions ({task.queries(n)} per sequence at N = {n}); chance is "
+                  f"{_pct(task.chance)}."]
+    return "\n".join(lines)
+
+
+def readme(results: dict[str, Any] | None, gpu_long: dict[str, Any]) -> str:
+    """README's long-context sentences: what the committed runs show, nothing more."""
+    if results is None or not done_seeds(results):
+        runs, naive = gpu_long["runs"], gpu_long["naive_loss"]
+        sk, sb = runs["student_kl"], runs["student_base"]
+        return (f"The same job at N = {gpu_long['setup']['train_seq_len']} on a GPU: "
+                "`./scripts/run --config gpu_long`. On one H100 a student step with two attention-KL terms took "
+                f"{sk['step_ms_median']:.1f} ms "
+                f"({sb['step_ms_median']:.1f} ms without) and peaked at {sk['peak_cuda_bytes'] / 2**30:.2f} GiB, "
+                f"where the materialised loss would need {naive['with_grad'] / 2**30:.0f} GiB; in that run the teacher "
+                "itself did not learn the long-context task, so it measured cost, not benefit. An experiment built to "
+                "measure the benefit (a teacher that solves multi-query associative recall, three seeds of students "
+                "trained at N = 16384 with and without attention KL, step- and wall-clock-matched) is in "
+                "`benchmarks/long_context/` and has not run on a GPU yet "
+                "([long context](docs/guides/long-context.md)).")
+    s = summarise(results)
+    cfg = results["config"]
+    n = str(cfg["student_train"]["seq_len"])
+    c = s["time_matched"][n]
+    t = results["teacher"]["eval"][n]["acc"]
+    text = (f"On one H100 ([long context](docs/guides/long-context.md)), a teacher reaches {_pct(t)} on multi-query "
+            f"associative recall at N = {n}; students trained there reach {_pct(c['mean_kl'])} with attention KL and "
+            f"{_pct(c['mean_base'])} without after the same wall-clock time (mean of {s['n']} seeds; "
+            f"{'consistent across them' if c['significant'] else 'not significant with so few seeds'}).")
+    cost = results.get("cost", {}).get("configs", {}).get("experiment", {}).get("variants", {}).get("all")
+    if cost and cost.get("memory_ratio"):
+        text += (f" A student step with two attention-KL pairs took {cost['time_ratio']:.2f}× the step without and "
+                 f"peaked at {cost['memory_ratio']:.2f}× its memory.")
+    return text
