@@ -67,7 +67,8 @@ GENERATED = {
 #: parameter is (a glob of files under the repository, a string one of them must contain); None for versions and
 #: hardware.
 ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
-    ("*", r"(?:torch|Triton|triton|Lightning|lightning|transformers|KaTeX|Python|omegaconf) \d+(?:\.\d+)+(?:\+cpu)?", None),
+    ("*", r"(?:torch|Triton|triton|Lightning|lightning|transformers|KaTeX|Python|omegaconf) \d+(?:\.\d+)+(?:\+cpu)?",
+     None),
     ("*", r"4\.48\+", None),  # transformers versions
     ("*", r"80 ?GB(?: HBM3)?", None),  # the card
     ("*", r"2(?:-core| CPU)? cores", None),

@@ -149,3 +149,15 @@ def test_the_plan_fits_two_calls(run, capsys):
     assert p["call1_s"] < 9 * 60 and p["call2_s"] < 9 * 60
     assert run.main(["--plan"]) == 0
     assert "expected on one H100" in capsys.readouterr().out
+
+
+def test_the_guide_and_readme_blocks_follow_the_results(smoke, report):
+    """Once a results file exists, the README sentence and the setup table come from it, not from the old run."""
+    results = json.loads((smoke / "results.json").read_text())
+    gpu_long = json.loads((ROOT / "benchmarks" / "results" / "gpu_long_h100" / "results.json").read_text())
+    before, after = report.readme(None, gpu_long), report.readme(results, gpu_long)
+    assert "has not run on a GPU yet" in before and "gpu_long" in before
+    assert "has not run" not in after and "with attention KL" in after
+    setup = report.setup_table(results)
+    assert f"{results['config']['student_train']['steps']} steps of 2 × 64" in setup
+    assert report.setup_table(None) != setup  # before the GPU run: the GPU config itself

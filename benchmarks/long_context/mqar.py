@@ -234,9 +234,9 @@ class ModelConfig:
     d_model: int = 128
     num_layers: int = 2
     num_heads: int = 4
-    conv_kernel: int = 4
+    position: str = "nope"  # or "rope"
+    conv_kernel: int = 4  # the short convolution before each attention (1: none)
     mlp_ratio: int = 0
-    position: str = "nope"
     rope_base: float = 10_000.0
     length_scale: bool = False
 
