@@ -16,7 +16,7 @@ GPU: dict[str, Any] = {
     "teacher_train": {"stages": [[2000, [[256, 64]]], [600, [[1024, 16], [4096, 4], [16384, 1]]]], "lr": 3e-3,
                       "warmup": 50, "target": 0.99, "check_len": 16384, "check_sequences": 4, "extend_steps": 300,
                       "max_extensions": 20, "time_limit_s": 240, "data_seed": 10_000},
-    "student_train": {"seq_len": 16384, "batch": 4, "steps": 1500, "lr": 3e-3, "warmup": 50, "max_time_factor": 6},
+    "student_train": {"seq_len": 16384, "batch": 4, "steps": 2000, "lr": 3e-3, "warmup": 50, "max_time_factor": 6},
     # the distilled student's KL covers the task's query rows; "extra_arms" (run after every seed's main pair, as the
     # budget allows, step-matched only) adds the library's default, every row
     "kl": {"pairs": [[0, 0], [1, 1]], "weight": 1.0, "rows": "queries", "extra_arms": {"kl_all": "all"}},
