@@ -198,6 +198,9 @@ def _retain(target: dict, key: str, name: str) -> tuple[int, str]:
         original = target[key]
         patch = _PATCHES[handle] = _Patch(target, key, original, _capturing(original, name))
         target[key] = patch.wrapper
+    elif target.get(key) is not patch.wrapper:  # another function was registered under the name meanwhile
+        patch.original, patch.wrapper = target[key], _capturing(target[key], name)
+        target[key] = patch.wrapper
     patch.count += 1
     return handle
 
@@ -256,9 +259,24 @@ def _drop_pending(module_id: int) -> None:
         pending.drop()
 
 
-def _without_graph(module: nn.Module) -> bool:
-    """True for a training-mode call under ``no_grad``: the first forward of reentrant activation checkpointing."""
-    return module.training and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+def _in_reentrant_checkpoint(depth: int = 200) -> bool:
+    """True when called from the first forward of reentrant activation checkpointing (``CheckpointFunction.forward``,
+    which runs its segment under ``no_grad``)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    code = inspect.unwrap(CheckpointFunction.forward).__code__
+    frame = sys._getframe(1)
+    while frame is not None and depth > 0:
+        if frame.f_code is code:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def _without_graph() -> bool:
+    """True for the first forward of a reentrant checkpointed segment: the call runs without autograd, so the
+    recorded tensors carry no graph, and the backward will recompute it."""
+    return not torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and _in_reentrant_checkpoint()
 
 
 # ---------------------------------------------------------------------------------------------- one call
@@ -480,7 +498,7 @@ class HFAttentionCapture(AttentionCapture):
             )
         softcap, scale = kwargs.get("softcap"), kwargs.get("scaling")
         value = value if self.capture_values else None
-        if _without_graph(module):
+        if _without_graph():  # kept until the recomputation (or this module's next recording)
             query, key, value = (None if t is None else t.detach().requires_grad_() for t in (query, key, value))
             _drop_pending(id(module))
             _PENDING[id(module)] = _Pending((query, key, value), _retain_again(self._handles.get(id(module), [])))
