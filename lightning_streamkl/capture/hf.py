@@ -353,7 +353,8 @@ def call_masking(name: str, module: nn.Module, query: torch.Tensor, key: torch.T
     flag = _causal_flag(module, kwargs)
     two_d = isinstance(mask, torch.Tensor) and mask.dim() == 2
     if mask is not None and not two_d:
-        cache_key = (kind, batch, n_q, n_k, self_attention, getattr(mask, "_version", None))
+        version = mask._version if isinstance(mask, torch.Tensor) and not mask.is_inference() else None
+        cache_key = (kind, batch, n_q, n_k, self_attention, version)
         cached = _MASKS.get(id(mask))
         if cached is not None and cached[0] is mask and cached[1] == cache_key:
             return cached[2]

@@ -150,6 +150,26 @@ def test_padding_from_the_call(impl, mask_queries):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_masks_made_under_inference_mode(impl):
+    """Lightning runs validation under ``torch.inference_mode()``, whose tensors have no version counter: the 4D mask
+    is still read (and its reading reused by the next layer), and the KL is the one computed under ``no_grad``."""
+    teacher = tiny("llama", seed=0, hidden=64, kv_heads=2, impl=impl)
+    student = tiny("llama", seed=1, hidden=32, kv_heads=1, impl=impl)
+    batch = token_batch(3, 10, pad="left")
+    batch["attention_mask"][0, 7:] = 0
+    pairs = [[0, 0], [-1, -1]]
+    with torch.no_grad():
+        expected, *_ = distil(teacher, student, batch, pairs)
+    with torch.inference_mode():
+        got, t_rec, s_rec, _ = distil(teacher, student, batch, pairs)
+    for rec in (*t_rec.values(), *s_rec.values()):
+        assert rec.masking().summary() == "causal, key padding"
+        assert torch.equal(rec.key_padding_mask, batch["attention_mask"].bool())
+    for name, value in expected.per_pair.items():
+        torch.testing.assert_close(got.per_pair[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["prefix_lm", "block_diagonal", "random"])
 def test_custom_4d_masks(impl, kind):
     """A 4D mask the user gives the model: bool for sdpa, additive for eager. Structured when it equals a structure
