@@ -183,7 +183,9 @@ def _patch_targets(module: nn.Module) -> list[tuple[dict, str, str]]:
     scope = getattr(inspect.unwrap(type(module).forward), "__globals__", {})
     targets = []
     interface = scope.get("ALL_ATTENTION_FUNCTIONS")
-    for mapping in (getattr(interface, "_global_mapping", None), getattr(interface, "_local_mapping", None)):
+    mappings = (interface,) if isinstance(interface, dict) else (  # a plain dict before AttentionInterface (4.48)
+        getattr(interface, "_global_mapping", None), getattr(interface, "_local_mapping", None))
+    for mapping in mappings:
         if isinstance(mapping, dict):
             targets += [(mapping, key, key) for key, fn in mapping.items() if callable(fn)]
     if callable(scope.get("eager_attention_forward")):
