@@ -14,23 +14,18 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from typing_extensions import override
 
-from ..adapter import LossTermCallback, add_to_loss, check_trainer, load_metric_state, log_step, metric_state
-from ..engine import DistillationMetrics, padding_mask_from_batch
-from ..metrics import AttentionKLDivergence
+from ..adapter import EngineCallback, LossTermCallback
+from ..engine import padding_mask_from_batch
+from ..loss import LossOutput
 from ..options import signature_from_fields
 from .config import IndexerConfig, IndexerLayer, load_indexer_config, validate_indexer_config
 from .engine import IndexerDistiller
 
 __all__ = ["IndexerDistillation"]
 
-_STATE_VERSION = 1
 
-
-class IndexerDistillation(LossTermCallback):
+class IndexerDistillation(EngineCallback):
     r"""Add the lightning-indexer loss (DeepSeek-V3.2) to a LightningModule's training loss.
 
     On every training batch the callback records, during the module's own forward pass, the main attention's
@@ -82,6 +77,10 @@ class IndexerDistillation(LossTermCallback):
         attached to each of the module's first two attention layers.
     """
 
+    alternative = "IndexerDistillationMixin"
+    names_key = "layers"
+    verb = "trains"
+
     @signature_from_fields(IndexerConfig, skip=("layers",))
     def __init__(self, layers: Sequence[IndexerLayer | Mapping[str, Any] | int | str], **options: Any) -> None:
         super().__init__()
@@ -120,66 +119,16 @@ class IndexerDistillation(LossTermCallback):
         """The engine this callback adapts (captures, stages, loss)."""
         return self._distiller
 
-    @property
-    def train_metric(self) -> AttentionKLDivergence:
-        """The training per-layer KL metric (reset every epoch)."""
-        return self._state.train
+    # ------------------------------------------------------------------------------------------ the engine
+    def _names(self) -> list[str]:
+        return list(self._distiller.layer_names)
 
-    @property
-    def val_metric(self) -> AttentionKLDivergence:
-        """The validation per-layer KL metric."""
-        return self._state.val
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(name=self.config.name, layers=tuple(self._distiller.layer_names))
-
-    # ------------------------------------------------------------------------------------------ hooks
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage not in ("fit", "validate"):
-            return
-        check_trainer(self, trainer, pl_module, stage, alternative="IndexerDistillationMixin")
-        self._distiller.setup(pl_module)
-        self._wrap_steps(pl_module, stage)
-        rank_zero_info(self._distiller.describe())
-
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._unwrap_steps(pl_module)
-        self._distiller.clear()
-
-    @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, trainer.state.fn or "fit")
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": _STATE_VERSION,
-            "name": self.config.name,
-            "layers": list(self._distiller.layer_names),
-            "train_batches": self._train_batches,
-            "val_batches": self._val_batches,
-            "train_metric": metric_state(self.train_metric, getattr(self._module, "_trainer", None)),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._train_batches = int(state_dict.get("train_batches", 0))
-        self._val_batches = int(state_dict.get("val_batches", 0))
-        saved = state_dict.get("layers")
-        if saved is not None and list(saved) != list(self._distiller.layer_names):
-            rank_zero_warn(f"StreamKL {self.config.name!r}: the checkpoint was written with layers {list(saved)}, "
-                           f"this run trains {self._distiller.layer_names}.")
-        elif state_dict.get("train_metric") is not None:
-            load_metric_state(self.train_metric, state_dict["train_metric"], getattr(self._module, "_trainer", None))
+    def _terms(self, stage: str, batch: Any, step: int) -> tuple[LossOutput, dict[str, torch.Tensor]]:
+        terms = self._distiller.end_step(batch, step=step, training=stage == "train")
+        sparse = float(self._distiller.stage_at(step) == "sparse")
+        return terms, {"sparse": torch.tensor(sparse, device=terms.rows.device)}
 
     # ------------------------------------------------------------------------------------------ the step
-    def _metrics(self) -> DistillationMetrics:
-        return self._state
-
     def _step_begin(self, stage: str, batch: Any) -> bool:
         if not self._takes_part(stage):
             return False
@@ -189,21 +138,3 @@ class IndexerDistillation(LossTermCallback):
     def _student_recording(self) -> AbstractContextManager[None]:
         return self._distiller.recording()
 
-    def _step_end(self, stage: str, batch: Any, output: Any) -> Any:
-        module = self._module
-        assert module is not None
-        if output is None and stage == "train":
-            return output  # the user skipped this batch
-        step = module.trainer.global_step
-        terms = self._distiller.end_step(batch, step=step, training=stage == "train")
-        sparse = torch.tensor(float(self._distiller.stage_at(step) == "sparse"), device=terms.rows.device)
-        log_step(module, self._state, stage, terms, log_on_step=self.config.log_on_step,
-                 prog_bar=self.config.prog_bar, extra={"sparse": sparse})
-        if stage != "train":
-            self._val_batches += 1
-            return output
-        self._train_batches += 1
-        return add_to_loss(output, terms.total * self._distiller.weight_at(step), type(self).__name__)
-
-    def _step_cleanup(self) -> None:
-        self._distiller.clear()

@@ -117,13 +117,9 @@ def record_indexer(layer: str | nn.Module, q_idx: torch.Tensor, k_idx: torch.Ten
         return
     record = _check(q_idx, k_idx, w_idx, layout)
     for capture in tuple(_RECORDING):
-        if isinstance(layer, nn.Module):
-            name = capture.module_path(layer)
-            if name is None:
-                continue
-        else:
-            name = str(layer)
-        capture.record(name, record)
+        name = capture.module_path(layer) if isinstance(layer, nn.Module) else str(layer)
+        if name is not None:  # a module outside this capture's model is not its business
+            capture.record(name, record)
 
 
 class IndexerCapture:
@@ -199,11 +195,8 @@ class IndexerCapture:
         _RECORDING.append(self)
         try:
             yield self
-        finally:
-            for i in range(len(_RECORDING) - 1, -1, -1):
-                if _RECORDING[i] is self:
-                    del _RECORDING[i]
-                    break
+        finally:  # drop the innermost occurrence, even if blocks close out of order
+            del _RECORDING[len(_RECORDING) - 1 - _RECORDING[::-1].index(self)]
             self._depth -= 1
 
     def pop(self) -> dict[str, CapturedIndexer]:

@@ -59,14 +59,6 @@ def parameters_reached(tensors: Iterable[torch.Tensor], parameters: Mapping[int,
     return found
 
 
-def _has_submodule(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
 class IndexerDistiller:
     r"""Captures and loss of indexer training on one model; no Lightning needed.
 
@@ -126,6 +118,7 @@ class IndexerDistiller:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected argument `model` to be a torch.nn.Module, but got {type(model).__name__}.")
         capture = build_capture(model, self.config.capture)
+        modules = dict(model.named_modules())
         resolved = []
         for i, layer in enumerate(self.config.layers):
             where = f"layers[{i}] ({layer.label!r})"
@@ -133,7 +126,7 @@ class IndexerDistiller:
             indexer = layer.indexer
             if indexer is None:
                 indexer = f"{attention}.{DEFAULT_INDEXER_CHILD}" if attention else DEFAULT_INDEXER_CHILD
-                if not _has_submodule(model, indexer):
+                if indexer not in modules:
                     found = [n for n, m in model.named_modules() if isinstance(m, LightningIndexer)
                              or n.rsplit(".", 1)[-1] == DEFAULT_INDEXER_CHILD]
                     near = closest(indexer, found)
@@ -303,7 +296,8 @@ for 100 steps, then the sparse stage (top-16 keys)"
 
     def _check_detached(self, model: nn.Module, indexers: Mapping[str, CapturedIndexer]) -> None:
         self._detach_checked = True
-        own = [path for _, path in self.resolved if _has_submodule(model, path)]
+        modules = dict(model.named_modules())
+        own = [path for _, path in self.resolved if path in modules]
         main = {id(p): n for n, p in model.named_parameters()
                 if p.requires_grad and not any(n.startswith(path + ".") for path in own)}
         for _, path in self.resolved:

@@ -13,25 +13,23 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_streamkl import (
-    AttentionKLOptions,
+from lightning_streamkl import AttentionKLOptions
+from lightning_streamkl.indexer import (
+    IndexerCapture,
     IndexerConfig,
     IndexerDistillation,
     IndexerDistillationMixin,
-    IndexerDistiller,
     IndexerLayer,
     LightningIndexer,
-    record_indexer,
-)
-from lightning_streamkl.indexer import (
-    IndexerCapture,
     best_topk_attention_mass,
     indexer_logits,
     indexer_topk,
+    record_indexer,
     topk_attention_mass,
     validate_indexer_config,
 )
 from lightning_streamkl.indexer.config import SHARED_OPTIONS
+from lightning_streamkl.indexer.engine import IndexerDistiller
 from lightning_streamkl.options import field_check
 
 from ._models import CausalLM, loader, tiny_llama, token_batch, trainer
