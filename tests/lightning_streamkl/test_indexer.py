@@ -345,3 +345,14 @@ def test_selection_arguments_are_checked():
         best_topk_attention_mass(x, torch.randn(1, 3, 4, 8), 2)
     with pytest.raises(ValueError, match="head_dim >= 16"):
         LightningIndexer(32, heads=1, head_dim=8)(torch.randn(1, 4, 32), (torch.ones(1, 4, 16), torch.zeros(1, 4, 16)))
+
+
+@pytest.mark.parametrize("module", ["config", "capture", "selection", "module", "engine"])
+def test_the_indexer_engine_and_below_do_not_import_lightning(module):
+    """The indexer package sits at the adapters' layer, but its engine works without Lightning, as the main one."""
+    from .test_architecture import GRAPH
+
+    imports = GRAPH[f"lightning_streamkl.indexer.{module}"]
+    assert not [t for t, _ in imports if t.split(".")[0] in ("lightning", "pytorch_lightning")]
+    adapters = {"lightning_streamkl.indexer.callback", "lightning_streamkl.indexer.mixin", "lightning_streamkl.adapter"}
+    assert not [t for t, _ in imports if t in adapters or t.rsplit(".", 1)[0] in adapters]
