@@ -61,6 +61,7 @@ GENERATED = {
        for name in ("findings", "setup", "cpu", "teacher", "students", "every-row", "runs", "cost")},
     "figures:readme-long-context": "benchmarks/long_context/tables.py",
     "figures:v4-first": "benchmarks/figures.py", "figures:v4-final": "benchmarks/figures.py",
+    "indexer-gpu": "benchmarks/bench_indexer.py", "indexer-example": "examples/sparse_indexer.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -78,6 +79,7 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
     ("docs/guides/real-teachers.md", r"8 × 4096 tokens",
      ("benchmarks/bench_real_teacher.py", "DOCS, DOC_LEN, HEADS = 8, 4096, 16")),
     ("docs/guides/indexer.md", r"756 TFLOP/s", ("benchmarks/bench_indexer.py", "BF16_FLOOR_FLOPS = 756e12")),
+    ("docs/guides/indexer.md", r"90% of the card's memory", ("benchmarks/bench_indexer.py", "0.9 * memory_bytes")),
     ("docs/faq.md", r"about 1e-12", ("tests/streamkl/test_reference.py", "assert_close(kl, ref, 1e-12")),
     ("docs/reliability.md", r"≈60 nats", ("tests/streamkl/test_reliability.py", "KL ≈ 60 nats")),
     ("docs/reliability.md", r"~1e5", ("tests/streamkl/test_reliability.py", "q·k reaches ~1e5")),
@@ -252,6 +254,19 @@ class Results:
     def long_context(self) -> dict | None:
         """The long-context experiment's GPU results (``None`` until they are committed)."""
         return long_context().load()
+
+    @cached_property
+    def indexer_gpu(self) -> dict[tuple, dict]:
+        """The indexer benchmark's records by ``(topk, n, h, h_kv, provider, mode)``."""
+        out = {}
+        for rec in _json("indexer_nvidia-h100-80gb-hbm3.json")["records"]:
+            s = rec["shape"]
+            out[s["topk"], s["n"], s["h"], s["h_kv"], rec["provider"], rec["mode"]] = rec
+        return out
+
+    @cached_property
+    def indexer_example(self) -> dict:
+        return _json("indexer_example_cpu.json")
 
     @cached_property
     def plateau(self) -> dict:
@@ -663,7 +678,57 @@ def claims(r: Results) -> list[Claim]:
         f"cost {ratios['packed / dense (causal, same pairs)']:.1f}× the separate dense problems with the same allowed\n"
         f"  pairs, and a window {ratios['window / dense-full (same pairs)']:.1f}×")
 
+    out += indexer_claims(r)
     # --- reliability: nothing measured on two GPUs is quoted (no result file was committed)
+    return out
+
+
+def indexer_claims(r: Results) -> list[Claim]:
+    """The indexer guide and the README's indexer sentence: the H100 benchmark and the worked example."""
+    page, gpu_file = "docs/guides/indexer.md", "benchmarks/results/indexer_nvidia-h100-80gb-hbm3.json"
+    rec = r.indexer_gpu
+
+    def span(topk: int | None, h_kv: int, mode: str) -> str:
+        values = [x["extra"]["floor_fraction"] for k, x in rec.items()
+                  if k[0] == topk and k[3] == h_kv and k[4] == "fused" and k[5] == mode and k[1] >= 8192]
+        lo, hi = f"{min(values):.0%}", f"{max(values):.0%}"
+        return hi if lo == hi else f"{lo[:-1]}–{hi}"
+
+    def ms(provider: str, mode: str = "fwd+bwd") -> float:
+        return rec[None, 8192, 16, 1, provider, mode]["ms"]
+
+    def gib(provider: str, n: int = 8192) -> str:
+        return _gib(rec[None, n, 16, 1, provider, "mem"]["peak_bytes"])
+
+    oom = rec[None, 8192, 64, 1, "naive", "fwd+bwd"]["status"]
+    estimated = re.fullmatch(r"OOM \(estimated (\d+) GiB\)", oom).group(1)
+    out = [Claim(page, text, gpu_file) for text in (
+        f"forward+backward takes {ms('fused'):.2f} ms against the materialised loss's {ms('naive'):.2f} ms "
+        f"({ms('naive') / ms('fused'):.0f}×) and peaks at {gib('fused')} GiB against {gib('naive')} GiB",
+        f"its estimated footprint ({estimated} GiB at N = 8192, H = 64)",
+        f"In the dense stage the kernels reach {span(None, 1, 'fwd')} of the floor forward, {span(None, 1, 'bwd')} "
+        f"backward and {span(None, 1, 'fwd+bwd')} forward+backward",
+        f"in the sparse stage with one key head, {span(2048, 1, 'fwd+bwd')} forward+backward, and "
+        f"{span(2048, 16, 'fwd+bwd')} with one key head per query head",
+    )]
+
+    ex, ex_file = r.indexer_example, "benchmarks/results/indexer_example_cpu.json"
+    n = str(max(ex["setup"]["eval_lengths"]))
+
+    def pct(part: dict, layer: str, length: str = n) -> str:
+        return f"{100 * part[layer][length]:.1f}%"
+
+    gap = max(ex["best"][layer][m] - ex["after"]["indexer"][layer][m]
+              for layer in ex["best"] for m in ex["best"][layer])
+    for layer, words in (("l0", "layer 0"), ("l1", "layer 1")):
+        out.append(Claim(page, f"{words}'s trained indexer keeps {pct(ex['after']['indexer'], layer)} of the "
+                               f"attention's mass at N = {n} (K = {int(n) // 8}), against "
+                               f"{pct(ex['before']['indexer'], layer)} untrained, {pct(ex['window'], layer)} for the "
+                               f"last K keys and {pct(ex['best'], layer)} for the attention's own top K", ex_file))
+    out.append(Claim(page, f"within {100 * gap:.1f} points of the attention's own top K", ex_file))
+    out.append(Claim("README.md", f"keep {pct(ex['after']['indexer'], 'l1')} of a layer's attention mass at "
+                                  f"N = {n} with K = N/8, against {pct(ex['before']['indexer'], 'l1')} before training",
+                     ex_file))
     return out
 
 
