@@ -16,11 +16,20 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from .adapter import LossTermCallback, add_to_loss, check_trainer, load_metric_state, log_step, metric_state
+from .adapter import (
+    LossTermCallback,
+    add_to_loss,
+    check_trainer,
+    load_metric_state,
+    log_step,
+    metric_state,
+    place_teacher,
+)
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .engine import AttentionDistiller, DistillationMetrics, default_teacher_forward, padding_mask_from_batch
 from .metrics import AttentionKLDivergence
@@ -79,8 +88,14 @@ class StreamKLDistillation(LossTermCallback):
         TypeError: a config value of the wrong type, or a teacher that is neither a module nor a string.
         ValueError: a bad config value or key (the message names it), or, in ``setup``, an unknown layer
             (the message lists the closest layer names).
-        MisconfigurationException: in ``setup``, an unsupported strategy (FSDP, DeepSpeed, model parallel),
-            manual optimization, a ``dataloader_iter`` training step, or two instances with the same ``name``.
+        MisconfigurationException: in ``setup``, an unsupported strategy (DeepSpeed, XLA's FSDP, tensor
+            parallelism), manual optimization, a ``dataloader_iter`` training step, or two instances with the same
+            ``name``.
+
+    Under ``FSDPStrategy`` and ``ModelParallelStrategy`` (FSDP2 in ``configure_model``) the student is sharded as
+    you configure it and the teacher is sharded over the same processes with FSDP2 (``teacher_sharding``); layer
+    paths are the unwrapped model's. A module that overrides ``configure_model`` has its layers resolved when the
+    fit (or validation) starts, after the model is built.
 
     Example::
 
@@ -182,10 +197,26 @@ class StreamKLDistillation(LossTermCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate"):
             return
-        check_trainer(self, trainer, pl_module, stage, alternative="AttentionDistillationMixin")
-        self._distiller.setup(pl_module)
+        check_trainer(self, trainer, pl_module, stage, alternative="AttentionDistillationMixin", sharding=True)
+        if not is_overridden("configure_model", pl_module):  # else the model may not exist yet: on_*_start
+            self._prepare(trainer, pl_module)
         self._wrap_steps(pl_module, stage)
-        rank_zero_info(self._distiller.describe())
+
+    def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve the layers and lay the teacher out for the strategy (once per module)."""
+        first = self._distiller.student is not pl_module
+        self._distiller.setup(pl_module)
+        place_teacher(trainer, pl_module, self._distiller)
+        if first:
+            rank_zero_info(self._distiller.describe())
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._prepare(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._prepare(trainer, pl_module)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -5,8 +5,9 @@ Frozen teacher
 Everything about running the teacher of a distillation, and nothing else: loading it by name
 (:func:`load_teacher`), freezing it, placing it (:class:`FrozenTeacher`: its own dtype unless told otherwise, on
 the student's device, where it is, on another device, or kept in host memory and borrowed onto the device for
-each pass), stopping its forward pass once the paired layers have been captured (:func:`stop_after`), and
-feeding it the inputs a student submodule received (:class:`InputRecorder`, :func:`find_copy`).
+each pass, or sharded over the processes of a data-parallel group with FSDP2: :func:`shard_module`), stopping its
+forward pass once the paired layers have been captured (:func:`stop_after`), and feeding it the inputs a student
+submodule received (:class:`InputRecorder`, :func:`find_copy`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FrozenTeacher", "InputRecorder", "borrowed", "find_copy", "load_teacher", "stop_after", "to_device"]
+__all__ = ["FrozenTeacher", "InputRecorder", "borrowed", "find_copy", "is_sharded", "load_teacher", "reshard",
+           "shard_module", "shard_units", "stop_after", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -224,6 +226,79 @@ class InputRecorder:
         self._call = None
 
 
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The blocks of ``module`` that FSDP shards one by one (each is gathered for its own forward only).
+
+    A Hugging Face model names them in ``_no_split_modules`` (its decoder/encoder layer classes); any other model's
+    blocks are the entries of its module lists (``nn.ModuleList``) that hold parameters. The root is not among them.
+
+    Example:
+        >>> layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Sequential(*layers))
+        >>> model.blocks = layers
+        >>> len(shard_units(model))
+        3
+    """
+    names: set[str] = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    if names:
+        return [m for m in module.modules() if m is not module and type(m).__name__ in names]
+    units: dict[int, nn.Module] = {}
+    for m in module.modules():
+        if isinstance(m, nn.ModuleList):
+            for child in m:
+                if child is not module and any(True for _ in child.parameters()):
+                    units.setdefault(id(child), child)
+    return list(units.values())
+
+
+def shard_module(module: nn.Module, mesh: Any) -> nn.Module:
+    """Shard a frozen ``module`` over ``mesh`` (a 1-D ``DeviceMesh``) with FSDP2 (``fully_shard``): each of
+    :func:`shard_units` and then the root; the module keeps its type (an FSDP subclass of it) and its module paths.
+
+    Each process then holds ``1/W`` of the parameters on the mesh's device; a forward pass gathers one block at a
+    time and frees it after (``reshard_after_forward``). It is collective: every process of the mesh must run the
+    same forward passes (the distiller does, every step).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in shard_units(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    return module
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True when ``module`` or one of its submodules is sharded with FSDP2 (``fully_shard``).
+
+    Example:
+        >>> is_sharded(nn.Linear(2, 2))
+        False
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every gathered block of an FSDP2-sharded ``module`` (a forward pass stopped early skips FSDP's own
+    post-forward resharding of the block it stopped in, and of the root).
+
+    Example:
+        >>> reshard(nn.Linear(2, 2))  # nothing sharded: nothing to do
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 class FrozenTeacher:
     """A teacher module, frozen (``eval()``, no gradients) and placed for each forward pass.
 
@@ -236,6 +311,8 @@ class FrozenTeacher:
         from_pretrained: keyword arguments for loading by name.
         offload: keep the teacher in host memory (pinned when CUDA is available) and borrow device copies of its
             tensors for each pass (:func:`borrowed`); overrides ``device``.
+
+    :meth:`shard` shards it instead over the processes of a data-parallel group (FSDP2), in place.
 
     Example:
         >>> teacher = FrozenTeacher(nn.Linear(2, 2), dtype="float64")
@@ -256,6 +333,8 @@ class FrozenTeacher:
         self.from_pretrained = dict(from_pretrained or {})
         self.offload = offload
         self.module: nn.Module | None = None
+        #: The number of processes the teacher is sharded over (1: not sharded).
+        self.shards = 1
 
     def prepare(self) -> nn.Module:
         """Load (once), check and freeze the teacher; returns the module.
@@ -280,6 +359,31 @@ class FrozenTeacher:
         self.module = teacher
         return teacher
 
+    def shard(self, mesh: Any) -> nn.Module:
+        """Shard the (prepared, frozen) teacher over ``mesh``, a 1-D ``DeviceMesh`` of the data-parallel processes,
+        with FSDP2 (:func:`shard_module`); cast to ``dtype`` first. Idempotent.
+
+        Raises:
+            ValueError: with ``offload``, a named ``device`` or a model spread with ``device_map`` (a sharded teacher
+                lives on each process's own device), or a mesh that is not 1-D.
+        """
+        module = self.prepare()
+        if self.shards > 1 or is_sharded(module):
+            return module
+        if self.offload or self.spread or self.device not in ("student", "keep"):
+            what = "offload=True" if self.offload else "a device_map" if self.spread else f"device={self.device!r}"
+            raise ValueError(
+                f"A sharded teacher lives on each process's own device, which {what} contradicts; use "
+                "teacher_device='student' (the default), or teacher_sharding='replicate'."
+            )
+        if getattr(mesh, "ndim", 1) != 1:
+            raise ValueError(f"Expected a 1-D device mesh to shard the teacher over, but got {mesh}.")
+        if self.dtype is not None:
+            module.to(dtype=self.dtype)
+        shard_module(module, mesh)
+        self.shards = int(mesh.size())
+        return module
+
     @property
     def spread(self) -> bool:
         """True for a model dispatched over devices with ``device_map`` (never moved)."""
@@ -294,6 +398,12 @@ class FrozenTeacher:
         if self.offload:
             with borrowed(module, device, self.dtype):
                 yield device
+            return
+        if self.shards > 1:  # sharded: each process's shards already live on its device
+            try:
+                yield _input_device(module, device)
+            finally:
+                reshard(module)
             return
         target = None if self.device == "keep" or self.spread else device if self.device == "student" \
             else torch.device(self.device)
