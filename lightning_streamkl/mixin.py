@@ -47,6 +47,9 @@ class AttentionDistillationMixin:
     fit the pairing is printed, as the callback does; a training step that records the student but never calls
     :meth:`attention_distillation_loss` gets one warning.
 
+    Under ``FSDPStrategy`` and ``ModelParallelStrategy`` the teacher is sharded over the same processes, as with the
+    callback (``teacher_sharding``); DeepSpeed and tensor parallelism are refused when the fit starts.
+
     Put the mixin before ``LightningModule`` (or your existing module class) in the bases; its ``__init__``
     takes nothing of its own and passes any arguments on to ``super().__init__``. If you override
     ``configure_callbacks``, include ``super().configure_callbacks()``; if you override ``on_save_checkpoint`` or

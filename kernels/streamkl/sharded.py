@@ -42,6 +42,7 @@ shard each sequence on its own.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -338,16 +339,35 @@ def attention_kl_partial(
         >>> torch.allclose(merged.kl, full, rtol=1e-12, atol=1e-12)
         True
     """
-    allow_tf32 = _check_flag("allow_tf32", allow_tf32)
-    options = dict(causal=causal, window=window, scale_t=scale_t, scale_s=scale_s, temperature=temperature,
-                   direction=direction, softcap_t=softcap_t, softcap_s=softcap_s, layout=layout, backend=backend)
-    inputs, spec, impl, problem = _prepare(q_t, k_t, q_s, k_s, options, key_padding_mask=key_padding_mask,
-                                           query_mask=query_mask, attn_mask=attn_mask)
-    align = _alignment(problem.n_q, problem.n_k, query_start, key_start, total_q, total_k,
-                       _positional(causal, window))
+    call = {k: v for k, v in locals().items() if k not in ("q_t", "k_t", "q_s", "k_s")}
+    inputs, spec, problem, align, (impl, tf32) = _shard_problem(q_t, k_t, q_s, k_s, call)
     dtype = torch.float64 if torch.float64 in (problem.q_t.dtype, problem.q_s.dtype) else torch.float32
     with torch.no_grad():
-        return _partial_forward(inputs, spec, align, impl, allow_tf32, dtype)
+        return _partial_forward(inputs, spec, align, impl, tf32, dtype)
+
+
+#: The options of a shard that :func:`streamkl.attention_kl` validates (everything but positions and masks).
+_OP_OPTIONS = ("causal", "window", "scale_t", "scale_s", "temperature", "direction", "softcap_t", "softcap_s",
+               "layout", "backend")
+
+
+def _shard_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s: torch.Tensor,
+                   call: dict[str, Any]) -> tuple[KLInputs, KLSpec, Any, int, tuple[str, bool]]:
+    """Validate one shard's keyword arguments (those of :func:`attention_kl_partial`, defaults filled in) and place
+    the shard: the kernel problem, its spec, the validated problem, the alignment and ``(backend, allow_tf32)``.
+
+    Raises:
+        TypeError: a keyword :func:`attention_kl_partial` does not take, or what it raises.
+    """
+    bound = inspect.signature(attention_kl_partial).bind(q_t, k_t, q_s, k_s, **call)
+    bound.apply_defaults()
+    given = bound.arguments
+    inputs, spec, impl, problem = _prepare(q_t, k_t, q_s, k_s, {k: given[k] for k in _OP_OPTIONS},
+                                           key_padding_mask=given["key_padding_mask"],
+                                           query_mask=given["query_mask"], attn_mask=given["attn_mask"])
+    align = _alignment(problem.n_q, problem.n_k, given["query_start"], given["key_start"], given["total_q"],
+                       given["total_k"], _positional(given["causal"], given["window"]))
+    return inputs, spec, problem, align, (impl, _check_flag("allow_tf32", given["allow_tf32"]))
 
 
 def merge_partials(partials: Sequence[KLPartial]) -> KLPartial:
@@ -399,24 +419,7 @@ def attention_kl_partial_backward(
     *,
     teacher_grads: bool = False,
     deterministic: bool = True,
-    query_start: int = 0,
-    key_start: int = 0,
-    total_q: int | None = None,
-    total_k: int | None = None,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    scale_t: float | None = None,
-    scale_s: float | None = None,
-    temperature: float = 1.0,
-    direction: str = "forward",
-    softcap_t: float | None = None,
-    softcap_s: float | None = None,
-    layout: str = "bhnd",
-    backend: str = "auto",
-    allow_tf32: bool = False,
+    **options: Any,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     r"""One shard's share of the gradients of ``Σ grad_kl · KL``, from the merged statistics of all shards.
 
@@ -429,6 +432,8 @@ def attention_kl_partial_backward(
         merged: the :func:`merge_partials` of every shard's partial (all keys).
         teacher_grads: also return the teacher's gradients. Default: False.
         deterministic: as in :func:`streamkl.attention_kl`. Default: True.
+        options: the keyword arguments of :func:`attention_kl_partial` (positions, masks, options), as given to
+            the shard's forward.
 
     Returns:
         ``(dq_t, dk_t, dq_s, dk_s)`` shaped like the inputs, in their dtypes (the teacher's None unless
@@ -455,13 +460,7 @@ def attention_kl_partial_backward(
     """
     teacher_grads = _check_flag("teacher_grads", teacher_grads)
     deterministic = _check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
-    allow_tf32 = _check_flag("allow_tf32", allow_tf32)
-    options = dict(causal=causal, window=window, scale_t=scale_t, scale_s=scale_s, temperature=temperature,
-                   direction=direction, softcap_t=softcap_t, softcap_s=softcap_s, layout=layout, backend=backend)
-    inputs, spec, impl, problem = _prepare(q_t, k_t, q_s, k_s, options, key_padding_mask=key_padding_mask,
-                                           query_mask=query_mask, attn_mask=attn_mask)
-    align = _alignment(problem.n_q, problem.n_k, query_start, key_start, total_q, total_k,
-                       _positional(causal, window))
+    inputs, spec, problem, align, (impl, allow_tf32) = _shard_problem(q_t, k_t, q_s, k_s, options)
     if not isinstance(merged, KLPartial):
         raise TypeError(f"Expected argument `merged` to be a KLPartial, but got {type(merged).__name__}.")
     rows = tuple(problem.q_t.shape[:3])
@@ -480,7 +479,8 @@ def attention_kl_partial_backward(
     dq_a, dk_a, dq_b, dk_b = (None if g is None else g.to(x.dtype)
                               for g, x in zip(grads, (inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b)))
     teacher, student = ((dq_b, dk_b), (dq_a, dk_a)) if problem.reverse else ((dq_a, dk_a), (dq_b, dk_b))
-    return (*(_to_layout(g, layout) for g in teacher), *(_to_layout(g, layout) for g in student))  # type: ignore
+    return (*(_to_layout(g, problem.layout) for g in teacher),  # type: ignore[return-value]
+            *(_to_layout(g, problem.layout) for g in student))
 
 
 # ---------------------------------------------------------------------------------------------- public: the KL
@@ -706,24 +706,8 @@ def context_parallel_attention_kl(
     k_s: torch.Tensor,
     *,
     group: Any = None,
-    causal: bool = False,
-    window: tuple[int, int] | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    scale_t: float | None = None,
-    scale_s: float | None = None,
-    temperature: float = 1.0,
-    direction: str = "forward",
-    reduction: str = "mean",
-    softcap_t: float | None = None,
-    softcap_s: float | None = None,
-    sinks_t: torch.Tensor | None = None,
-    sinks_s: torch.Tensor | None = None,
-    layout: str = "bhnd",
-    backend: str = "auto",
-    allow_tf32: bool = False,
-    deterministic: bool = True,
+    **options: Any,
 ) -> torch.Tensor:
     r"""The attention KL of a sequence split across the ranks of a ``torch.distributed`` group (context parallel).
 
@@ -743,17 +727,19 @@ def context_parallel_attention_kl(
         q_t, k_t, q_s, k_s: this rank's chunk, ``[B, H, n_q, D]`` / ``[B, H_k, n_k, D]`` (or "bnhd").
         group: the process group (default: the world).
         key_padding_mask: ``[B, n_k]`` bool, this rank's keys. Default: None.
-        query_mask: ``[B, n_q]`` bool, this rank's queries. Default: None.
-        attn_mask: ``[B or 1, H or 1, n_q, W·n_k]`` bool: this rank's rows against all keys (costly; prefer the
-            structured masks). Default: None.
-        causal, window, scale_t, scale_s, temperature, direction, reduction, softcap_t, softcap_s, sinks_t,
-            sinks_s, layout, backend, allow_tf32, deterministic: as in :func:`sharded_attention_kl`.
+        options: the other keyword arguments of :func:`sharded_attention_kl` (``causal``, ``window``,
+            ``reduction``, ``sinks_t``/``sinks_s``, ``layout``, ``backend``, ...; not the positions, which come from
+            the rank): ``query_mask`` is ``[B, n_q]`` (this rank's queries), ``attn_mask``
+            ``[B or 1, H or 1, n_q, W·n_k]`` (this rank's rows against all keys: costly, prefer the structured
+            masks).
 
     Returns:
         This rank's KL (per row ``[B, H, n_q]``, or a scalar).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
+        TypeError: ``query_start`` or ``total_q`` given (the rank places its chunk), or what
+            :func:`sharded_attention_kl` raises.
         ValueError: ranks with different ``B``/``n_q``/``n_k``; what :func:`sharded_attention_kl` raises.
 
     Example:
@@ -769,6 +755,10 @@ def context_parallel_attention_kl(
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context_parallel_attention_kl needs torch.distributed initialised (init_process_group).")
+    placed = sorted({"query_start", "total_q"} & set(options))
+    if placed:
+        raise TypeError(f"context_parallel_attention_kl() places each rank's chunk itself; do not pass {placed}.")
+    layout = options.get("layout", "bhnd")
     for name, x in (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"Expected argument `{name}` to be a 4-D tensor (layout {layout!r}), but got "
@@ -788,10 +778,5 @@ def context_parallel_attention_kl(
         )
     n_q = int(q_t.shape[seq])
     kpm = None if key_padding_mask is None else _gather_mask(key_padding_mask, group)
-    return sharded_attention_kl(
-        q_t, _GatherShards.apply(group, k_t), q_s, _GatherShards.apply(group, k_s),
-        query_start=rank * n_q, total_q=world * n_q, causal=causal, window=window, key_padding_mask=kpm,
-        query_mask=query_mask, attn_mask=attn_mask, scale_t=scale_t, scale_s=scale_s, temperature=temperature,
-        direction=direction, reduction=reduction, softcap_t=softcap_t, softcap_s=softcap_s, sinks_t=sinks_t,
-        sinks_s=sinks_s, layout=layout, backend=backend, allow_tf32=allow_tf32, deterministic=deterministic,
-    )
+    return sharded_attention_kl(q_t, _GatherShards.apply(group, k_t), q_s, _GatherShards.apply(group, k_s),
+                                query_start=rank * n_q, total_q=world * n_q, key_padding_mask=kpm, **options)

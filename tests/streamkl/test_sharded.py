@@ -269,6 +269,9 @@ def test_errors_name_the_argument():
         merge_partials([part, KLPartial(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))])
     with pytest.raises(ValueError, match=r"`merged.kl` to be a tensor of shape \(B, H, N_q\) = \(2, 4, 13\)"):
         attention_kl_partial_backward(torch.ones(2, 4, 13), q_t, k_t, q_s, k_s, part)
+    merged = merge_partials([attention_kl_partial(q_t, k_t, q_s, k_s)])
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'casual'"):
+        attention_kl_partial_backward(torch.ones(2, 4, 13), q_t, k_t, q_s, k_s, merged, casual=True)
     with pytest.raises(RuntimeError, match=r"needs torch.distributed initialised"):
         context_parallel_attention_kl(q_t, k_t, q_s, k_s)
 
@@ -344,3 +347,13 @@ def test_context_parallel_on_two_gloo_processes():
             assert_close(got, x.grad, 1e-10, f"{name}: grad of input {i}")
         for i, key in enumerate(k for k in ("sinks_t", "sinks_s") if k in opts):
             assert_close(sum(r[name]["sinks"][i] for r in ranks), opts[key].grad, 1e-10, f"{name}: {key}")
+
+
+def test_the_example_runs(monkeypatch):
+    """examples/context_parallel_kl.py as shipped: the parts in one process, then 2 gloo processes, each asserting
+    its loss and gradients against the op on the whole sequence."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    import context_parallel_kl
+
+    assert context_parallel_kl.parts() < 1e-12
+    context_parallel_kl.main()  # raises if a process fails its checks
