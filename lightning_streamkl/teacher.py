@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 __all__ = ["FrozenTeacher", "InputRecorder", "borrowed", "find_copy", "is_sharded", "load_teacher", "reshard",
-           "shard_module", "shard_units", "stop_after", "to_device"]
+           "shard_count", "shard_module", "shard_units", "stop_after", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -283,6 +283,24 @@ def is_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+def shard_count(module: nn.Module) -> int:
+    """The number of processes ``module``'s parameters are sharded over (the size of the first sharded parameter's
+    device mesh); 1 when none is sharded.
+
+    Example:
+        >>> shard_count(nn.Linear(2, 2))
+        1
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return 1
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            return int(p.device_mesh.size())
+    return 1
+
+
 def reshard(module: nn.Module) -> None:
     """Free every gathered block of an FSDP2-sharded ``module`` (a forward pass stopped early skips FSDP's own
     post-forward resharding of the block it stopped in, and of the root).
@@ -333,8 +351,9 @@ class FrozenTeacher:
         self.from_pretrained = dict(from_pretrained or {})
         self.offload = offload
         self.module: nn.Module | None = None
-        #: The number of processes the teacher is sharded over (1: not sharded).
+        #: The number of processes the teacher is sharded over (1: whole), by :meth:`shard` or by the user.
         self.shards = 1
+        self._fsdp: bool | None = None  # whether the module holds FSDP2 modules (looked up once: :meth:`sharded`)
 
     def prepare(self) -> nn.Module:
         """Load (once), check and freeze the teacher; returns the module.
@@ -361,28 +380,56 @@ class FrozenTeacher:
 
     def shard(self, mesh: Any) -> nn.Module:
         """Shard the (prepared, frozen) teacher over ``mesh``, a 1-D ``DeviceMesh`` of the data-parallel processes,
-        with FSDP2 (:func:`shard_module`); cast to ``dtype`` first. Idempotent.
+        with FSDP2 (:func:`shard_module`); cast to ``dtype`` first. Idempotent, and a teacher the user sharded with
+        ``fully_shard`` already is left as it is (:meth:`sharded`).
 
         Raises:
             ValueError: with ``offload``, a named ``device`` or a model spread with ``device_map`` (a sharded teacher
                 lives on each process's own device), or a mesh that is not 1-D.
         """
         module = self.prepare()
-        if self.shards > 1 or is_sharded(module):
+        if self.sharded():
             return module
-        if self.offload or self.spread or self.device not in ("student", "keep"):
-            what = "offload=True" if self.offload else "a device_map" if self.spread else f"device={self.device!r}"
-            raise ValueError(
-                f"A sharded teacher lives on each process's own device, which {what} contradicts; use "
-                "teacher_device='student' (the default), or teacher_sharding='replicate'."
-            )
+        self._check_placement("teacher_sharding='replicate'")
         if getattr(mesh, "ndim", 1) != 1:
             raise ValueError(f"Expected a 1-D device mesh to shard the teacher over, but got {mesh}.")
         if self.dtype is not None:
             module.to(dtype=self.dtype)
         shard_module(module, mesh)
         self.shards = int(mesh.size())
+        self._fsdp = True
         return module
+
+    def sharded(self) -> bool:
+        """True when the teacher holds FSDP2 modules: sharded by :meth:`shard`, or by the user (``fully_shard``)
+        before passing it. Looked up once, at the first call. A teacher sharded by the user then has :attr:`shards`
+        read from its parameters' mesh, and is set to reshard after every forward pass, its root included (FSDP2 keeps
+        the root's parameters gathered for the backward by default; a frozen teacher has none): each pass gathers one
+        block at a time, and frees what it gathered also when it stops early (:meth:`placed`).
+
+        Raises:
+            ValueError: a teacher sharded by the user, with ``offload``, a named ``device`` or a ``device_map``.
+
+        Example:
+            >>> FrozenTeacher(nn.Linear(2, 2)).sharded()
+            False
+        """
+        if self._fsdp is None:
+            module = self.prepare()
+            self._fsdp = is_sharded(module)
+            if self._fsdp:
+                self._check_placement("pass the teacher unsharded")
+                self.shards = shard_count(module)
+                _reshard_after_forward(module)
+        return self._fsdp
+
+    def _check_placement(self, alternative: str) -> None:
+        if self.offload or self.spread or self.device not in ("student", "keep"):
+            what = "offload=True" if self.offload else "a device_map" if self.spread else f"device={self.device!r}"
+            raise ValueError(
+                f"A sharded teacher lives on each process's own device, which {what} contradicts; use "
+                f"teacher_device='student' (the default), or {alternative}."
+            )
 
     @property
     def spread(self) -> bool:
@@ -395,15 +442,15 @@ class FrozenTeacher:
         go to. Cheap when it is already in place: every tensor is checked, so a teacher partly elsewhere (or
         partly cast) is moved whole."""
         module = self.prepare()
-        if self.offload:
-            with borrowed(module, device, self.dtype):
-                yield device
-            return
-        if self.shards > 1:  # sharded: each process's shards already live on its device
+        if self.sharded():  # each process's shards already live on its device
             try:
                 yield _input_device(module, device)
             finally:
                 reshard(module)
+            return
+        if self.offload:
+            with borrowed(module, device, self.dtype):
+                yield device
             return
         target = None if self.device == "keep" or self.spread else device if self.device == "student" \
             else torch.device(self.device)
@@ -415,6 +462,14 @@ class FrozenTeacher:
         if module.training:
             module.eval()
         yield target if target is not None else _input_device(module, device)
+
+
+def _reshard_after_forward(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def _input_device(module: nn.Module, fallback: torch.device) -> torch.device:

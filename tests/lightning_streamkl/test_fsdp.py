@@ -77,7 +77,22 @@ def _model_parallel(accelerator: str = "cpu", **kwargs) -> ModelParallelStrategy
     return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, **kwargs)
 
 
-#: name -> (strategy factory, student class, callback options or None for the mixin)
+def user_sharded_teacher() -> torch.nn.Module:
+    """The teacher sharded by the user with FSDP2 before the fit, over a process group the user started (as under
+    ``torchrun``; Lightning then joins that group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    teacher, mesh = make_teacher(), init_device_mesh("cpu", (WORLD,))
+    for layer in teacher.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(teacher, mesh=mesh)
+
+
+#: name -> (strategy factory, student class, callback options or None for the mixin); an option "teacher" is the
+#: factory of the teacher (default: :func:`make_teacher`)
 VARIANTS = {
     "ddp": (_ddp, DtypeLossLM, {}),
     "ddp+sharded teacher": (_ddp, DtypeLossLM, {"teacher_sharding": "shard"}),
@@ -87,6 +102,9 @@ VARIANTS = {
     "fsdp mixin": (_fsdp, MixinLM, None),
     "fsdp2 mixin": (_model_parallel, type("FSDP2MixinLM", (MixinLM,), {"configure_model": FSDP2LM.configure_model}),
                     None),
+    # last: the first of them starts the process group, which the later fits of the same process join
+    "ddp+user-sharded teacher": (_ddp, DtypeLossLM, {"teacher": user_sharded_teacher}),
+    "fsdp+user-sharded teacher": (_fsdp, DtypeLossLM, {"teacher": user_sharded_teacher}),
 }
 
 
@@ -104,15 +122,21 @@ class Probe(L.Callback):
         self.record["grads"].append(full_state(trainer, pl_module, grads=True))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from torch.distributed.tensor import DTensor
+
         self.record["params"].append(full_state(trainer, pl_module, grads=False))
         metric = _metric(trainer, pl_module)
         self.record["metric"].append((float(metric.kl_sum.sum()), float(metric.rows.sum())))
+        # a sharded teacher stopped inside its last block (early exit) is resharded: every parameter is a shard again
+        params = list(_distiller(trainer, pl_module).teacher_module.parameters())
+        self.record.setdefault("teacher_resharded", []).append(all(isinstance(p, DTensor) for p in params))
 
     def on_train_end(self, trainer, pl_module):
         self.record["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if "attn_kl" in k}
         teacher = _distiller(trainer, pl_module).teacher_module
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in teacher.parameters())
         self.record["teacher_share"] = local / sum(p.numel() for p in teacher.parameters())
+        self.record["shards"] = _distiller(trainer, pl_module).teacher.shards
 
 
 def _distiller(trainer, pl_module):
@@ -136,7 +160,10 @@ def _fit(name: str, accelerator: str = "cpu") -> dict:
     torch.manual_seed(0)
     student = _student(cls)
     probe = Probe()
-    callbacks = [probe] if options is None else [StreamKLDistillation(make_teacher(), pairs=PAIRS, **options), probe]
+    if options is not None:
+        options = dict(options)
+        teacher = options.pop("teacher", make_teacher)()
+    callbacks = [probe] if options is None else [StreamKLDistillation(teacher, pairs=PAIRS, **options), probe]
     trainer = _trainer(make_strategy(accelerator), callbacks, accelerator=accelerator)
     trainer.fit(student, DataLoader(GlobalBatches(), batch_size=ROWS_PER_PROCESS))
     return probe.record
@@ -167,9 +194,10 @@ def _assert_matches_ddp(ranks: list[dict], name: str, rtol: float = RTOL, atol: 
 
 @pytest.mark.timeout(240)
 def test_sharded_strategies_match_ddp_on_the_same_global_batch():
-    """FSDP (teacher sharded or replicated), FSDP2 through ModelParallelStrategy, the mixin under both, and DDP with
-    a sharded teacher: loss, gradients, parameters after each step, metric and logged values equal DDP's; a sharded
-    teacher holds half of its weights on each process, a replicated one all of them."""
+    """FSDP (teacher sharded or replicated), FSDP2 through ModelParallelStrategy, the mixin under both, DDP with
+    a sharded teacher, and a teacher the user sharded with ``fully_shard`` under DDP and FSDP: loss, gradients,
+    parameters after each step, metric and logged values equal DDP's; a sharded teacher holds half of its weights on
+    each process, a replicated one all of them, and a sharded one is resharded after every step's early exit."""
     ranks = run_and_collect(_equivalence_worker, WORLD, list(VARIANTS))
     for name in VARIANTS:
         if name != "ddp":
@@ -178,7 +206,11 @@ def test_sharded_strategies_match_ddp_on_the_same_global_batch():
         shares = {name: record[name]["teacher_share"] for name in VARIANTS}
         assert shares == pytest.approx({"ddp": 1.0, "ddp+sharded teacher": 0.5, "fsdp": 0.5,
                                         "fsdp+replicated teacher": 1.0, "fsdp2": 0.5, "fsdp mixin": 0.5,
-                                        "fsdp2 mixin": 0.5}, abs=0.02), shares
+                                        "fsdp2 mixin": 0.5, "ddp+user-sharded teacher": 0.5,
+                                        "fsdp+user-sharded teacher": 0.5}, abs=0.02), shares
+        for name, share in shares.items():
+            assert record[name]["teacher_resharded"] == [share < 1] * STEPS, name
+            assert record[name]["shards"] == (WORLD if share < 1 else 1), name
 
 
 @pytest.mark.gpu
@@ -252,6 +284,32 @@ def test_sharded_checkpoints_save_and_resume_with_the_callback_state():
             _assert_state_close(resumed["params"][-1], full["params"][-1], f"{name} resumed params")
             assert resumed["loss"] == pytest.approx(full["loss"][EPOCH_STEPS:], rel=RTOL)
             assert resumed["logged"] == pytest.approx(full["logged"], rel=RTOL)
+
+
+def _user_sharded_worker(rank: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_streamkl.teacher import FrozenTeacher
+
+    module, result = user_sharded_teacher(), {}
+    for name, kwargs in (("offload", {"offload": True}), ("device", {"device": "cpu"})):
+        with pytest.raises(ValueError) as info:
+            FrozenTeacher(module, **kwargs).sharded()
+        result[name] = str(info.value)
+    teacher = FrozenTeacher(module)
+    result["same"] = teacher.shard(init_device_mesh("cpu", (WORLD,))) is module
+    result["shards"] = teacher.shards
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def test_a_teacher_the_user_sharded_is_kept_and_refuses_another_placement():
+    """A teacher sharded with ``fully_shard`` before it is passed is not sharded again (its process count read from
+    its parameters), and refuses ``offload`` and a named device, which contradict its shards' placement."""
+    for record in run_and_collect(_user_sharded_worker, WORLD):
+        assert record["same"] and record["shards"] == WORLD
+        assert "offload=True contradicts; use teacher_device='student' (the default), or pass the teacher " \
+               "unsharded" in record["offload"]
+        assert "device='cpu' contradicts" in record["device"]
 
 
 # ---------------------------------------------------------------------------------------------- refusals
