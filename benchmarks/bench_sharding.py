@@ -111,7 +111,11 @@ class Block(nn.Module):
         k, v = self.kv(h).view(b, n, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.keep:
             self.captured = (q, k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        # key/value heads repeated, not enable_gqa: with float32 inputs (the student) SDPA's fused kernels refuse
+        # enable_gqa and it falls back to its math backend, which keeps every layer's B·H·N² attention map
+        group = self.heads // self.kv_heads
+        y = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                           is_causal=True)
         x = x + self.o(y.transpose(1, 2).reshape(b, n, -1))
         gate, up = self.up(self.norm2(x)).chunk(2, -1)
         return x + self.down(F.silu(gate) * up)
@@ -241,7 +245,19 @@ def measure_layouts(rank: int, sizes: Sizes, device: torch.device, backend_kl: s
         }
         del parts
         _free(device)
+        _progress(rank, f"layout {layout}: step {results[layout]['step_time_s']:.3f} s, peak "
+                        f"{_gib(results[layout]['peak_memory_bytes'])} on GPU 0")
     return results
+
+
+def _progress(rank: int, message: str) -> None:
+    """One line of progress from the first process (the JSON is written only at the end)."""
+    if rank == 0:
+        print(f"[bench_sharding] {message}", flush=True)
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
 
 
 def _cp_tensors(sizes: Sizes, device: torch.device, dtype: torch.dtype, n: int, seed: int = 7):
@@ -292,12 +308,14 @@ def measure_context_parallel(rank: int, sizes: Sizes, device: torch.device, back
     n, half = sizes.cp_tokens, sizes.cp_tokens // WORLD
     opts = dict(causal=True, backend=backend_kl, reduction="sum")
     out, sharded_result = _measure_sharded(rank, sizes, device, dtype, opts)
+    _progress(rank, f"context parallel N={n} on {WORLD} GPUs: {out['sharded_2gpu']['time_s']:.3f} s on GPU 0")
     for tokens in (half, n):
         out[f"one_gpu_{tokens}"], exactness = _measure_one_gpu(sizes, device, dtype, tokens, opts,
                                                                sharded_result if tokens == n else None, rank)
         if exactness is not None:
             out["exactness_vs_one_gpu"] = exactness
         _free(device)
+        _progress(rank, f"one GPU N={tokens}: {out[f'one_gpu_{tokens}']['time_s']:.3f} s")
     return out
 
 
@@ -445,9 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"wrote {path}")
     lay, cp = result["layouts"], result["context_parallel"]
     for layout, entry in lay.items():
-        peak = entry["peak_memory_bytes_max"]
-        print(f"{layout:>22}: step {entry['step_time_s_max']:.3f} s, peak "
-              f"{'n/a' if peak is None else f'{peak / 2**30:.1f} GiB'} per GPU, first-step KL vs ddp "
+        print(f"{layout:>22}: step {entry['step_time_s_max']:.3f} s, peak {_gib(entry['peak_memory_bytes_max'])} "
+              f"per GPU, first-step KL vs ddp "
               f"{entry['first_step_kl_max_rel_diff_vs_ddp']:.1e}")
     print(f"context parallel, N={cp['tokens']} on 2: {cp['sharded_2gpu']['time_s_max']:.3f} s; "
           f"exactness {cp['exactness_vs_one_gpu']}")
