@@ -43,7 +43,7 @@ PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/atte
          "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
          "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
-         "docs/concepts/architecture.md",
+         "docs/guides/sharding.md", "docs/concepts/architecture.md",
          "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md")
 
 #: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
@@ -93,6 +93,7 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
     ("docs/reliability.md", r"would add 12 KiB per step",
      ("tests/lightning_streamkl/test_ddp_gpu.py", "would add at least 12 KiB per step")),
     ("docs/reliability.md", r"rtol 1e-10", ("tests/lightning_streamkl/test_ddp.py", "rtol=1e-10")),
+    ("docs/guides/sharding.md", r"74 GiB in bf16", ("benchmarks/bench_sharding.py", "74 GiB in bf16")),
     ("docs/reliability.md", r"< 1e-4", ("tests/lightning_streamkl/test_ddp_gpu.py", "RTOL = 1e-4")),
     ("docs/guides/hf-models.md", r"1e-9", ("tests/lightning_streamkl/test_capture_hf.py", "rtol=1e-9")),
     ("docs/guides/hf-models.md", r"1e-5", ("tests/lightning_streamkl/test_capture_implementations.py", "rtol=1e-5")),

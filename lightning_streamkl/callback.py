@@ -76,8 +76,14 @@ class StreamKLDistillation(EngineCallback):
         TypeError: a config value of the wrong type, or a teacher that is neither a module nor a string.
         ValueError: a bad config value or key (the message names it), or, in ``setup``, an unknown layer
             (the message lists the closest layer names).
-        MisconfigurationException: in ``setup``, an unsupported strategy (FSDP, DeepSpeed, model parallel),
-            manual optimization, a ``dataloader_iter`` training step, or two instances with the same ``name``.
+        MisconfigurationException: in ``setup``, an unsupported strategy (DeepSpeed, XLA's FSDP, tensor
+            parallelism), manual optimization, a ``dataloader_iter`` training step, or two instances with the same
+            ``name``.
+
+    Under ``FSDPStrategy`` and ``ModelParallelStrategy`` (FSDP2 in ``configure_model``) the student is sharded as
+    you configure it and the teacher is sharded over the same processes with FSDP2 (``teacher_sharding``); layer
+    paths are the unwrapped model's. A module that overrides ``configure_model`` has its layers resolved when the
+    fit (or validation) starts, after the model is built.
 
     Example::
 
@@ -100,6 +106,7 @@ class StreamKLDistillation(EngineCallback):
     """
 
     alternative = "AttentionDistillationMixin"
+    sharding = True
     state_version = _STATE_VERSION
 
     @signature_from_fields(StreamKLConfig, skip=("pairs",))

@@ -212,6 +212,13 @@ class AttentionDistiller:
         """True when the teacher is fed the inputs of a student submodule (it then runs after the student)."""
         return self.inputs_from is not None
 
+    def shard_teacher(self, mesh: Any) -> None:
+        """Shard the teacher over ``mesh`` (a 1-D ``DeviceMesh`` of the data-parallel processes) with FSDP2, in
+        place: each process keeps ``1/W`` of its weights, and every step's teacher pass gathers one block at a time
+        (collective: every process runs it). Idempotent (see :meth:`FrozenTeacher.shard
+        <lightning_streamkl.teacher.FrozenTeacher.shard>`)."""
+        self.teacher.shard(mesh)
+
     def describe(self) -> str:
         """One line saying what is distilled, e.g. for the start of a run.
 
@@ -224,7 +231,9 @@ class AttentionDistiller:
         """
         pairs = ", ".join(f"{p.label} ({t} -> {s})" for p, (t, s) in zip(self.config.pairs, self.resolved))
         fed = f"; the teacher is fed the inputs of the student's {self.inputs_from!r}" if self.inputs_from else ""
-        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}"
+        shards = self.teacher.shards
+        sharded = f"; the teacher is sharded over {shards} processes" if shards > 1 else ""
+        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}{sharded}"
 
     def metrics(self) -> DistillationMetrics:
         """A fresh :class:`DistillationMetrics` for this setup's pairs."""

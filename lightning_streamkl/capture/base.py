@@ -87,6 +87,21 @@ class CapturedAttention:
         return Masking(self.causal, self.window, self.key_padding_mask, self.query_mask, self.packed, self.attn_mask)
 
 
+#: The attributes under which FSDP (``FullyShardedDataParallel``), activation checkpointing and ``torch.compile``
+#: hold the module they wrap.
+WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def unwrapped_path(path: str) -> str:
+    """A module path with the wrappers' attributes left out: the path in the unwrapped model.
+
+    Example:
+        >>> unwrapped_path("model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn")
+        'model.layers.0.self_attn'
+    """
+    return ".".join(part for part in path.split(".") if part not in WRAPPER_ATTRIBUTES)
+
+
 def is_recording() -> bool:
     """True while any capture's :meth:`AttentionCapture.recording` block is open (e.g. inside a distilled step).
 
@@ -168,7 +183,13 @@ class AttentionCapture(ABC):
 
     # ---------------------------------------------------------------- layers
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """``model.named_modules()`` without the excluded subtrees."""
+        """``model.named_modules()`` without the excluded subtrees, named as in the unwrapped model.
+
+        A module wrapped by FSDP (``FullyShardedDataParallel``), activation checkpointing or ``torch.compile`` is
+        listed once, under its own path: the wrapper is skipped and the wrapper's attribute (``_fsdp_wrapped_module``,
+        ``_checkpoint_wrapped_module``, ``_orig_mod``) is left out of the paths, so layer paths are the same before
+        and after a strategy wraps the model (:func:`unwrapped_path`).
+        """
         skip: list[str] = []
         for name, module in self.model.named_modules():
             if any(name == s or name.startswith(s + ".") for s in skip):
@@ -176,7 +197,9 @@ class AttentionCapture(ABC):
             if id(module) in self._exclude_ids:
                 skip.append(name)
                 continue
-            yield name, module
+            if any(w in module._modules for w in WRAPPER_ATTRIBUTES):
+                continue
+            yield unwrapped_path(name), module
 
     def layer_names(self) -> list[str]:
         """:meth:`find_layers`, computed once."""
