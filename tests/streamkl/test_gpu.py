@@ -51,6 +51,9 @@ GPU_REAL_TEACHER_CASES = [
              teacher_grad=True, d_t=128, d_s=64, h_kt=1), torch.float16),
     (replace(G, n_q=2048, n_k=2048, causal=True, key_mask="random", query_mask=True, window=(300, -1), sinks=True,
              softcap_s=20.0), torch.float32),
+    (replace(G, n_q=4096, n_k=4096, attn_mask="prefix", teacher_grad=True, b=2), torch.bfloat16),
+    (replace(G, n_q=1500, n_k=2100, attn_mask="random", key_mask="random", window=(400, 300), sinks=True,
+             softcap_t=30.0, d_t=128, d_s=64), torch.float16),
 ]
 
 
