@@ -60,7 +60,8 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 def split_tasks(order: Sequence[int], seed: int, *, test_fraction: float = 0.3, validation: bool = False,
                 ) -> list[Task]:
     """The five tasks of ``order`` (consecutive pairs of classes), each class split into train and test at random
-    (seeded by ``seed``, stratified: ``test_fraction`` of every class is test).
+    (seeded by ``seed`` and the class, stratified: ``test_fraction`` of every class is test; a class is split the
+    same way whatever the order).
 
     ``validation=True`` (hyper-parameter selection) never touches the test examples: the training examples are split
     again, by the same fraction, into the training and the scored ("test") part.
@@ -77,14 +78,13 @@ def split_tasks(order: Sequence[int], seed: int, *, test_fraction: float = 0.3, 
     if sorted(order) != list(range(CLASSES)):
         raise ValueError(f"Expected an order of the ten classes, but got {order}.")
     x, y = load_digits()
-    g = torch.Generator().manual_seed(seed)
     tasks = []
     for t in range(CLASSES // 2):
         pair = tuple(order[2 * t: 2 * t + 2])
         train, test = [], []
-        for c in pair:
+        for c in pair:  # each class split by its own generator: the same split in every order and in validation
             idx = (y == c).nonzero().squeeze(1)
-            idx = idx[torch.randperm(len(idx), generator=g)]
+            idx = idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(1000 * seed + c))]
             cut = round(test_fraction * len(idx))
             test.append(idx[:cut])
             train.append(idx[cut:])
@@ -92,7 +92,7 @@ def split_tasks(order: Sequence[int], seed: int, *, test_fraction: float = 0.3, 
                 inner = round(test_fraction * len(train[-1]))
                 test[-1], train[-1] = train[-1][:inner], train[-1][inner:]
         tr, te = torch.cat(train), torch.cat(test)
-        tr = tr[torch.randperm(len(tr), generator=g)]
+        tr = tr[torch.randperm(len(tr), generator=torch.Generator().manual_seed(1000 * seed + 100 + t))]
         tasks.append(Task(pair, (x[tr], y[tr], torch.full((len(tr),), t)), (x[te], y[te], torch.full((len(te),), t))))
     return tasks
 

@@ -49,6 +49,7 @@ ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 
 from run import _quiet, mean_std  # noqa: E402
+from split_digits import append, wait_for  # noqa: E402
 from stats import compute as paired_compute  # noqa: E402
 from stats import markdown as paired_markdown  # noqa: E402
 from text_tasks import HELDOUT_MODULES, docstring_paragraphs, make_tasks  # noqa: E402
@@ -257,6 +258,18 @@ def run_key(run: dict[str, Any]) -> str:
     return f"{'tune' if run['validation'] else 'eval'}|{run['method']}|{opts}|{run['seed']}|{run['order']}"
 
 
+def unique(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first run of each configuration and key (a run repeated by two processes counts once)."""
+    seen: set[tuple[Any, str]] = set()
+    out = []
+    for run in runs:
+        key = (run.get("config"), run_key(run))
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
+    return out
+
+
 def load_runs(path: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
@@ -264,19 +277,22 @@ def load_runs(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def execute(cfg: dict[str, Any], jobs: list[tuple[str, int, int, dict[str, Any], bool]], path: str) -> None:
+def execute(cfg: dict[str, Any], jobs: list[tuple[str, int, int, dict[str, Any], bool]], path: str,
+            shard: tuple[int, int] = (0, 1)) -> None:
+    """Run the jobs not yet in ``path``; with ``shard=(i, n)`` every ``n``-th pending one from the ``i``-th."""
     key = config_key(cfg)
     done = {run_key(r) for r in load_runs(path) if r.get("config") == key}
-    todo = [j for j in jobs if run_key({"method": j[0], "seed": j[1], "order": j[2], "options": j[3],
-                                        "validation": j[4]}) not in done]
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {os.path.relpath(path, ROOT)}", flush=True)
+    pending = [j for j in jobs if run_key({"method": j[0], "seed": j[1], "order": j[2], "options": j[3],
+                                           "validation": j[4]}) not in done]
+    todo = pending[shard[0]::shard[1]]
+    print(f"{len(jobs)} runs, {len(jobs) - len(pending)} already in {os.path.relpath(path, ROOT)}; this process runs "
+          f"{len(todo)}", flush=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     for n, (method, seed, order, options, validation) in enumerate(todo, 1):
         run = run_one(cfg, method, seed, order, options, validation=validation)
-        run["config"] = key
-        run["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        with open(path, "a") as f:
-            f.write(json.dumps(run) + "\n")
+        run.update(config=key, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                   torch=torch.__version__.split("+")[0])
+        append(path, run)
         m = run_metrics(run)
         print(f"[{n}/{len(todo)}] {method} {options} seed {seed} order {order}: new-task accuracy "
               f"{100 * m['learning_accuracy']:.1f}%, cosine {m['cosine']:.3f} ({run['wall_seconds']:.0f} s wall, "
@@ -298,6 +314,7 @@ def choose(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     margin of fine-tuning's (the smallest λ when none is)."""
     key = config_key(cfg)
     tune = cfg["tuning"]
+    runs = unique(runs)
     mine = [r for r in runs if r["validation"] and r.get("config") == key]
 
     def mean(group: list[dict[str, Any]], metric: str) -> float:
@@ -334,6 +351,7 @@ def evaluation_jobs(cfg: dict[str, Any], chosen: dict[str, float]) -> list[tuple
 # ---------------------------------------------------------------------------------------------- report
 def summarise(cfg: dict[str, Any], runs: list[dict[str, Any]], chosen: dict[str, float]) -> dict[str, Any]:
     key = config_key(cfg)
+    runs = unique(runs)
     planned = {run_key({"method": m, "seed": s, "order": o, "options": op, "validation": v})
                for m, s, o, op, v in evaluation_jobs(cfg, chosen)}
     runs = [r for r in runs if r.get("config") == key and run_key(r) in planned]
@@ -420,8 +438,28 @@ def tuning_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(results: dict[str, Any]) -> str:
+    """Bytes a snapshot of all-MiniLM-L6-v2 holds (``memory``), by layers regularised, trimming and placement."""
+    m = results["memory"]
+    first = m["cases"][0]
+    lines = [f"A snapshot of all-MiniLM-L6-v2 ({m['model_bytes'] / 2**20:.1f} MiB of fp32 weights and buffers) "
+             "after its first forward pass, as `snapshot_memory()` counts it (each storage once). As a cross-check, "
+             f"the process's resident memory grew by {first['rss_growth_at_snapshot'] / 2**20:.1f} MiB when the "
+             "first snapshot was taken (later ones reuse freed pages, so their growth says nothing). Written by "
+             "`python benchmarks/continual/minilm_sequence.py memory` into "
+             "`benchmarks/results/continual_minilm/memory.json`.", "",
+             "| layers regularised | snapshot_trim | snapshot_device | held (MiB) | dropped (MiB) | tensors dropped |",
+             "|---|---|---|---|---|---|"]
+    for c in m["cases"]:
+        held = sum(c["bytes_held"].values())
+        layers = ", ".join(map(str, c["layers"]))
+        lines.append(f"| {layers} | {c['snapshot_trim']} | {c['snapshot_device']} | {held / 2**20:.1f} | "
+                     f"{c['trimmed_bytes'] / 2**20:.1f} | {c['trimmed_tensors']} |")
+    return "\n".join(lines)
+
+
 BLOCKS = {"minilm-sequence:tuning": tuning_table, "minilm-sequence:results": results_table,
-          "minilm-sequence:stats": stats_table}
+          "minilm-sequence:stats": stats_table, "minilm-sequence:memory": memory_table}
 
 
 def update_docs(results: dict[str, Any], doc: str = DOC) -> None:
@@ -436,17 +474,25 @@ def update_docs(results: dict[str, Any], doc: str = DOC) -> None:
         f.write(text)
 
 
-def report(cfg: dict[str, Any], *, docs: bool = True) -> dict[str, Any]:
-    runs = load_runs(os.path.join(OUT, "runs.jsonl"))
+def build(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results file's content from the raw runs alone."""
     tuning = choose(cfg, runs)
     summary = summarise(cfg, runs, tuning["chosen"])
     key = config_key(cfg)
     ours = [r for r in runs if r.get("config") == key]
-    results = {"meta": {"config": os.path.relpath(CONFIG, ROOT), "config_key": key,
-                        "torch": torch.__version__.split("+")[0], "date": max(r["date"] for r in ours),
-                        "cpu_seconds": sum(r["cpu_seconds"] for r in ours),
-                        "tune_runs": sum(r["validation"] for r in ours)},
-               "config": cfg, "tuning": tuning, "summary": summary}
+    evaluated = [r for r in ours if not r["validation"]]
+    memory_file = os.path.join(OUT, "memory.json")
+    with open(memory_file) as f:
+        memory = json.load(f)
+    return {"meta": {"config": os.path.relpath(CONFIG, ROOT), "config_key": key, "torch": evaluated[0]["torch"],
+                     "date": max(r["date"] for r in evaluated), "cpu_seconds": sum(r["cpu_seconds"] for r in ours),
+                     "tune_runs": sum(r["validation"] for r in ours)},
+            "config": cfg, "tuning": tuning, "summary": summary, "memory": memory}
+
+
+def report(cfg: dict[str, Any], *, docs: bool = True) -> dict[str, Any]:
+    """Build the results from the committed runs file (nothing is trained), write them and the docs tables."""
+    results = build(cfg, load_runs(os.path.join(OUT, "runs.jsonl")))
     with open(os.path.join(OUT, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     if docs:
@@ -509,7 +555,9 @@ def main(argv: list[str] | None = None) -> Any:
     parser.add_argument("command", choices=("tune", "run", "report", "memory", "smoke"))
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th pending job from the i-th (n processes)")
     args = parser.parse_args(argv)
+    shard = tuple(int(x) for x in args.shard.split("/"))
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
     path = os.path.join(OUT, "runs.jsonl")
@@ -525,11 +573,14 @@ def main(argv: list[str] | None = None) -> Any:
         print(json.dumps(result, indent=1))
         return result
     if args.command == "tune":
-        execute(cfg, tuning_jobs(cfg), path)
-        print(json.dumps(choose(cfg, load_runs(path)), indent=1))
+        execute(cfg, tuning_jobs(cfg), path, shard)
         return None
     if args.command == "run":
-        execute(cfg, evaluation_jobs(cfg, choose(cfg, load_runs(path))["chosen"]), path)
+        tuning = wait_for(lambda: choose(cfg, load_runs(path)))
+        execute(cfg, evaluation_jobs(cfg, tuning["chosen"]), path, shard)
+        if shard[0] != 0:
+            return None
+        wait_for(lambda: summarise(cfg, load_runs(path), tuning["chosen"]))
     results = report(cfg, docs=not args.no_docs)
     print(results_table(results))
     print(stats_table(results))

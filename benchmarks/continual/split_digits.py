@@ -180,6 +180,18 @@ def run_key(run: dict[str, Any]) -> str:
            f"{run['order']}"
 
 
+def unique(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first run of each configuration and key (a run repeated by two processes counts once)."""
+    seen: set[tuple[Any, str]] = set()
+    out = []
+    for run in runs:
+        key = (run.get("config"), run_key(run))
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
+    return out
+
+
 def load_runs(path: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
@@ -187,21 +199,48 @@ def load_runs(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def execute(cfg: dict[str, Any], jobs: list[tuple[str, str, int, int, dict[str, Any], bool]], path: str) -> None:
-    """Run the jobs not yet in ``path`` (same config fingerprint), appending each run as it finishes."""
+def append(path: str, run: dict[str, Any]) -> None:
+    """Append one run as a line of ``path``, under an exclusive lock (shards share the file)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(run) + "\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def wait_for(fn: Any, timeout: float = 3 * 3600, every: float = 30.0) -> Any:
+    """``fn()`` once it stops raising ``ValueError`` (runs of other shards still missing), polling every ``every``
+    seconds for at most ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(every)
+
+
+def execute(cfg: dict[str, Any], jobs: list[tuple[str, str, int, int, dict[str, Any], bool]], path: str,
+            shard: tuple[int, int] = (0, 1)) -> None:
+    """Run the jobs not yet in ``path`` (same config fingerprint), appending each run as it finishes; with
+    ``shard=(i, n)`` only every ``n``-th of them, from the ``i``-th (``n`` processes share the work)."""
     key = config_key(cfg)
     done = {run_key(r) for r in load_runs(path) if r.get("config") == key}
-    todo = [j for j in jobs if run_key({"setting": j[0], "method": j[1], "seed": j[2], "order": j[3],
-                                        "options": j[4], "validation": j[5]}) not in done]
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {os.path.relpath(path, ROOT)}", flush=True)
+    pending = [j for j in jobs if run_key({"setting": j[0], "method": j[1], "seed": j[2], "order": j[3],
+                                           "options": j[4], "validation": j[5]}) not in done]
+    todo = pending[shard[0]::shard[1]]
+    print(f"{len(jobs)} runs, {len(jobs) - len(pending)} already in {os.path.relpath(path, ROOT)}; this process runs "
+          f"{len(todo)}", flush=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     for n, (setting, method, seed, order, options, validation) in enumerate(todo, 1):
         start = time.perf_counter()
         run = run_one(cfg, setting, method, seed, order, options, validation=validation)
-        run["config"] = key
-        run["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        with open(path, "a") as f:
-            f.write(json.dumps(run) + "\n")
+        run.update(config=key, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), device=_device(),
+                   torch=torch.__version__.split("+")[0])
+        append(path, run)
         m = metrics(run["matrix"])
         print(f"[{n}/{len(todo)}] {setting} {method} {options} seed {seed} order {order}: average accuracy "
               f"{100 * m['final_accuracy']:.1f}% ({time.perf_counter() - start:.1f} s)", flush=True)
@@ -224,6 +263,7 @@ def choose(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     (the best; ties to the smaller λ)."""
     key = config_key(cfg)
     tune = cfg["tuning"]
+    runs = unique(runs)
     out: dict[str, Any] = {"criterion": "mean final average accuracy on the validation split of the tuning runs",
                            "runs": tune["runs"], "chosen": {}, "grid": {}}
     for setting in cfg["settings"]:
@@ -258,6 +298,7 @@ def summarise(cfg: dict[str, Any], runs: list[dict[str, Any]], chosen: dict[str,
     """Mean ± std over seeds × orders of every metric, the mean accuracy matrix, ms per step and snapshot bytes,
     per setting and method, and the paired tests; only the evaluation runs of the planned jobs."""
     key = config_key(cfg)
+    runs = unique(runs)
     planned = {run_key({"setting": s, "method": m, "seed": sd, "order": o, "options": op, "validation": v})
                for s, m, sd, o, op, v in evaluation_jobs(cfg, chosen)}
     runs = [r for r in runs if r.get("config") == key and run_key(r) in planned]
@@ -374,8 +415,9 @@ def tuning_table(results: dict[str, Any]) -> str:
 def meta_line(results: dict[str, Any]) -> str:
     m = results["meta"]
     return (f"Config `{m['config']}` (fingerprint {m['config_key']}), {m['device']}, torch {m['torch']}, "
-            f"{m['eval_seconds'] / 60:.0f} min of one core for the {results['summary']['runs']} evaluation runs "
-            f"and {m['tune_seconds'] / 60:.0f} min for the {m['tune_runs']} tuning runs, {m['date']}.")
+            f"{m['eval_seconds'] / 60:.0f} min of training (wall, one thread, a machine shared with other jobs) for "
+            f"the {results['summary']['runs']} evaluation runs and {m['tune_seconds'] / 60:.0f} min for the "
+            f"{m['tune_runs']} tuning runs, {m['date']}.")
 
 
 BLOCKS = {
@@ -431,20 +473,26 @@ def plot(results: dict[str, Any], path: str = IMG) -> None:
     plt.close(fig)
 
 
-def report(cfg: dict[str, Any], *, docs: bool = True) -> dict[str, Any]:
-    """Tuning choice, summary, tests, tables and plot from the committed runs file (nothing is trained)."""
-    runs = load_runs(os.path.join(OUT, "runs.jsonl"))
+def build(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results file's content (tuning choice, summary, paired tests) from the raw runs alone."""
     tuning = choose(cfg, runs)
     summary = summarise(cfg, runs, tuning["chosen"])
     key = config_key(cfg)
     ours = [r for r in runs if r.get("config") == key]
-    results = {
-        "meta": {"config": os.path.relpath(CONFIG, ROOT), "config_key": key, "device": _device(),
-                 "torch": torch.__version__.split("+")[0], "date": _date(ours),
-                 "eval_seconds": sum(sum(r["fit_seconds"]) for r in ours if not r["validation"]),
+    evaluated = [r for r in ours if not r["validation"]]
+    return {
+        "meta": {"config": os.path.relpath(CONFIG, ROOT), "config_key": key, "device": evaluated[0]["device"],
+                 "torch": evaluated[0]["torch"], "date": max(r["date"] for r in evaluated),
+                 "eval_seconds": sum(sum(r["fit_seconds"]) for r in evaluated),
                  "tune_seconds": sum(sum(r["fit_seconds"]) for r in ours if r["validation"]),
                  "tune_runs": sum(r["validation"] for r in ours)},
         "config": cfg, "tuning": tuning, "summary": summary}
+
+
+def report(cfg: dict[str, Any], *, docs: bool = True) -> dict[str, Any]:
+    """Build the results from the committed runs file (nothing is trained), write them, the docs tables and the
+    plot."""
+    results = build(cfg, load_runs(os.path.join(OUT, "runs.jsonl")))
     with open(os.path.join(OUT, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     if docs:
@@ -454,12 +502,7 @@ def report(cfg: dict[str, Any], *, docs: bool = True) -> dict[str, Any]:
 
 
 def _device() -> str:
-    return f"CPU ({platform.processor() or platform.machine()}), 1 thread"
-
-
-def _date(runs: list[dict[str, Any]]) -> str:
-    dates = sorted(r["date"] for r in runs if "date" in r)
-    return dates[-1] if dates else datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), 1 thread"
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -477,7 +520,9 @@ def main(argv: list[str] | None = None) -> Any:
     parser.add_argument("command", choices=("tune", "run", "report", "smoke"))
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--no-docs", action="store_true", help="report: do not rewrite the docs tables and plot")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th pending job from the i-th (n processes)")
     args = parser.parse_args(argv)
+    shard = tuple(int(x) for x in args.shard.split("/"))
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
     path = os.path.join(OUT, "runs.jsonl")
@@ -486,13 +531,18 @@ def main(argv: list[str] | None = None) -> Any:
             print(run["setting"], run["method"], metrics(run["matrix"]))
         return None
     if args.command == "tune":
-        execute(cfg, tuning_jobs(cfg), path)
+        execute(cfg, tuning_jobs(cfg), path, shard)
+        if shard[0] != 0:
+            return None
         tuning = choose(cfg, load_runs(path))
         print(json.dumps(tuning["chosen"], indent=1))
         return tuning
     if args.command == "run":
-        tuning = choose(cfg, load_runs(path))
-        execute(cfg, evaluation_jobs(cfg, tuning["chosen"]), path)
+        tuning = wait_for(lambda: choose(cfg, load_runs(path)))
+        execute(cfg, evaluation_jobs(cfg, tuning["chosen"]), path, shard)
+        if shard[0] != 0:
+            return None
+        wait_for(lambda: summarise(cfg, load_runs(path), tuning["chosen"]))
     results = report(cfg, docs=not args.no_docs)
     for setting in cfg["settings"]:
         print(results_table(results, setting), "\n")
