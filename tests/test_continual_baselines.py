@@ -181,6 +181,20 @@ def test_split_digits_data_orders_and_masks(digits):
     assert [row.nonzero().squeeze(1).tolist() for row in cil] == [[1, 2, 5, 6]] * 2
 
 
+def test_a_class_is_split_the_same_way_in_every_order_and_seeds_differ(digits):
+    def test_rows(tasks, c):
+        task = next(t for t in tasks if c in t.classes)
+        x, y, _ = task.test
+        return sorted(map(tuple, x[y == c].tolist()))
+
+    orders = ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 6, 1, 2, 0, 8, 9, 3, 7, 4], [8, 7, 1, 5, 6, 9, 0, 4, 2, 3])
+    splits = [digits.split_tasks(order, seed=1) for order in orders]
+    for c in range(10):  # a shared generator drawn in task order would split a class differently per order
+        assert test_rows(splits[0], c) == test_rows(splits[1], c) == test_rows(splits[2], c), c
+    other = digits.split_tasks(orders[0], seed=2)
+    assert any(test_rows(splits[0], c) != test_rows(other, c) for c in range(10))
+
+
 def test_the_class_orders_are_the_seeded_permutations_the_config_says():
     import yaml
 

@@ -65,6 +65,20 @@ def test_every_minilm_method_runs(minilm_bench):
     assert attention["snapshot_memory"][-1][0]["trimmed_tensors"] > 0  # layer 5's feed-forward part, the pooler
 
 
+def test_the_snapshot_memory_probe_records_what_the_trimmed_snapshot_holds(digits_bench):
+    import lightning as L
+
+    cfg = _config("split_digits.yaml")
+    small = {**cfg, "tasks": 2, "steps_per_task": 2}
+    run = digits_bench.run_one(small, "task-incremental", "attention", 0, 0, {"attention_weight": 1.0})
+    # an entry per fit that ran with a snapshot: the second only, with the trimmed snapshot of task 0
+    [[held]] = run["snapshot_memory"]
+    assert held["trimmed_tensors"] > 0 and held["trimmed_bytes"] > 0 and held["bytes"]["cpu"] > 0
+    assert issubclass(digits_bench.SnapshotMemory, L.Callback)
+    plain = digits_bench.run_one(small, "task-incremental", "finetune", 0, 0, {})
+    assert plain["snapshot_memory"] == []
+
+
 def test_the_tuning_choice_follows_its_rule(digits_bench):
     cfg = _config("split_digits.yaml")
     runs = [{"config": digits_bench.config_key(cfg), "validation": True, "setting": s, "method": m, "options": o,

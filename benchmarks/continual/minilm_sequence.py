@@ -246,6 +246,20 @@ def run_metrics(run: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def learned_by_task(names: list[str], runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per task (by name, whatever its place in each run's order): the mean over the runs of its accuracy right
+    after it was learned, ``R[j][j]`` where ``j`` is the task's place in the run.
+
+    Example:
+        >>> runs = [{"tasks": ["a", "b"], "matrix": [[0.9, 0.5], [None, 0.7]]},
+        ...         {"tasks": ["b", "a"], "matrix": [[0.8, 0.6], [None, 0.5]]}]
+        >>> {k: round(v, 3) for k, v in learned_by_task(["a", "b"], runs).items()}
+        {'a': 0.7, 'b': 0.75}
+    """
+    return {name: statistics.mean(r["matrix"][r["tasks"].index(name)][r["tasks"].index(name)] for r in runs)
+            for name in names}
+
+
 # ---------------------------------------------------------------------------------------------- the runs file
 def config_key(cfg: dict[str, Any]) -> str:
     keep = {k: cfg[k] for k in ("tasks", "orders", "train_examples", "test_examples", "heldout_paragraphs",
@@ -363,6 +377,7 @@ def summarise(cfg: dict[str, Any], runs: list[dict[str, Any]], chosen: dict[str,
         ms = [run_metrics(r) for r in group]
         entry: dict[str, Any] = {k: mean_std([m[k] for m in ms]) for k in ms[0]}
         entry["options"] = group[0]["options"]
+        entry["learned_by_task"] = learned_by_task(cfg["tasks"], group)
         entry["retention_after_task"] = [statistics.mean(r["retention"][j]["cosine"] for r in group)
                                          for j in range(len(group[0]["retention"]))]
         entry["ms_per_step"] = statistics.median(1000 * s / r["steps"] for r in group for s in r["fit_seconds"])

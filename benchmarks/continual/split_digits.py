@@ -38,6 +38,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+import lightning as L
 import torch
 import yaml
 
@@ -103,18 +104,15 @@ def options_of(cfg: dict[str, Any], method: str, setting: str, chosen: dict[str,
     return out
 
 
-class _SnapshotMemory:
-    """A Lightning callback: what the regulariser's snapshots hold at the end of each fit (before the next
-    snapshot replaces them)."""
+class SnapshotMemory(L.Callback):
+    """What the regulariser's snapshots hold at the end of each fit (after the snapshot in use has been trimmed,
+    before the next one replaces it)."""
 
     def __init__(self, regularizer: Any) -> None:
-        import lightning as L
-
         self.regularizer = regularizer
         self.memory: list[dict[str, Any]] = []
-        self.callback = type("SnapshotMemoryProbe", (L.Callback,), {"on_train_end": self._on_train_end})()
 
-    def _on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.memory = self.regularizer.snapshot_memory()
 
 
@@ -122,7 +120,6 @@ def run_one(cfg: dict[str, Any], setting: str, method: str, seed: int, order: in
             validation: bool = False) -> dict[str, Any]:
     """Learn the task sequence once; returns the accuracy matrix, the seconds and steps of every fit, and what the
     snapshots held (attention methods)."""
-    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_streamkl import ContinualAttentionRegularizer
@@ -140,8 +137,8 @@ def run_one(cfg: dict[str, Any], setting: str, method: str, seed: int, order: in
     callbacks, probe = [], None
     if options.get("attention_weight", 0.0) > 0:
         reg = ContinualAttentionRegularizer(weight=options["attention_weight"], **cfg.get("attention_options", {}))
-        probe = _SnapshotMemory(reg)
-        callbacks = [reg, probe.callback]
+        probe = SnapshotMemory(reg)
+        callbacks = [reg, probe]
     num = len(tasks)
     matrix: list[list[float | None]] = [[None] * num for _ in range(num)]
     seconds, memory = [], []
