@@ -2,13 +2,14 @@ r"""
 Lightning adapter base
 ^^^^^^^^^^^^^^^^^^^^^^
 
-The Lightning side that the three front doors share, written once: :class:`LossTermCallback`, the base of the
+The Lightning side that the front doors share, written once: :class:`LossTermCallback`, the base of the
 callbacks that add a term to the loss ``training_step`` returns (:class:`~lightning_streamkl.StreamKLDistillation`,
-:class:`~lightning_streamkl.ContinualAttentionRegularizer`), and the functions the mixin uses too: log a step's
+:class:`~lightning_streamkl.ContinualAttentionRegularizer`, :class:`~lightning_streamkl.IndexerDistillation`), with
+:class:`EngineCallback` for those that adapt a single engine, and the functions the mixin uses too: log a step's
 values (:func:`log_step`) and an epoch's (:func:`log_epoch`), checkpoint a metric's epoch-so-far state
-(:func:`metric_state`, :func:`load_metric_state`), check the trainer (:func:`check_trainer`) and add a term to a
-step's output (:func:`add_to_loss`). Everything model-side is the engine's
-(:mod:`lightning_streamkl.engine`).
+(:func:`metric_state`, :func:`load_metric_state`), check the trainer (:func:`check_trainer`, :func:`check_strategy`),
+lay the teacher out for the strategy (:func:`place_teacher`) and add a term to a step's output (:func:`add_to_loss`).
+Everything model-side is the engine's (:mod:`lightning_streamkl.engine`).
 """
 
 from __future__ import annotations
@@ -21,31 +22,124 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
 from . import step_wrapper
 from .config import AttentionKLOptions
-from .engine import DistillationMetrics
+from .engine import AttentionDistiller, DistillationMetrics
 from .loss import LossOutput
 from .metrics import AttentionKLDivergence
 
-__all__ = ["LossTermCallback", "add_to_loss", "check_trainer", "load_metric_state", "log_epoch", "log_step",
-           "metric_state"]
+__all__ = ["EngineCallback", "LossTermCallback", "add_to_loss", "check_strategy", "check_trainer", "load_metric_state",
+           "log_epoch", "log_step", "metric_state", "place_teacher"]
 
-#: Strategies whose sharded layers the captures do not support.
-UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+#: Strategies that shard the student; the teacher is sharded over the same processes by default.
+SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+#: Strategies no adapter supports.
+UNSUPPORTED_STRATEGIES = ("DeepSpeedStrategy", "XLAFSDPStrategy")
+
+
+def _strategy_kinds(trainer: Trainer) -> set[str]:
+    """The class names of the trainer's strategy and its bases (subclasses count as what they extend)."""
+    return {cls.__name__ for cls in type(trainer.strategy).__mro__}
+
+
+def check_strategy(name: str, trainer: Trainer, *, sharding: bool) -> None:
+    """Reject the strategies ``name`` (an adapter) cannot run under.
+
+    DeepSpeed and XLA's FSDP are always rejected; FSDP and model parallelism are rejected unless ``sharding`` (the
+    adapter lays its teacher out for them, :func:`place_teacher`), and model parallelism with tensor parallelism
+    (``tensor_parallel_size > 1``) always is.
+
+    Raises:
+        MisconfigurationException: one of those strategies (or a subclass), naming it and what to use instead.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from lightning.pytorch.strategies import FSDPStrategy
+        >>> check_strategy("ContinualAttentionRegularizer", SimpleNamespace(strategy=FSDPStrategy()), sharding=False)
+        Traceback (most recent call last):
+        ...
+        lightning.fabric.utilities.exceptions.MisconfigurationException: ContinualAttentionRegularizer does not \
+support the FSDPStrategy strategy: it copies the student's own modules into snapshots, which sharded modules do \
+not allow; use 'ddp' or a single device.
+    """
+    kinds = _strategy_kinds(trainer)
+    strategy = type(trainer.strategy).__name__
+    if kinds & set(UNSUPPORTED_STRATEGIES):
+        raise MisconfigurationException(
+            f"{name} does not support the {strategy} strategy: DeepSpeed and XLA's FSDP are not tested with StreamKL "
+            "(DeepSpeed is not installed in its CI). To shard the student and the teacher, use FSDPStrategy or "
+            "ModelParallelStrategy (FSDP2); to replicate them, 'ddp'."
+        )
+    if kinds & set(SHARDED_STRATEGIES) and not sharding:
+        raise MisconfigurationException(
+            f"{name} does not support the {strategy} strategy: it copies the student's own modules into "
+            "snapshots, which sharded modules do not allow; use 'ddp' or a single device."
+        )
+    if "ModelParallelStrategy" in kinds:
+        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        tensor_parallel = mesh["tensor_parallel"].size() if mesh is not None else 1
+        if tensor_parallel > 1:
+            raise MisconfigurationException(
+                f"{name} does not support tensor parallelism (tensor_parallel_size={tensor_parallel}): it splits the "
+                "heads of the student's attention over processes, and the captured queries and keys would be a "
+                "part of each layer's; use tensor_parallel_size=1 (FSDP2 only)."
+            )
+
+
+def place_teacher(trainer: Trainer, pl_module: LightningModule, distiller: AttentionDistiller) -> None:
+    """Shard the distiller's teacher over the data-parallel processes when its ``teacher_sharding`` asks for it
+    under this trainer's strategy (``"auto"``: under FSDP and model parallelism; ``"shard"``: whenever there are
+    several processes); leave it whole otherwise. Idempotent.
+
+    The mesh is the strategy's data-parallel mesh (``ModelParallelStrategy``) or one over all processes.
+
+    Raises:
+        MisconfigurationException: the teacher to shard is a submodule of the LightningModule (the strategy would
+            wrap it with the student).
+
+    Example:
+        >>> from torch import nn
+        >>> distiller = AttentionDistiller(nn.MultiheadAttention(8, 2), {"pairs": [[0, 0]]})
+        >>> trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> place_teacher(trainer, LightningModule(), distiller)   # one process: the teacher stays whole
+        >>> distiller.teacher.shards
+        1
+    """
+    mode = distiller.config.teacher_sharding
+    kinds = _strategy_kinds(trainer)
+    if mode == "replicate" or trainer.world_size <= 1 or (mode == "auto" and not kinds & set(SHARDED_STRATEGIES)):
+        return
+    teacher = distiller.teacher.prepare()
+    if any(m is teacher for m in pl_module.modules()):
+        raise MisconfigurationException(
+            f"The teacher ({type(teacher).__name__}) is a submodule of {type(pl_module).__name__}, so the "
+            f"{type(trainer.strategy).__name__} strategy would wrap it with the student; keep it out of the "
+            "LightningModule (pass it to StreamKL only) to have it sharded on its own."
+        )
+    if "ModelParallelStrategy" in kinds:
+        mesh = trainer.strategy.device_mesh["data_parallel"]  # type: ignore[attr-defined]
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(trainer.strategy.root_device.type, (trainer.world_size,))
+    distiller.shard_teacher(mesh)
 
 
 def check_trainer(who: Any, trainer: Trainer, pl_module: LightningModule, stage: str, *,
-                  alternative: str | None = None) -> None:
+                  alternative: str | None = None, sharding: bool = False) -> None:
     """The checks every loss-adding StreamKL callback makes in ``setup`` (``who.config.name`` is its name).
 
     ``alternative`` is named in the manual-optimization and ``dataloader_iter`` messages as what to use instead.
 
+    ``sharding``: whether ``who`` lays its teacher out for FSDP and model parallelism (:func:`check_strategy`).
+
     Raises:
-        MisconfigurationException: a sharded strategy, manual optimization, a ``dataloader_iter`` training step,
-            or another StreamKL callback with the same name on this module.
+        MisconfigurationException: an unsupported strategy (:func:`check_strategy`), manual optimization, a
+            ``dataloader_iter`` training step, or another StreamKL callback with the same name on this module.
 
     Example:
         >>> from lightning_streamkl import ContinualAttentionRegularizer
@@ -61,12 +155,7 @@ def check_trainer(who: Any, trainer: Trainer, pl_module: LightningModule, stage:
 to the loss returned by training_step, which manual optimization ignores.
     """
     name = type(who).__name__
-    strategy = type(trainer.strategy).__name__
-    if any(cls.__name__ in UNSUPPORTED_STRATEGIES for cls in type(trainer.strategy).__mro__):
-        raise MisconfigurationException(
-            f"{name} does not support the {strategy} strategy (the teacher is not sharded and the "
-            "captured queries/keys of sharded layers are untested); use 'ddp' or a single device."
-        )
+    check_strategy(name, trainer, sharding=sharding)
     if stage == "fit" and not pl_module.automatic_optimization:
         hint = (f"; with `automatic_optimization = False` use {alternative} and add "
                 "`self.attention_distillation_loss()` to the loss you backpropagate") if alternative else ""
@@ -240,3 +329,144 @@ class LossTermCallback(Callback):
         metrics = self._metrics()
         if metrics is not None and not trainer.sanity_checking:
             log_epoch(pl_module, metrics, "val", prog_bar=self.config.prog_bar)
+
+
+class EngineCallback(LossTermCallback):
+    """Base of the callbacks that adapt one engine with one metric state
+    (:class:`~lightning_streamkl.StreamKLDistillation`, :class:`~lightning_streamkl.IndexerDistillation`): their
+    ``setup``, ``teardown``, checkpoint state and the end of a step, written once.
+
+    A subclass holds its engine in ``_distiller`` (with ``setup(module)``, ``describe()``, ``weight_at(step)`` and
+    ``clear()``) and its :class:`~lightning_streamkl.DistillationMetrics` in ``_state``, initialises
+    ``_train_batches`` and ``_val_batches`` to 0, sets :attr:`alternative`, :attr:`state_version`, :attr:`names_key`
+    and :attr:`verb`, and implements :meth:`_names`, :meth:`_terms` and the step protocol's ``_step_begin`` and
+    ``_student_recording``.
+
+    Example:
+        >>> from lightning_streamkl import IndexerDistillation, StreamKLDistillation
+        >>> [issubclass(c, EngineCallback) for c in (StreamKLDistillation, IndexerDistillation)]
+        [True, True]
+    """
+
+    #: The mixin that check_trainer's messages name as the way to use manual optimization.
+    alternative: str | None = None
+    #: The version written into the checkpoint state.
+    state_version: int = 1
+    #: The key of the term names (pairs, layers) in the checkpoint state and the state key.
+    names_key: str = "pairs"
+    #: What the callback does with its terms, in the message about a checkpoint written with other names.
+    verb: str = "distils"
+    #: Whether the adapter lays its teacher out for FSDP and model parallelism (:func:`place_teacher`); the others
+    #: refuse those strategies.
+    sharding: bool = False
+    #: The module the layers were last resolved on.
+    _prepared_for: LightningModule | None = None
+
+    _distiller: Any
+    _state: DistillationMetrics
+    _train_batches: int
+    _val_batches: int
+
+    def _names(self) -> list[str]:
+        """The names of the terms (the metric's), in order."""
+        raise NotImplementedError
+
+    def _terms(self, stage: str, batch: Any, step: int) -> tuple[LossOutput, Mapping[str, torch.Tensor] | None]:
+        """This step's loss terms (releasing what was captured) and any extra values to log with them."""
+        raise NotImplementedError
+
+    @property
+    def train_metric(self) -> AttentionKLDivergence:
+        """The training :class:`~lightning_streamkl.AttentionKLDivergence` (reset every epoch)."""
+        return self._state.train
+
+    @property
+    def val_metric(self) -> AttentionKLDivergence:
+        """The validation :class:`~lightning_streamkl.AttentionKLDivergence`."""
+        return self._state.val
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.config.name, **{self.names_key: tuple(self._names())})
+
+    def _metrics(self) -> DistillationMetrics:
+        return self._state
+
+    def _step_cleanup(self) -> None:
+        self._distiller.clear()
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage not in ("fit", "validate"):
+            return
+        check_trainer(self, trainer, pl_module, stage, alternative=self.alternative, sharding=self.sharding)
+        if not is_overridden("configure_model", pl_module):  # else the model may not exist yet: on_*_start
+            self._prepare(trainer, pl_module)
+        self._wrap_steps(pl_module, stage)
+
+    def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve the layers and, when :attr:`sharding`, lay the teacher out for the strategy (once per module)."""
+        first = self._prepared_for is not pl_module
+        self._distiller.setup(pl_module)
+        if self.sharding:
+            place_teacher(trainer, pl_module, self._distiller)
+        self._prepared_for = pl_module
+        if first:
+            rank_zero_info(self._distiller.describe())
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._prepare(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._prepare(trainer, pl_module)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._unwrap_steps(pl_module)
+        self._step_cleanup()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a run that raises skips `teardown`: restore the module's step methods anyway, so the module can be trained
+        # again (with or without this callback) after the crash
+        self.teardown(trainer, pl_module, trainer.state.fn or "fit")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.state_version,
+            "name": self.config.name,
+            self.names_key: self._names(),
+            "train_batches": self._train_batches,
+            "val_batches": self._val_batches,
+            "train_metric": metric_state(self.train_metric, getattr(self._module, "_trainer", None)),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._train_batches = int(state_dict.get("train_batches", 0))
+        self._val_batches = int(state_dict.get("val_batches", 0))
+        saved, names = state_dict.get(self.names_key), self._names()
+        if saved is not None and list(saved) != names:
+            rank_zero_warn(f"StreamKL {self.config.name!r}: the checkpoint was written with {self.names_key} "
+                           f"{list(saved)}, this run {self.verb} {names}.")
+        elif state_dict.get("train_metric") is not None:
+            load_metric_state(self.train_metric, state_dict["train_metric"], getattr(self._module, "_trainer", None))
+
+    def _step_end(self, stage: str, batch: Any, output: Any) -> Any:
+        module = self._module
+        assert module is not None
+        if output is None and stage == "train":
+            return output  # the user skipped this batch
+        step = module.trainer.global_step
+        terms, extra = self._terms(stage, batch, step)
+        log_step(module, self._state, stage, terms, log_on_step=self.config.log_on_step, prog_bar=self.config.prog_bar,
+                 extra=extra)
+        if stage != "train":
+            self._val_batches += 1
+            return output
+        self._train_batches += 1
+        return add_to_loss(output, terms.total * self._distiller.weight_at(step), type(self).__name__)

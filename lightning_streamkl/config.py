@@ -48,6 +48,8 @@ TEACHER_DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 TEACHER_DEVICES = ("student", "keep")
 #: The named values of ``teacher_inputs`` (any other value is a module path in the student).
 TEACHER_INPUTS = ("auto", "batch")
+#: The values of ``teacher_sharding``.
+TEACHER_SHARDING = ("auto", "shard", "replicate")
 
 
 @dataclass
@@ -186,7 +188,8 @@ class AttentionKLOptions:
             Default: ``"forward"``.
         causal: force causal (``True``) or bidirectional (``False``) masking for every pair; ``None`` takes it
             from the captured layers (teacher and student must then agree). Default: ``None``.
-        mask_key: the key of the padding mask (True/1 = real token) in mapping batches; ``None`` for no mask.
+        mask_key: the key of the padding mask (True/1 = real token) in mapping batches, used for layers whose
+            capture does not read the mask from the attention call (``record()``); ``None`` for no mask.
             Default: ``"attention_mask"``.
         mask_queries: also exclude padded query rows from the KL (and its mean). Default: ``True``.
         validation: compute and log the KL on validation batches too. Default: ``True``.
@@ -247,6 +250,11 @@ class StreamKLConfig(AttentionKLOptions):
             ``device_map``, ...); ``attn_implementation`` defaults to ``"sdpa"``. Default: ``None``.
         teacher_early_exit: stop the teacher's forward pass once every paired teacher layer has been captured:
             later layers and the output head (logits) never run. Default: ``True``.
+        teacher_sharding: how the teacher is laid out over the processes of a distributed run: ``"shard"`` shards
+            it with FSDP2 over the data-parallel processes (each holds ``1/W`` of its weights; its blocks are
+            gathered one at a time during its forward pass and freed after); ``"replicate"`` keeps a whole copy on
+            every process; ``"auto"`` shards under ``FSDPStrategy`` and ``ModelParallelStrategy`` and replicates
+            under DDP. A single process always holds the whole teacher. Default: ``"auto"``.
 
     Example:
         >>> cfg = StreamKLConfig(pairs=[LayerPair(teacher=-1, student=-1)], teacher_dtype="bfloat16")
@@ -263,6 +271,7 @@ class StreamKLConfig(AttentionKLOptions):
     teacher_inputs: str = option("auto", Text(expected=f"one of {TEACHER_INPUTS} or a module path of the student"))
     teacher_from_pretrained: Optional[dict[str, Any]] = option(None, Keywords(optional=True))
     teacher_early_exit: bool = option(True, Flag())
+    teacher_sharding: str = option("auto", Choice(TEACHER_SHARDING))
 
 
 # ---------------------------------------------------------------------------------------------- validation

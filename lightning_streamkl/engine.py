@@ -31,12 +31,18 @@ __all__ = ["AttentionDistiller", "DistillationMetrics", "default_teacher_forward
 
 TeacherForward = Callable[[nn.Module, Any], Any]
 
+#: Keys of padding-free batches (transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) that
+#: the attention layers read through ``**kwargs``: the teacher gets them too.
+PACKED_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
 
 def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
     """Run ``teacher`` on a batch the way most training steps run their model.
 
-    - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``
-      (``use_cache=False`` is added when the forward takes it); when it names none of them, ``teacher(batch)``;
+    - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``, and,
+      when it takes ``**kwargs``, the packed-sequence keys of padding-free batches (:data:`PACKED_SEQUENCE_KEYS`:
+      ``cu_seq_lens_q``, ...) so that the teacher attends over the same documents (``use_cache=False`` is added when
+      the forward takes it); when it names none of them, ``teacher(batch)``;
     - a tuple or list: ``teacher(batch[0])`` (the ``(inputs, targets)`` convention);
     - anything else: ``teacher(batch)``.
 
@@ -48,6 +54,8 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
     if isinstance(batch, Mapping):
         params = inspect.signature(teacher.forward).parameters
         named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            named |= set(PACKED_SEQUENCE_KEYS)
         kwargs = {k: v for k, v in batch.items() if k in named and k != "labels"}
         if not kwargs:
             return teacher(batch)
@@ -62,13 +70,19 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
 def padding_mask_from_batch(batch: Any, key: str | None) -> torch.Tensor | None:
     """``batch[key]`` as a bool ``[B, N]`` mask (True = real token) for mapping batches, else ``None``.
 
+    It fills in only for layers whose capture does not read the mask from the attention call (the manual
+    recorder); a 4D custom mask (``[B, 1, N_q, N_k]``, which a model reads itself) gives ``None``.
+
     Example:
         >>> padding_mask_from_batch({"attention_mask": torch.tensor([[1, 0]])}, "attention_mask")
         tensor([[ True, False]])
+        >>> padding_mask_from_batch({"attention_mask": torch.ones(1, 1, 2, 2, dtype=torch.bool)}, "attention_mask")
     """
     if key is None or not isinstance(batch, Mapping) or batch.get(key) is None:
         return None
     mask = batch[key]
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(
             f"Expected the batch's `{key}` to be a [B, N] padding mask tensor (1/True = real token), but got "
@@ -198,6 +212,13 @@ class AttentionDistiller:
         """True when the teacher is fed the inputs of a student submodule (it then runs after the student)."""
         return self.inputs_from is not None
 
+    def shard_teacher(self, mesh: Any) -> None:
+        """Shard the teacher over ``mesh`` (a 1-D ``DeviceMesh`` of the data-parallel processes) with FSDP2, in
+        place: each process keeps ``1/W`` of its weights, and every step's teacher pass gathers one block at a time
+        (collective: every process runs it). Idempotent (see :meth:`FrozenTeacher.shard
+        <lightning_streamkl.teacher.FrozenTeacher.shard>`)."""
+        self.teacher.shard(mesh)
+
     def describe(self) -> str:
         """One line saying what is distilled, e.g. for the start of a run.
 
@@ -210,7 +231,9 @@ class AttentionDistiller:
         """
         pairs = ", ".join(f"{p.label} ({t} -> {s})" for p, (t, s) in zip(self.config.pairs, self.resolved))
         fed = f"; the teacher is fed the inputs of the student's {self.inputs_from!r}" if self.inputs_from else ""
-        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}"
+        shards = self.teacher.shards
+        sharded = f"; the teacher is sharded over {shards} processes" if shards > 1 else ""
+        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}{sharded}"
 
     def metrics(self) -> DistillationMetrics:
         """A fresh :class:`DistillationMetrics` for this setup's pairs."""

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from .adapter import load_metric_state, log_epoch, log_step, metric_state
+from .adapter import check_strategy, load_metric_state, log_epoch, log_step, metric_state, place_teacher
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .engine import AttentionDistiller, DistillationMetrics
 
@@ -45,6 +46,9 @@ class AttentionDistillationMixin:
     from the metrics registered as ``self.train_attention_kl`` and ``self.val_attention_kl``. At the start of a
     fit the pairing is printed, as the callback does; a training step that records the student but never calls
     :meth:`attention_distillation_loss` gets one warning.
+
+    Under ``FSDPStrategy`` and ``ModelParallelStrategy`` the teacher is sharded over the same processes, as with the
+    callback (``teacher_sharding``); DeepSpeed and tensor parallelism are refused when the fit starts.
 
     Put the mixin before ``LightningModule`` (or your existing module class) in the bases; its ``__init__``
     takes nothing of its own and passes any arguments on to ``super().__init__``. If you override
@@ -255,7 +259,26 @@ class _MixinHooks(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._configured(pl_module) and stage in ("fit", "validate"):
-            rank_zero_info(pl_module._streamkl_ready().describe())
+            check_strategy(f"{type(pl_module).__name__} (AttentionDistillationMixin)", trainer, sharding=True)
+            if not is_overridden("configure_model", pl_module):  # else the model may not exist yet: on_*_start
+                self._prepare(trainer, pl_module)
+
+    @staticmethod
+    def _prepare(trainer: Any, pl_module: Any) -> None:
+        """Resolve the layers and lay the teacher out for the strategy (once per module)."""
+        first = pl_module._streamkl.student is not pl_module
+        distiller = pl_module._streamkl_ready()
+        place_teacher(trainer, pl_module, distiller)
+        if first:
+            rank_zero_info(distiller.describe())
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._configured(pl_module):
+            self._prepare(trainer, pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._configured(pl_module):
+            self._prepare(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._configured(pl_module):

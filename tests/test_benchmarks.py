@@ -206,3 +206,22 @@ def test_every_teacher_plateau_check_is_a_valid_job_command_line(capsys):
             main([*plateau.COMMON, *overrides, "--job.run_dir=unused", "--print_config"])
         assert exit_info.value.code in (0, None), name
     assert "- 512" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_sharding_benchmark_runs_on_two_cpu_processes(tmp_path, monkeypatch):
+    """``bench_sharding.py --smoke``: every layout and the sequence-sharded KL run end to end (2 gloo processes, tiny
+    sizes), the layouts agree on the first step's KL and the sharded KL is exact; the JSON lands in the results
+    folder and in $OUT."""
+    bench = _load(ROOT / "benchmarks" / "bench_sharding.py", "bench_sharding")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    result = bench.main(["--smoke", "--results", str(tmp_path / "results")])
+    assert json.loads((tmp_path / "results" / "sharding_cpu-smoke.json").read_text()) == json.loads(
+        (tmp_path / "out" / "sharding_cpu-smoke.json").read_text()) == json.loads(json.dumps(result))
+    assert set(result["layouts"]) == {"ddp", "fsdp", "ddp+sharded-teacher"}
+    for name, layout in result["layouts"].items():
+        assert layout["first_step_kl_max_rel_diff_vs_ddp"] < 1e-5, name
+        shares = [g["teacher_params_on_this_gpu"] / g["teacher_params"] for g in layout["per_gpu"]]
+        assert shares == pytest.approx([1.0, 1.0] if name == "ddp" else [0.5, 0.5], abs=0.05), (name, shares)
+    exact = result["context_parallel"]["exactness_vs_one_gpu"]
+    assert max(exact.values()) < 1e-5, exact

@@ -1,6 +1,6 @@
 """The callback on GPUs: 2-GPU DDP (NCCL, ``ddp_spawn``) against one GPU on the same global batch, the teacher
-moved from the CPU (or from partly on the GPU) to each process's GPU, FSDP rejected in a real run, and GPU memory
-flat over a long run.
+moved from the CPU (or from partly on the GPU) to each process's GPU, and GPU memory flat over a long run. FSDP and
+FSDP2 against DDP on 2 GPUs: test_fsdp.py (``-m gpu``).
 
 Run (needs 2 CUDA devices; no network, no setup; under 2 minutes)::
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 pytest.importorskip("transformers")
 
@@ -98,20 +97,6 @@ def test_a_teacher_partly_on_the_gpu_is_moved_whole(capsys):
     assert devices == {"cuda:0"} and rec.values["train/attn_kl/last"][0] > 0
     with capsys.disabled():
         print(f"\nteacher partly on cuda:0 -> {sorted(devices)}, KL {rec.values['train/attn_kl/last'][0]:.4f}")
-
-
-@pytest.mark.timeout(300)
-def test_fsdp_is_rejected_in_a_real_gpu_run():
-    cb = StreamKLDistillation(make_teacher(), pairs=[LAST])
-    student = make_student()
-    try:
-        with pytest.raises(MisconfigurationException, match=r"does not support the FSDPStrategy strategy \(the "
-                                                            r"teacher is not sharded.*use 'ddp' or a single device"):
-            gpu_trainer(max_steps=1, strategy="fsdp", callbacks=[cb]).fit(student, loader(4, 4))
-    finally:
-        if torch.distributed.is_initialized():  # the strategy set up a 1-process group in this process
-            torch.distributed.destroy_process_group()
-    assert "training_step" not in student.__dict__
 
 
 class MemoryProbe(L.Callback):

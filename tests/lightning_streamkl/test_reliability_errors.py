@@ -1,16 +1,12 @@
-"""Misconfigurations the callback meets at run time: a teacher on another device or dtype, a teacher without data,
-sharded strategies (with Lightning's real strategy classes). Unknown layers and paired layers with different N are
-tested in test_callback.py (``test_unknown_layer_path_fails_in_setup_with_close_matches``,
+"""Misconfigurations the callback meets at run time: a teacher on another device or dtype, a teacher without data.
+The strategies it refuses (DeepSpeed, XLA's FSDP, tensor parallelism) are tested in test_fsdp.py. Unknown layers and
+paired layers with different N are tested in test_callback.py (``test_unknown_layer_path_fails_in_setup_with_close_matches``,
 ``test_mismatched_sequence_lengths_fail_with_both_shapes``)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 pytest.importorskip("transformers")
 
@@ -41,29 +37,3 @@ def test_a_teacher_without_data_fails_in_setup():
     with pytest.raises(ValueError, match=r"The teacher has \d+ parameters/buffers on the meta device \(no data\), e\.g\. "
                                          r"'model.embed_tokens.weight'; load or materialise its weights"):
         trainer(max_steps=1, callbacks=[cb]).fit(make_student(), loader(4, 4))
-
-
-def test_model_parallel_strategy_is_rejected_in_a_real_run():
-    student = make_student()
-    cb = StreamKLDistillation(make_teacher(), pairs=[LAST])
-    t = trainer(max_steps=1, strategy=ModelParallelStrategy(), callbacks=[cb])
-    try:
-        with pytest.raises(MisconfigurationException, match=r"does not support the ModelParallelStrategy strategy "
-                                                            r"\(the teacher is not sharded.*use 'ddp' or a single device"):
-            t.fit(student, loader(4, 4))
-    finally:
-        if torch.distributed.is_initialized():  # the strategy set up a 1-process gloo group in this process
-            torch.distributed.destroy_process_group()
-    assert "training_step" not in student.__dict__
-
-
-def test_fsdp_and_deepspeed_strategies_are_rejected():
-    """Lightning's FSDPStrategy needs CUDA to run, so on CPU the real strategy object is handed to ``setup``;
-    test_ddp_gpu.py rejects it in a real 2-GPU run. DeepSpeed is not installed here, so its strategy cannot be
-    constructed: an instance of Lightning's real DeepSpeedStrategy class is made without its __init__."""
-    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
-    for strategy in (FSDPStrategy(), type("MyFSDP", (FSDPStrategy,), {})(), deepspeed):  # subclasses too
-        cb = StreamKLDistillation(make_teacher(), pairs=[LAST])
-        name = type(strategy).__name__
-        with pytest.raises(MisconfigurationException, match=f"does not support the {name} strategy"):
-            cb.setup(SimpleNamespace(strategy=strategy), make_student(), "fit")
