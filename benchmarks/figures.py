@@ -52,6 +52,14 @@ GENERATED = {
     "continual-results:cpu": "benchmarks/continual/run.py", "continual-results:cpu10": "benchmarks/continual/run.py",
     "continual-results:sweep": "benchmarks/continual/run.py",
     "continual-stats:cpu10": "benchmarks/continual/stats.py",
+    "split-digits:tuning": "benchmarks/continual/split_digits.py",
+    "split-digits:task-incremental": "benchmarks/continual/split_digits.py",
+    "split-digits:class-incremental": "benchmarks/continual/split_digits.py",
+    "split-digits:stats": "benchmarks/continual/split_digits.py",
+    "minilm-sequence:tuning": "benchmarks/continual/minilm_sequence.py",
+    "minilm-sequence:results": "benchmarks/continual/minilm_sequence.py",
+    "minilm-sequence:stats": "benchmarks/continual/minilm_sequence.py",
+    "minilm-sequence:memory": "benchmarks/continual/minilm_sequence.py",
     "minilm:results": "examples/minilm_attention_transfer.py",
     "ablation": "benchmarks/ablation.py",  # written between <!-- ablation:table --> and <!-- /ablation -->
     "job-headline": "benchmarks/job_headline.py", "figures:quickstart-eval": "benchmarks/figures.py",
@@ -107,6 +115,8 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
                                                                         "steps_per_task: 150")),
     ("docs/guides/continual.md", r"batch 64", ("benchmarks/continual/cpu.yaml", "batch_size: 64")),
     ("docs/guides/continual.md", r"p < 0\.05|p ≥ it", ("benchmarks/continual/stats.py", "ALPHA = 0.05")),
+    ("docs/guides/continual.md", r"cannot go below 0\.0625",  # 2/2^5: the exact sign-flip test over 5 pairs
+     ("benchmarks/continual/minilm_sequence.py", "cannot go below 0.0625")),
     ("docs/guides/cli.md", r"2 points", ("**/report.py", "MARGIN = 0.02")),
     ("docs/guides/cli.md", r"below 50%", ("**/report.py", "t_ref < 0.5")),
     ("docs/guides/long-context.md", r"first 5 steps", ("**/distill.py", "self.step_times[5:]")),
@@ -246,6 +256,16 @@ class Results:
     @cached_property
     def minilm(self) -> dict:
         return _json("minilm_cpu.json")
+
+    @cached_property
+    def digits(self) -> dict:
+        """Split-Digits: benchmarks/results/split_digits/results.json (built from its runs.jsonl)."""
+        return _json("split_digits", "results.json")
+
+    @cached_property
+    def minilm_sequence(self) -> dict:
+        """The pretrained-MiniLM scenario: benchmarks/results/continual_minilm/results.json."""
+        return _json("continual_minilm", "results.json")
 
     @cached_property
     def minilm_w01(self) -> dict:
@@ -599,6 +619,8 @@ def claims(r: Results) -> list[Claim]:
         f"{words[len(gpu['tasks'])]} tasks, {gpu['steps_per_task']} steps per task and "
         f"{words[len(gpu['seeds'])]} seeds")
 
+    out.extend(continual_benchmark_claims(r))
+
     # --- MiniLM (benchmarks/results/minilm_cpu*.json)
     ml_file = "benchmarks/results/minilm_cpu.json, minilm_cpu_weight0.1.json"
 
@@ -681,6 +703,164 @@ def claims(r: Results) -> list[Claim]:
 
     out += indexer_claims(r)
     # --- reliability: nothing measured on two GPUs is quoted (no result file was committed)
+    return out
+
+
+def continual_benchmark_claims(r: Results) -> list[Claim]:
+    """The continual guide's prose about Split-Digits and the pretrained-MiniLM scenario (their results.json files,
+    built from the committed runs.jsonl by split_digits.py and minilm_sequence.py)."""
+    out: list[Claim] = []
+    page = "docs/guides/continual.md"
+    ti, ci = "task-incremental", "class-incremental"
+
+    # --- Split-Digits
+    sd_file = "benchmarks/results/split_digits/results.json"
+    settings = r.digits["summary"]["settings"]
+    tests = {(c["scenario"], c["method"], c["baseline"], c["metric"]): c
+             for c in r.digits["summary"]["stats"]["comparisons"]}
+
+    def acc(setting: str, method: str, key: str = "final_accuracy") -> str:
+        return _pct(settings[setting][method][key][0])
+
+    def diff(setting: str, method: str, base: str, key: str = "final_accuracy", sign: bool = True) -> str:
+        c = tests[setting, method, base, key]
+        text = f"{100 * c['mean_difference']:{'+' if sign else ''}.1f} ± {100 * c['se']:.1f}"
+        return text if sign else text.lstrip("-")
+
+    def p(setting: str, method: str, base: str, key: str = "final_accuracy", holm: bool = False) -> str:
+        c = tests[setting, method, base, key]
+        return _p(c["p_holm"] if holm else c["p_t"])
+
+    def runs(setting: str, method: str, base: str, key: str = "final_accuracy") -> str:
+        c = tests[setting, method, base, key]
+        return f"{c['seeds_better']}/{c['n']} runs"
+
+    def ms(setting: str, method: str) -> float:
+        return settings[setting][method]["ms_per_step_later_tasks"]
+
+    weight = {s: settings[s]["attention"]["options"]["attention_weight"] for s in (ti, ci)}
+    ci_regs = [tests[ci, m, "finetune", "final_accuracy"]["p_t"] for m in ("ewc", "lwf", "attention")]
+    held = settings[ti]["attention"]["snapshot_bytes"]
+    baselines = [tests[ti, m, "finetune", "final_accuracy"] for m in ("ewc", "lwf", "replay")]
+
+    def add(source: str, *texts: str) -> None:
+        out.extend(Claim(page, t, source) for t in texts)
+
+    add(sd_file,
+        # the summary
+        f"raises average accuracy over fine-tuning by {diff(ti, 'attention', 'finetune', sign=False)} points "
+        f"({p(ti, 'attention', 'finetune')}; Holm-adjusted {p(ti, 'attention', 'finetune', holm=True)})",
+        f"EWC, LwF and replay gain {diff(ti, 'ewc', 'finetune', sign=False)}, "
+        f"{diff(ti, 'lwf', 'finetune', sign=False)} and {diff(ti, 'replay', 'finetune', sign=False)} points",
+        f"only replay moves average accuracy off fine-tuning's {acc(ci, 'finetune')} %",
+        # the findings
+        f"At λ = {weight[ti]:g} the regulariser raises average accuracy over fine-tuning by "
+        f"{diff(ti, 'attention', 'finetune', sign=False)} points (better in {runs(ti, 'attention', 'finetune')}, "
+        f"{p(ti, 'attention', 'finetune')}; Holm-adjusted {p(ti, 'attention', 'finetune', holm=True)}) and lowers "
+        f"forgetting by {diff(ti, 'attention', 'finetune', 'forgetting', sign=False)} points "
+        f"({p(ti, 'attention', 'finetune', 'forgetting')})",
+        f"{diff(ti, 'ewc', 'finetune')}, {diff(ti, 'lwf', 'finetune')} and {diff(ti, 'replay', 'finetune')} points "
+        f"of average accuracy over fine-tuning",
+        *([f"(every run better, {_p(max(c['p_t'] for c in baselines))})"]
+          if all(c["seeds_better"] == c["n"] for c in baselines) else []),
+        f"ends {diff(ti, 'attention', 'ewc', sign=False)} points below EWC and "
+        f"{diff(ti, 'attention', 'lwf', sign=False)} points below LwF ({p(ti, 'attention', 'lwf')})",
+        f"forgetting falls by {diff(ti, 'attention+replay', 'replay', 'forgetting', sign=False)} points "
+        f"({runs(ti, 'attention+replay', 'replay', 'forgetting')}, {p(ti, 'attention+replay', 'replay', 'forgetting')};"
+        f" Holm-adjusted {p(ti, 'attention+replay', 'replay', 'forgetting', holm=True)})",
+        f"the gain in average accuracy, {diff(ti, 'attention+replay', 'replay')} points, is not significant "
+        f"({p(ti, 'attention+replay', 'replay')})",
+        f"attention+replay ends at {acc(ti, 'attention+replay')} %, replay alone at {acc(ti, 'replay')} %, joint "
+        f"training (the upper bound) at {acc(ti, 'joint')} %",
+        f"{diff(ti, 'attention+lwf', 'lwf')} points of average accuracy ({p(ti, 'attention+lwf', 'lwf')}), "
+        f"{diff(ti, 'attention+lwf', 'lwf', 'forgetting')} points of forgetting "
+        f"({p(ti, 'attention+lwf', 'lwf', 'forgetting')})",
+        f"Fine-tuning ends at {acc(ci, 'finetune')} %",
+        f"EWC, LwF and the regulariser stay at that level ({acc(ci, 'ewc')}, {acc(ci, 'lwf')} and "
+        f"{acc(ci, 'attention')} %; no difference to fine-tuning is significant, the smallest is {_p(min(ci_regs))})",
+        f"Replay reaches {acc(ci, 'replay')} % and joint training {acc(ci, 'joint')} %",
+        f"adds {diff(ci, 'attention+replay', 'replay', sign=False)} points ({p(ci, 'attention+replay', 'replay')})",
+        # the cost
+        f"{ms(ti, 'attention'):.1f} ms per step of a later task against {ms(ti, 'finetune'):.1f} ms for fine-tuning "
+        f"({ms(ti, 'attention') / ms(ti, 'finetune'):.1f}×; EWC {ms(ti, 'ewc'):.1f} ms, LwF {ms(ti, 'lwf'):.1f} ms, "
+        f"replay {ms(ti, 'replay'):.1f} ms)",
+        f"holds {held['held']['cpu'] / 2**10:.0f} KiB, and trimming dropped {held['trimmed'] / 2**10:.0f} KiB")
+    add(f"{sd_file} (tuning)",
+        f"at λ = {weight[ci]:g}, the smallest of the grid")
+
+    # --- the pretrained MiniLM
+    ml_file = "benchmarks/results/continual_minilm/results.json"
+    methods = r.minilm_sequence["summary"]["methods"]
+    mtests = {(c["method"], c["baseline"], c["metric"]): c
+              for c in r.minilm_sequence["summary"]["stats"]["comparisons"]}
+
+    def mval(method: str, key: str) -> str:
+        return f"{methods[method][key][0]:.3f}"
+
+    def macc(method: str, key: str = "learning_accuracy") -> str:
+        return _pct(methods[method][key][0])
+
+    def mdiff(method: str, base: str, key: str, scale: float = 100.0) -> str:
+        c = mtests[method, base, key]
+        return f"{scale * c['mean_difference']:+.1f} ± {scale * c['se']:.1f}"
+
+    def mp(method: str, base: str, key: str) -> str:
+        return _p(mtests[method, base, key]["p_t"])
+
+    def mruns(method: str, base: str, key: str) -> str:
+        c = mtests[method, base, key]
+        return f"{c['seeds_better']}/{c['n']} runs"
+
+    learned = methods["finetune"]["learned_by_task"]
+    after = {m: methods[m]["retention_after_task"] for m in methods}
+    acc_ps = [mtests[m, b, "learning_accuracy"]["p_t"] for m, b in (("attention", "finetune"),
+                                                                     ("embedding", "finetune"),
+                                                                     ("attention", "embedding"))]
+    add(ml_file,
+        # the summary
+        f"(mean cosine {mval('attention', 'cosine')} against {mval('finetune', 'cosine')} on held-out text, higher in "
+        f"{mruns('attention', 'finetune', 'cosine')}",
+        f"distilling the embeddings directly keeps more ({mval('embedding', 'cosine')})",
+        f"though the paired t-test gives {mp('attention', 'finetune', 'cosine')}",
+        f"{methods['attention']['ms_per_step'] / methods['finetune']['ms_per_step']:.2f}× for MiniLM",
+        # the findings
+        f"a mean cosine of {mval('attention', 'cosine')} to the pretrained model's with the regulariser "
+        f"(λ = {methods['attention']['options']['attention_weight']:g}), {mval('finetune', 'cosine')} with plain "
+        f"fine-tuning and {mval('embedding', 'cosine')} with embedding distillation "
+        f"(λ = {methods['embedding']['options']['embedding_weight']:g})",
+        f"{mdiff('attention', 'finetune', 'cosine')} hundredths of cosine, higher in "
+        f"{mruns('attention', 'finetune', 'cosine')} ({mp('attention', 'finetune', 'cosine')}); similarity correlation "
+        f"{mdiff('attention', 'finetune', 'similarity_corr')} ({mp('attention', 'finetune', 'similarity_corr')}), same "
+        f"nearest neighbour {mdiff('attention', 'finetune', 'neighbour_agreement')} "
+        f"({mp('attention', 'finetune', 'neighbour_agreement')})",
+        f"Embedding distillation is above the regulariser in every run ({mdiff('attention', 'embedding', 'cosine')} "
+        f"hundredths of cosine, {mp('attention', 'embedding', 'cosine')})",
+        f"(cosine {after['finetune'][0]:.3f} after the first task, {after['finetune'][-1]:.3f} after the last); with "
+        f"the regulariser {after['attention'][0]:.3f} and {after['attention'][-1]:.3f}",
+        f"New-task accuracy is {macc('attention')} % with the regulariser, {macc('finetune')} % with fine-tuning and "
+        f"{macc('embedding')} % with embedding distillation; no difference reaches significance (the smallest is "
+        f"{_p(min(acc_ps))})",
+        f"In {r.minilm_sequence['config']['steps_per_task']} steps per task only the topic task is learned "
+        f"(fine-tuning: {_pct(learned['topic'])} % right after learning it)",
+        f"stay near chance ({_pct(learned['order'])} and {_pct(learned['continuation'])} %)",
+        # the cost
+        f"a step takes {methods['attention']['ms_per_step']:.0f} ms with the regulariser against "
+        f"{methods['finetune']['ms_per_step']:.0f} ms for fine-tuning "
+        f"({methods['attention']['ms_per_step'] / methods['finetune']['ms_per_step']:.2f}×) and "
+        f"{methods['embedding']['ms_per_step']:.0f} ms for embedding distillation",
+        f"the trimmed snapshot held {methods['attention']['snapshot_bytes']['held']['cpu'] / 2**20:.1f} MiB")
+    add(sd_file,
+        f"{ms(ti, 'attention') / ms(ti, 'finetune'):.1f}× a fine-tuning step for the small vision transformer")
+
+    # --- the snapshot memory of all-MiniLM-L6-v2
+    mem_file = "benchmarks/results/continual_minilm/memory.json"
+    memory = r.minilm_sequence["memory"]
+    cases = {(len(c["layers"]), c["snapshot_trim"], c["snapshot_device"]): c for c in memory["cases"]}
+    every, first = cases[6, True, "same"], cases[1, True, "same"]
+    add(mem_file,
+        f"trimming drops {every['trimmed_bytes'] / 2**20:.1f} MiB of {memory['model_bytes'] / 2**20:.1f} MiB when "
+        f"every layer is regularised",
+        f"the snapshot of the first layer alone holds {sum(first['bytes_held'].values()) / 2**20:.1f} MiB")
     return out
 
 

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,10 +46,17 @@ ALPHA = 0.05
 
 def sign_flip_p(diffs: list[float]) -> float:
     """Exact two-sided p-value of the mean of paired differences under the sign-flip null (each difference is as
-    likely to have either sign): the share of the 2^n sign assignments whose |mean| is at least the observed one."""
+    likely to have either sign): the share of the 2^n sign assignments whose |mean| is at least the observed one.
+    All 2^n assignments are enumerated (vectorised with numpy from n = 12 on: 2^15 for 15 pairs)."""
     observed = abs(sum(diffs))
     if observed == 0:
         return 1.0
+    if len(diffs) >= 12:
+        import numpy as np
+
+        bits = (np.arange(2 ** len(diffs))[:, None] >> np.arange(len(diffs))[None, :]) & 1
+        sums = np.abs((1 - 2 * bits) @ np.asarray(diffs, dtype=np.float64))
+        return float(np.count_nonzero(sums >= observed * (1 - 1e-12))) / 2 ** len(diffs)
     hits = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed * (1 - 1e-12)
                for signs in itertools.product((1, -1), repeat=len(diffs)))
     return hits / 2 ** len(diffs)
@@ -82,17 +90,21 @@ def verdict(entry: dict[str, Any]) -> str:
     return "borderline"
 
 
-def compute(results: dict[str, Any], source: str) -> dict[str, Any]:
-    """The paired comparisons of every scenario of ``results`` (a continual results file)."""
+def compute(results: dict[str, Any], source: str, *, comparisons: tuple[tuple[str, str], ...] = COMPARISONS,
+            metric_fn: Callable[[list[list[float | None]]], dict[str, float]] = metrics,
+            metric_names: dict[str, tuple[str, bool]] = METRICS) -> dict[str, Any]:
+    """The paired comparisons of every scenario of ``results`` (``{"runs": [{"scenario", "method", "seed",
+    "matrix"}]}``; runs of one ``seed`` are paired): each of ``comparisons`` on each metric of ``metric_names``
+    (computed from a run's accuracy matrix by ``metric_fn``). The defaults are those of the synthetic benchmark."""
     runs = results["runs"]
     rows = []
     for scenario in dict.fromkeys(r["scenario"] for r in runs):
-        by = {(r["method"], r["seed"]): metrics(r["matrix"]) for r in runs if r["scenario"] == scenario}
-        for method, base in COMPARISONS:
+        by = {(r["method"], r["seed"]): metric_fn(r["matrix"]) for r in runs if r["scenario"] == scenario}
+        for method, base in comparisons:
             seeds = sorted(s for m, s in by if m == method and (base, s) in by)
             if not seeds:
                 continue
-            for key, (_, higher) in METRICS.items():
+            for key, (_, higher) in metric_names.items():
                 a = [by[method, s][key] for s in seeds]
                 b = [by[base, s][key] for s in seeds]
                 diffs = [x - y for x, y in zip(a, b)]
@@ -118,22 +130,27 @@ def _p(p: float | None) -> str:
 TABLE_METRICS = ("final_accuracy", "forgetting", "first_task_final")
 
 
-def markdown(stats: dict[str, Any], metric_keys: tuple[str, ...] = TABLE_METRICS) -> str:
-    """The table of the guide: every comparison on ``metric_keys``, with its p-values and verdict."""
+def markdown(stats: dict[str, Any], metric_keys: tuple[str, ...] = TABLE_METRICS, *,
+             names: dict[str, tuple[str, bool]] = METRICS,
+             extra: tuple[str, Callable[[dict[str, Any]], str]] | None = None) -> str:
+    """The table of the guide: every comparison on ``metric_keys`` (named by ``names``), with its p-values and
+    verdict, and an ``extra`` column ``(header, fn(entry) -> cell)`` before the verdict."""
     lines = [f"Paired by seed over seeds {stats['seeds'][0]}–{stats['seeds'][-1]} ({len(stats['seeds'])} seeds) of "
              f"`{stats['source']}`; differences in points (method − baseline), mean ± s.e.; two-sided p-values; "
              f"*significant* when the paired t-test and the exact sign-flip test both give p < {stats['alpha']:g}, "
              "*not significant* when both give p ≥ it. Written by `python benchmarks/continual/stats.py` into "
              f"`{stats['source'].replace('.json', '_stats.json')}`.", "",
              "| scenario | method vs baseline | metric | difference | seeds better | p, paired t | p, Wilcoxon "
-             "| p, sign-flip | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| p, sign-flip |{f' {extra[0]} |' if extra else ''} verdict |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if extra else "") + "---|"]
     for e in stats["comparisons"]:
         if e["metric"] not in metric_keys:
             continue
-        name, higher = METRICS[e["metric"]]
+        name, higher = names[e["metric"]]
+        more = f" {extra[1](e)} |" if extra else ""
         lines.append(f"| {e['scenario']} | {e['method']} vs {e['baseline']} | {name} {'↑' if higher else '↓'} | "
                      f"{100 * e['mean_difference']:+.1f} ± {100 * e['se']:.1f} | {e['seeds_better']}/{e['n']} | "
-                     f"{_p(e['p_t'])} | {_p(e['p_wilcoxon'])} | {_p(e['p_sign_flip'])} | {e['verdict']} |")
+                     f"{_p(e['p_t'])} | {_p(e['p_wilcoxon'])} | {_p(e['p_sign_flip'])} |{more} {e['verdict']} |")
     return "\n".join(lines)
 
 

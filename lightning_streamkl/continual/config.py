@@ -26,11 +26,15 @@ SNAPSHOT_DEVICES = ("same", "cpu")
 
 
 class _Weights(Check):
-    """A non-empty list of numbers ``>= 0`` (newest snapshot first)."""
+    """A non-empty list of numbers ``>= 0``, in the order ``order`` says (shown in the error)."""
+
+    def __init__(self, order: str = "newest snapshot first", *, optional: bool = False) -> None:
+        super().__init__(optional=optional)
+        self.order = order
 
     @property
     def expected(self) -> str:
-        return "a non-empty list of numbers >= 0 (newest snapshot first)"
+        return f"a non-empty list of numbers >= 0 ({self.order})"
 
     def check(self, value: Any, where: str) -> list[float]:
         if not isinstance(value, (list, tuple)) or not value:
@@ -76,12 +80,22 @@ class ContinualConfig(AttentionKLOptions):
         layers: the attention layers to regularise: indices into the model's attention layers (negative from
             the end) or module paths (relative to the LightningModule or to ``module``); ``None``: every
             attention layer. Each layer is paired with the same layer of the snapshot. Default: ``None``.
+        layer_weights: the relative weight of each regularised layer, in the order of ``layers`` (or of the
+            model's attention layers when ``layers`` is ``None``); normalised to sum to 1, so ``weight`` keeps its
+            meaning. A layer of weight 0 is not regularised (nor captured). ``None``: equal weights (the mean over
+            layers). Default: ``None``.
         module: the submodule of the LightningModule that is copied and run as the snapshot (a dotted path;
             ``""`` for the whole LightningModule, which then needs a ``forward``). ``None``: the child module
             that holds every selected attention layer (e.g. ``model`` for ``self.model = AutoModel...``), else
             the whole LightningModule if it defines ``forward``. A snapshot of a submodule is fed exactly the
             inputs that submodule receives in the step (after any embedding or projection the LightningModule
             applies first); a snapshot of the whole LightningModule is run on the batch. Default: ``None``.
+        snapshot_trim: drop the weights of the snapshot's modules that do not run before its deepest regularised
+            layer (an output head, the layers after it). The snapshot's forward pass stops at that layer
+            (``teacher_early_exit``); the modules its first pass did not enter are found then, and their
+            tensors (unless shared with a module that ran) are replaced by empty ones, so the snapshot holds
+            only what it computes with. Calling a dropped module later is an error that names it. ``False``
+            keeps the whole copy. Default: ``True``.
         snapshot_on_fit_end: take a snapshot when a ``trainer.fit`` call finishes (one fit per task). With
             ``False``, only :meth:`~lightning_streamkl.ContinualAttentionRegularizer.snapshot` takes them.
             Default: ``True``.
@@ -98,8 +112,10 @@ class ContinualConfig(AttentionKLOptions):
     snapshot_weights: Optional[list[float]] = option(None, _Weights(optional=True))
     snapshot_device: str = option("same", Choice(SNAPSHOT_DEVICES))
     layers: Optional[list[Any]] = option(None, _Layers(optional=True))
+    layer_weights: Optional[list[float]] = option(None, _Weights("one per regularised layer", optional=True))
     module: Optional[str] = option(None, Text(empty=True, optional=True, expected="a dotted submodule path ('' for "
                                                                                   "the whole LightningModule)"))
+    snapshot_trim: bool = option(True, Flag())
     snapshot_on_fit_end: bool = option(True, Flag())
     capture: str = option("auto", Choice(CAPTURE_KINDS))
 
@@ -134,4 +150,13 @@ def validate_continual_config(config: ContinualConfig | Mapping[str, Any] | Dict
             )
         if not any(weights):
             raise ValueError(f"Expected at least one of `snapshot_weights` to be > 0, but got {weights}.")
+    layers, layer_weights = values["layers"], values["layer_weights"]
+    if layer_weights is not None:
+        if not any(layer_weights):
+            raise ValueError(f"Expected at least one of `layer_weights` to be > 0, but got {layer_weights}.")
+        if layers is not None and len(layer_weights) != len(layers):
+            raise ValueError(
+                f"Expected `layer_weights` to have one weight per layer of `layers` ({len(layers)}), but got "
+                f"{len(layer_weights)}."
+            )
     return ContinualConfig(**values)

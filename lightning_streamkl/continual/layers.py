@@ -28,7 +28,7 @@ class LayerSelection:
     Attributes:
         root: the path of the snapshotted submodule (``""``: the whole LightningModule).
         pairs: one :class:`~lightning_streamkl.LayerPair` per layer (snapshot path relative to ``root``, model
-            path, weight ``1 / L``, name ``layer<i>`` or the path).
+            path, weight ``1 / L`` or the normalised ``layer_weights``, name ``layer<i>`` or the path).
         probe: a capture of the module that records only the selected layers (checks the first step).
 
     Example:
@@ -48,7 +48,7 @@ def resolve_layers(pl_module: LightningModule, config: ContinualConfig) -> Layer
 
     Raises:
         ValueError: no attention layer the capture adapters can find, an unknown layer or submodule (with the
-            closest names), or layers outside the snapshotted submodule.
+            closest names), layers outside the snapshotted submodule, or ``layer_weights`` of the wrong length.
 
     Example:
         >>> import lightning as L
@@ -61,6 +61,9 @@ def resolve_layers(pl_module: LightningModule, config: ContinualConfig) -> Layer
         >>> selection = resolve_layers(Model(), ContinualConfig(layers=[-1]))
         >>> selection.root, [(p.teacher, p.student, p.label) for p in selection.pairs]
         ('encoder', [('layers.1.self_attn', 'encoder.layers.1.self_attn', 'layer1')])
+        >>> weighted = resolve_layers(Model(), ContinualConfig(layer_weights=[1.0, 3.0]))
+        >>> [(p.label, p.weight) for p in weighted.pairs]
+        [('layer0', 0.25), ('layer1', 0.75)]
     """
     probe = build_capture(pl_module, config.capture)
     model = type(pl_module).__name__
@@ -75,20 +78,35 @@ def resolve_layers(pl_module: LightningModule, config: ContinualConfig) -> Layer
     if probe.kind != "recorder" and not names:
         raise ValueError(f"ContinualAttentionRegularizer: the {probe.kind!r} capture found no attention layer in "
                          f"{model}.")
-    selected = _select(probe, names, pl_module, config)
-    root = _find_root(pl_module, [path for _, path in selected], config.module)
+    selected = _weighted(_select(probe, names, pl_module, config), config.layer_weights, model)
+    root = _find_root(pl_module, [path for _, path, _ in selected], config.module)
     prefix = f"{root}." if root else ""
     pairs = []
-    for index, path in selected:
+    for index, path, weight in selected:
         if not path.startswith(prefix):
             raise ValueError(
                 f"ContinualAttentionRegularizer: the layer {path!r} is outside the snapshotted submodule {root!r}; set "
                 "`module` to a submodule that contains every selected layer."
             )
         label = f"layer{index}" if index is not None else path
-        pairs.append(LayerPair(teacher=path[len(prefix):], student=path, weight=1.0 / len(selected), name=label))
-    probe.select({path for _, path in selected})
+        pairs.append(LayerPair(teacher=path[len(prefix):], student=path, weight=weight, name=label))
+    probe.select({path for _, path, _ in selected})
     return LayerSelection(root, pairs, probe)
+
+
+def _weighted(selected: list[tuple[int | None, str]], weights: list[float] | None, model: str,
+              ) -> list[tuple[int | None, str, float]]:
+    """``(index, path, weight)`` of the layers to regularise: ``weights`` normalised to sum to 1, layers of
+    weight 0 left out; equal weights when ``weights`` is ``None``."""
+    if weights is None:
+        return [(index, path, 1.0 / len(selected)) for index, path in selected]
+    if len(weights) != len(selected):
+        raise ValueError(
+            f"Expected `layer_weights` to have one weight per regularised layer, but {model} has {len(selected)} "
+            f"({[path for _, path in selected]}) and got {len(weights)}."
+        )
+    total = sum(weights)
+    return [(index, path, w / total) for (index, path), w in zip(selected, weights) if w > 0]
 
 
 def _select(probe: AttentionCapture, names: list[str], pl_module: LightningModule, config: ContinualConfig,

@@ -37,7 +37,7 @@ from ..metrics import AttentionKLDivergence
 from ..options import signature_from_fields
 from .config import ContinualConfig, validate_continual_config
 from .layers import resolve_layers
-from .snapshots import Snapshot, frozen_copy, rebuild
+from .snapshots import Snapshot, Trimmer, frozen_copy, rebuild
 
 __all__ = ["ContinualAttentionRegularizer"]
 
@@ -158,6 +158,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
         self._pairs: list[LayerPair] = []
         self._attention: StreamKLConfig | None = None
         self._state: DistillationMetrics | None = None
+        self._trimmer = Trimmer(config.snapshot_trim, config.name)  # drops what a snapshot's first pass did not need
 
     @classmethod
     def from_config(cls, config: ContinualConfig | Mapping[str, Any] | str, *,
@@ -209,6 +210,11 @@ class ContinualAttentionRegularizer(LossTermCallback):
     def root(self) -> str:
         """The path of the submodule that is copied and run as the snapshot (``""``: the LightningModule)."""
         return self._root
+
+    def snapshot_memory(self) -> list[dict[str, Any]]:
+        """What each kept snapshot holds, oldest first (:meth:`~lightning_streamkl.continual.snapshots.Snapshot.memory`:
+        bytes per device, each storage once; the tensors dropped after its first pass, ``snapshot_trim``)."""
+        return [s.memory() for s in self._snapshots]
 
     @property
     def train_metric(self) -> AttentionKLDivergence | None:
@@ -340,7 +346,8 @@ class ContinualAttentionRegularizer(LossTermCallback):
         self._train_batches = int(state_dict.get("train_batches", 0))
         for snap in self._snapshots:
             snap.release()
-        self._snapshots = [Snapshot(task=int(s["task"]), pending=dict(s["state_dict"]))
+        self._snapshots = [Snapshot(task=int(s["task"]), pending=dict(s["state_dict"]),
+                                    trimmed=list(s["trimmed"]) if s.get("trimmed") else None)
                            for s in state_dict.get("snapshots", [])]
         self._restarting = True
         saved = state_dict.get("layers")
@@ -406,6 +413,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
         return list(reversed(weights[:count]))
 
     def _release(self, pl_module: LightningModule) -> None:
+        self._trimmer.close()
         self._unwrap_steps(pl_module)
         for snap in self._snapshots:
             if snap.distiller is not None:
@@ -430,6 +438,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             self._probing = stage == "train" and not self._probed
             return self._probing
         for snap in self._snapshots:
+            self._trimmer.watch(snap)
             self._distiller(snap, module).begin_step(batch)
         return True
 
@@ -452,6 +461,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
         if output is None and stage == "train":
             return output  # the user skipped this batch
         terms = [snap.distiller.end_step(batch) for snap in self._snapshots]  # type: ignore[union-attr]
+        self._trimmer.trim(self._snapshots)
         combined = weighted_sum(terms, self._alphas(len(terms)))
         if stage != "train":
             log_step(module, self._state, stage, combined, log_on_step=False, prog_bar=False)
@@ -478,6 +488,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             )
 
     def _step_cleanup(self) -> None:
+        self._trimmer.close()  # after a failed step, the next one watches again
         if self._probe is not None:
             self._probe.clear()
         self._probing = False

@@ -89,7 +89,12 @@ def test_no_penalty_in_the_first_task_then_a_frozen_snapshot_regularises_the_nex
         assert logged["total"] == pytest.approx((logged["layer0"] + logged["layer1"]) / 2, rel=1e-5, abs=1e-7)
     # the snapshot took no gradient and did not change; the module's step was restored
     assert all(p.grad is None for p in snap.parameters())
-    assert all(torch.equal(frozen[k], v) for k, v in snap.state_dict().items())
+    # its forward pass stopped at the last attention layer: what lies past it was dropped, the rest is unchanged
+    past = {"model.layers.1.post_attention_layernorm.weight", "model.layers.1.mlp.gate_proj.weight",
+            "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight",
+            "lm_head.weight"}
+    assert {k for k, v in snap.state_dict().items() if v.numel() == 0} == past
+    assert all(torch.equal(frozen[k], v) for k, v in snap.state_dict().items() if k not in past)
     assert any(not torch.equal(live[k], v) for k, v in student.model.state_dict().items())
     assert "training_step" not in student.__dict__
     assert reg.task == 2 and reg.snapshot_tasks == [1]  # keep=1: the newest only
@@ -98,7 +103,8 @@ def test_no_penalty_in_the_first_task_then_a_frozen_snapshot_regularises_the_nex
 
 def test_the_added_term_is_the_mean_layer_kl_against_the_snapshot():
     student = make_student(lr=0.0, optimizer="sgd")  # lr 0: the weights seen at each step are known
-    reg = ContinualAttentionRegularizer(weight=0.5, temperature=1.0)
+    # snapshot_trim=False: the check below runs the whole snapshot by hand, head included
+    reg = ContinualAttentionRegularizer(weight=0.5, temperature=1.0, snapshot_trim=False)
     snap = reg.snapshot(student)  # an explicit boundary before any fit (e.g. a pretrained model)
     with torch.no_grad():
         for p in student.model.model.layers[0].self_attn.q_proj.parameters():

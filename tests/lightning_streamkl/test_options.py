@@ -93,6 +93,8 @@ def test_every_field_goes_through_the_validator(cls, validate):
             raw.update(keep=2, snapshot_weights=[0.5, 0.5])
         elif f.name == "layers":
             raw[f.name] = [0, -1]
+        elif f.name == "layer_weights":
+            raw[f.name] = [1.0, 0.5]  # one per layer of `layers`
         elif f.name == "module":
             raw[f.name] = "model"
         elif f.name != "keep":
