@@ -2,10 +2,12 @@ r"""
 Layer-pair loss
 ^^^^^^^^^^^^^^^
 
-Assemble the distillation loss from captured ``(q, k)``: resolve each :class:`~lightning_streamkl.LayerPair`
-against the teacher's and the student's captures, map heads, decide causality and masks, call
-:func:`streamkl.attention_kl` per pair and return the weighted sum together with per-pair sums and row counts
-(what the metric accumulates). Also the helpers for common pairings.
+Assemble the distillation loss from captured ``(q, k)`` (and ``v``): resolve each
+:class:`~lightning_streamkl.LayerPair` against the teacher's and the student's captures, map heads, decide causality
+and masks, call :func:`streamkl.attention_kl` per pair and relation (the attention distributions ``"qk"``, or
+MiniLM-v2's self-attention relations ``"qq"``, ``"kk"``, ``"vv"`` after re-splitting the heads into relation heads)
+and return the weighted sum together with per-term sums and row counts (what the metric accumulates). Also the
+helpers for common pairings.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from .config import LayerPair, StreamKLConfig, validate_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "last_to_last", "uniform_pairs", "weighted_sum"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "last_to_last", "relation_heads_split",
+           "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -97,15 +100,42 @@ def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, devi
     return valid.sum().to(torch.float32) * heads
 
 
+def relation_heads_split(x: torch.Tensor, heads: int, *, what: str = "x") -> torch.Tensor:
+    """MiniLM-v2's re-split: the heads of ``x [B, H, N, D]`` concatenated (``[B, N, H·D]``, as the layer's output
+    projection sees them) and split again into ``heads`` relation heads, ``[B, heads, N, H·D / heads]``.
+
+    Raises:
+        ValueError: ``H·D`` is not a multiple of ``heads`` (``what`` names the tensor in the message).
+
+    Example:
+        >>> x = torch.arange(2 * 3 * 4.0).view(1, 2, 3, 4)     # 2 heads of size 4, 3 tokens
+        >>> relation_heads_split(x, 4).shape                   # 4 relation heads of size 2
+        torch.Size([1, 4, 3, 2])
+        >>> relation_heads_split(x, 4)[0, 2, 0].tolist()       # token 0, the first half of head 1
+        [12.0, 13.0]
+        >>> relation_heads_split(x, 3, what="teacher keys")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected the number of relation heads to divide the teacher keys' concatenated heads (2 heads × 4 = 8), but got 3.
+    """
+    b, h, n, d = x.shape
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or (h * d) % heads:
+        raise ValueError(f"Expected the number of relation heads to divide the {what}' concatenated heads ({h} heads "
+                         f"× {d} = {h * d}), but got {heads}.")
+    return x.transpose(1, 2).reshape(b, n, heads, h * d // heads).transpose(1, 2)
+
+
 @dataclass
 class LossOutput:
     """What :class:`AttentionDistillationLoss` returns for one batch.
 
     Attributes:
         total: ``Σ_p weight_p · KL_p`` (differentiable; before the config's global ``weight`` and warm-up).
-        per_pair: ``{pair name: KL_p}``, the mean KL over counted rows of each pair (differentiable).
-        kl_sums: ``[P]`` float32, the per-pair KL summed over counted rows (detached), for the metric.
-        rows: ``[P]`` float32, the per-pair counted rows (for the metric).
+        per_pair: ``{term name: KL_p}``, the mean KL over counted rows of each term (differentiable). A term is
+            a pair, or ``<pair>/<relation>`` for a pair that compares relations (see
+            :attr:`AttentionDistillationLoss.pair_names`).
+        kl_sums: ``[P]`` float32, the per-term KL summed over counted rows (detached), for the metric.
+        rows: ``[P]`` float32, the per-term counted rows (for the metric).
 
     Example:
         >>> out = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([2.0]), torch.tensor([4.0]))
@@ -124,6 +154,15 @@ class _ResolvedPair:
     pair: LayerPair
     teacher: str
     student: str
+
+
+def _relations(pair: LayerPair, config: StreamKLConfig) -> list[str]:
+    return list(pair.relations if pair.relations is not None else config.relations)
+
+
+def _term_names(pair: LayerPair, config: StreamKLConfig) -> list[str]:
+    relations = _relations(pair, config)
+    return [pair.label] if relations == ["qk"] else [f"{pair.label}/{r}" for r in relations]
 
 
 class AttentionDistillationLoss:
@@ -148,10 +187,23 @@ class AttentionDistillationLoss:
 
     def __init__(self, config: StreamKLConfig | Mapping[str, object]) -> None:
         self.config = validate_config(config)
-        self.pair_names = [p.label for p in self.config.pairs]
-        self.weights = [p.weight for p in self.config.pairs]
+        #: The names of the terms (what is logged): a pair's ``label``, or ``<label>/<relation>`` for each relation
+        #: of a pair that compares relations.
+        self.pair_names = [name for p in self.config.pairs for name in _term_names(p, self.config)]
+        #: Each term's weight (its pair's ``weight``).
+        self.weights = [p.weight for p in self.config.pairs for _ in _term_names(p, self.config)]
         self._resolved: list[_ResolvedPair] | None = None
         self._warned: set[str] = set()
+
+    @property
+    def needs_values(self) -> bool:
+        """True when a pair compares the value relation ``"vv"`` (the captures must record values).
+
+        Example:
+            >>> AttentionDistillationLoss({"pairs": [[0, 0]], "relations": ["qq", "vv"]}).needs_values
+            True
+        """
+        return any("vv" in _relations(p, self.config) for p in self.config.pairs)
 
     def resolve(self, teacher: AttentionCapture, student: AttentionCapture) -> list[tuple[str, str]]:
         """Map every pair's layer references to module paths, and make the captures record only those.
@@ -191,7 +243,9 @@ class AttentionDistillationLoss:
         Raises:
             RuntimeError: a paired layer was not recorded during the forward pass (the message lists what was).
             ValueError: paired layers whose batch size or sequence lengths differ, or whose head counts differ
-                under ``head_map="error"`` (or are not multiples of each other), or whose causality disagrees.
+                under ``head_map="error"`` (or are not multiples of each other), or whose causality disagrees; a
+                relation whose heads do not split into the relation heads, or a ``"vv"`` relation on a record
+                without values.
         """
         if self._resolved is None:
             self._resolved = [_ResolvedPair(p, p.teacher, p.student) for p in self.config.pairs]
@@ -201,19 +255,21 @@ class AttentionDistillationLoss:
         for r in self._resolved:
             t = _lookup(teacher_records, r.teacher, "teacher", r.pair.label)
             s = _lookup(student_records, r.student, "student", r.pair.label)
-            kl_sum, n = self._pair_term(r, t, s, key_padding_mask, query_mask)
-            mean = kl_sum / n.clamp_min(1.0)
-            per_pair[r.pair.label] = mean
-            sums.append(kl_sum.detach().float())
-            rows.append(n)
-            term = mean * r.pair.weight
-            total = term if total is None else total + term
+            names = _term_names(r.pair, self.config)
+            for name, relation in zip(names, _relations(r.pair, self.config)):
+                kl_sum, n = self._pair_term(r, t, s, key_padding_mask, query_mask, relation)
+                mean = kl_sum / n.clamp_min(1.0)
+                per_pair[name] = mean
+                sums.append(kl_sum.detach().float())
+                rows.append(n)
+                term = mean * r.pair.weight
+                total = term if total is None else total + term
         assert total is not None
         return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))
 
     # ------------------------------------------------------------------------------------------ one pair
     def _pair_term(self, r: _ResolvedPair, t: CapturedAttention, s: CapturedAttention,
-                   key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None,
+                   key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None, relation: str = "qk",
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, pair = self.config, r.pair
         label = f"pair {pair.label!r} (teacher {r.teacher!r}, student {r.student!r})"
@@ -235,7 +291,11 @@ class AttentionDistillationLoss:
                 f"k {tuple(k_t.shape)} vs student q {tuple(q_s.shape)}, k {tuple(k_s.shape)} ([B, H, N, D]); "
                 "both models must see the same batch and sequence lengths (same tokenizer)."
             )
-        if h_t != h_s:
+        scale_t, scale_s = t.scale, s.scale
+        if relation != "qk":
+            q_t, k_t, q_s, k_s = self._relation_inputs(pair, label, relation, t, s, q_t, k_t, q_s, k_s)
+            scale_t = scale_s = None  # 1 / sqrt(d_r) of each side's relation heads
+        elif h_t != h_s:
             q_t, q_s = self._map_heads(pair, label, q_t, q_s)
 
         causal = pair.causal if pair.causal is not None else cfg.causal
@@ -272,7 +332,7 @@ class AttentionDistillationLoss:
         # the op computes in fp32 itself; autocast must not downcast its internal products
         with torch.autocast(device_type=device.type, enabled=False):
             kl_sum = attention_kl(
-                q_t, k_t, q_s, k_s, causal=bool(causal), scale_t=t.scale, scale_s=s.scale,
+                q_t, k_t, q_s, k_s, causal=bool(causal), scale_t=scale_t, scale_s=scale_s,
                 temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
                 direction=pair.direction or cfg.direction, reduction="sum",
                 key_padding_mask=kpm, query_mask=qm, backend=cfg.backend,
@@ -280,6 +340,47 @@ class AttentionDistillationLoss:
         n = count_rows(b_t, q_t.shape[1], n_qt, n_k, causal=bool(causal), device=device,
                        key_padding_mask=kpm, query_mask=qm)
         return kl_sum, n
+
+    def _relation_inputs(self, pair: LayerPair, label: str, relation: str, t: CapturedAttention,
+                         s: CapturedAttention, q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
+                         k_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, x_t, x_s, x_s)``: one side's queries, keys or values re-split into the relation heads, as both
+        the queries and the keys of its relation ``softmax(x xᵀ / sqrt(d_r))``."""
+        if q_t.shape[2] != k_t.shape[2]:
+            raise ValueError(
+                f"StreamKL {label}: the relation {relation!r} compares a layer's tokens with themselves, so it needs "
+                f"self-attention (as many queries as keys), but the layers have N_q={q_t.shape[2]} and "
+                f"N_k={k_t.shape[2]}; use relations=['qk'] for this pair."
+            )
+        heads = pair.relation_heads or self.config.relation_heads or q_s.shape[1]
+        if relation == "qq":
+            x_t, x_s = q_t, q_s
+        elif relation == "kk":
+            x_t, x_s = k_t, k_s
+        else:
+            for rec, side in ((t, "teacher"), (s, "student")):
+                if getattr(rec, "v", None) is None:
+                    raise ValueError(
+                        f"StreamKL {label}: the value relation 'vv' needs the {side} layer's values, but its record "
+                        "holds none. The Hugging Face capture records them only with capture_values=True, the "
+                        "nn.MultiheadAttention capture with capture_values=True (build_capture(..., "
+                        "capture_values=True)), and a custom attention passes them with record(self, q, k, v=v); "
+                        "or drop 'vv' from the pair's relations."
+                    )
+            x_t, x_s = t.v.to(q_s.device, non_blocking=True), s.v  # type: ignore[union-attr]
+            if x_t.dim() != 4 or x_s.dim() != 4 or x_t.shape[2] != q_t.shape[2] or x_s.shape[2] != q_s.shape[2]:
+                raise ValueError(
+                    f"StreamKL {label}: expected 4-d [B, H, N, D] values with the layers' N={q_t.shape[2]} tokens, "
+                    f"but got teacher v {tuple(x_t.shape)} and student v {tuple(x_s.shape)}."
+                )
+        what = {"qq": "queries", "kk": "keys", "vv": "values"}[relation]
+        try:
+            x_t = relation_heads_split(x_t, heads, what=f"teacher {what}")
+            x_s = relation_heads_split(x_s, heads, what=f"student {what}")
+        except ValueError as err:
+            raise ValueError(f"StreamKL {label}, relation {relation!r}: {err} Set `relation_heads` (of the pair or "
+                             "the config) to a common divisor.") from None
+        return x_t, x_t, x_s, x_s
 
     def _map_heads(self, pair: LayerPair, label: str, q_t: torch.Tensor, q_s: torch.Tensor,
                    ) -> tuple[torch.Tensor, torch.Tensor]:

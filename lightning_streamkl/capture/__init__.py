@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 
-def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.Module] = ()) -> AttentionCapture:
+def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.Module] = (),
+                  capture_values: bool = False) -> AttentionCapture:
     """Make the capture adapter for ``model``.
 
     Args:
@@ -41,6 +42,8 @@ def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.
             ``PreTrainedModel`` with attention-interface layers, else ``"mha"`` when it contains an
             ``nn.MultiheadAttention``, else ``"recorder"``. Every adapter also accepts :func:`record` calls.
         exclude: submodules to ignore.
+        capture_values: also record the values (MiniLM-v2's ``"vv"`` relation): the ``"mha"`` adapter then
+            projects them; :func:`record` calls pass them themselves (``v=``).
 
     Example:
         >>> from torch import nn
@@ -57,5 +60,5 @@ def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.
         if kind == "hf" or capture.layer_names():
             return capture
     if kind == "mha" or (kind == "auto" and any(isinstance(m, nn.MultiheadAttention) for m in model.modules())):
-        return MultiheadAttentionCapture(model, exclude=exclude)
+        return MultiheadAttentionCapture(model, exclude=exclude, capture_values=capture_values)
     return RecorderCapture(model, exclude=exclude)

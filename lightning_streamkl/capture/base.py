@@ -45,6 +45,8 @@ class CapturedAttention:
             from ``q`` and ``k`` differs from the one between the layer's own probabilities.
         note: why ``exact`` is False.
         layer_idx: the layer's ``layer_idx`` when the module has one (Hugging Face attention modules).
+        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition) when the capture records them (needed by the
+            ``"vv"`` relation); ``None`` otherwise.
 
     Example:
         >>> record = CapturedAttention(torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), causal=True)
@@ -60,6 +62,7 @@ class CapturedAttention:
     exact: bool = True
     note: str | None = None
     layer_idx: int | None = None
+    v: torch.Tensor | None = None
 
 
 def is_recording() -> bool:
@@ -203,14 +206,16 @@ class AttentionCapture(ABC):
         exact: bool = True,
         note: str | None = None,
         layer_idx: int | None = None,
+        v: torch.Tensor | None = None,
     ) -> None:
-        """Store the ``(q, k)`` of layer ``name`` (ignored when the layer is not selected).
+        """Store the ``(q, k)`` (and values ``v``, when given) of layer ``name`` (ignored when the layer is not
+        selected).
 
         A layer that runs twice in one recording (a module reused across depths) keeps its last call.
         """
         if self.selected is not None and name not in self.selected:
             return
-        self.records[name] = CapturedAttention(q, k, scale, causal, key_padding_mask, exact, note, layer_idx)
+        self.records[name] = CapturedAttention(q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v=v)
 
     @property
     def is_recording(self) -> bool:

@@ -40,7 +40,13 @@ class MultiheadAttentionCapture(AttentionCapture):
     ``1/sqrt(D)``), the call's ``key_padding_mask`` converted to True = real key, and ``causal`` from
     ``is_causal=True`` or an ``attn_mask`` equal to the causal mask. Any other ``attn_mask`` is recorded as
     inexact (it is not applied by ``attention_kl``). Layers with ``add_bias_kv`` or ``add_zero_attn`` are
-    rejected.
+    rejected. With ``capture_values=True`` the record also holds the values ``v [B, H, N_k, D]`` (a third
+    ``linear``), which MiniLM-v2's value relation (``"vv"``) needs.
+
+    Args:
+        model: the model whose ``nn.MultiheadAttention`` layers are captured.
+        exclude: submodules to ignore.
+        capture_values: also record the value projections. Default: ``False``.
 
     Example:
         >>> import torch
@@ -59,9 +65,10 @@ class MultiheadAttentionCapture(AttentionCapture):
 
     kind = "mha"
 
-    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> None:
+    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = (), capture_values: bool = False) -> None:
         super().__init__(model, exclude=exclude)
         self._handles: list[Any] = []
+        self.capture_values = bool(capture_values)
 
     def find_layers(self) -> list[str]:
         """Module paths of the ``nn.MultiheadAttention`` modules."""
@@ -93,22 +100,24 @@ class MultiheadAttentionCapture(AttentionCapture):
         return hook
 
     def _record_call(self, name: str, m: nn.MultiheadAttention, call: dict[str, Any]) -> None:
-        query, key = call["query"], call["key"]
+        query, key, value = call["query"], call["key"], call["value"]
         unbatched = query.dim() == 2
         if unbatched:
-            query, key = query.unsqueeze(1), key.unsqueeze(1)  # (N, E) -> (N, 1, E)
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)  # (N, E) -> (N, 1, E)
         elif m.batch_first:
-            query, key = query.transpose(0, 1), key.transpose(0, 1)  # -> (N, B, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # -> (N, B, E)
         if m._qkv_same_embed_dim:
-            w_q, w_k, _ = m.in_proj_weight.chunk(3)
+            w_q, w_k, w_v = m.in_proj_weight.chunk(3)
         else:
-            w_q, w_k = m.q_proj_weight, m.k_proj_weight
-        b_q = b_k = None
+            w_q, w_k, w_v = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+        b_q = b_k = b_v = None
         if m.in_proj_bias is not None:
-            b_q, b_k, _ = m.in_proj_bias.chunk(3)
+            b_q, b_k, b_v = m.in_proj_bias.chunk(3)
         n_q, batch, n_k, heads = query.shape[0], query.shape[1], key.shape[0], m.num_heads
         q = F.linear(query, w_q, b_q).view(n_q, batch, heads, m.head_dim).permute(1, 2, 0, 3)
         k = F.linear(key, w_k, b_k).view(n_k, batch, heads, m.head_dim).permute(1, 2, 0, 3)
+        v = F.linear(value, w_v, b_v).view(n_k, batch, heads, m.head_dim).permute(1, 2, 0, 3) \
+            if self.capture_values else None
 
         notes = []
         kpm = call.get("key_padding_mask")
@@ -128,4 +137,4 @@ class MultiheadAttentionCapture(AttentionCapture):
             if not causal:
                 notes.append("an attn_mask that is not the causal mask")
         self.record(name, q, k, scale=None, causal=causal, key_padding_mask=kpm, exact=not notes,
-                    note=f"nn.MultiheadAttention call with {' and '.join(notes)}" if notes else None)
+                    note=f"nn.MultiheadAttention call with {' and '.join(notes)}" if notes else None, v=v)

@@ -24,8 +24,10 @@ def record(
     scale: float | None = None,
     causal: bool | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> None:
-    """Hand the queries and keys of one attention call to the captures that are recording.
+    """Hand the queries and keys (and, for the ``"vv"`` relation, the values) of one attention call to the captures
+    that are recording.
 
     Call it from a custom attention module's ``forward``; outside a recording block it does nothing.
 
@@ -37,6 +39,8 @@ def record(
         scale: the score scale; ``None`` means ``1 / sqrt(D)``.
         causal: whether the layer masks future keys; ``None`` leaves it to the distillation config.
         key_padding_mask: ``[B, N_k]`` bool, True for real keys; ``None`` uses the batch's padding mask.
+        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition), for MiniLM-v2's value relation (``"vv"``);
+            ``None`` when no pair needs them.
 
     Example:
         >>> import torch
@@ -63,7 +67,7 @@ def record(
                 continue
         else:
             name = str(layer)
-        capture.record(name, q, k, scale=scale, causal=causal, key_padding_mask=key_padding_mask)
+        capture.record(name, q, k, scale=scale, causal=causal, key_padding_mask=key_padding_mask, v=v)
 
 
 class RecorderCapture(AttentionCapture):

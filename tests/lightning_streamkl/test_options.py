@@ -95,6 +95,8 @@ def test_every_field_goes_through_the_validator(cls, validate):
             raw[f.name] = [0, -1]
         elif f.name == "module":
             raw[f.name] = "model"
+        elif f.name == "relations":
+            raw[f.name] = ["qq", "kk", "vv"]
         elif f.name != "keep":
             raw[f.name] = _other_value(check, default)
     cfg = validate(raw)
