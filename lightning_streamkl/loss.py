@@ -116,7 +116,8 @@ def relation_heads_split(x: torch.Tensor, heads: int, *, what: str = "x") -> tor
         >>> relation_heads_split(x, 3, what="teacher keys")
         Traceback (most recent call last):
         ...
-        ValueError: Expected the number of relation heads to divide the teacher keys' concatenated heads (2 heads × 4 = 8), but got 3.
+        ValueError: Expected the number of relation heads to divide the teacher keys' concatenated heads (2 heads × 4 \
+= 8), but got 3.
     """
     b, h, n, d = x.shape
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or (h * d) % heads:

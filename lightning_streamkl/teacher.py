@@ -379,7 +379,8 @@ def find_adapter_module(student: nn.Module, path: str | None = None) -> str:
         >>> find_adapter_module(nn.Linear(1, 1))
         Traceback (most recent call last):
         ...
-        ValueError: AdaptersOff: no submodule of Linear can switch its adapters off (PEFT's `disable_adapter()`, or `disable_adapters()`/`enable_adapters()`); wrap the model with peft.get_peft_model(...) first.
+        ValueError: AdaptersOff: no submodule of Linear can switch its adapters off (PEFT's `disable_adapter()`, or \
+`disable_adapters()`/`enable_adapters()`); wrap the model with peft.get_peft_model(...) first.
     """
     if path is not None:
         try:

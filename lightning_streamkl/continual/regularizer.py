@@ -263,7 +263,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             ValueError: ``reference="adapters_off"`` (nothing to copy).
         """
         if self._base is not None:
-            raise ValueError("reference='adapters_off' regularises toward the model with its adapters off: no snapshots.")
+            raise ValueError("reference='adapters_off' regularises toward the model with adapters off: no snapshot.")
         if is_recording():
             raise RuntimeError(
                 "ContinualAttentionRegularizer.snapshot() was called while attention is being captured (inside a "
