@@ -28,8 +28,8 @@ from .loss import AttentionDistillationLoss, LossOutput
 from .metrics import AttentionKLDivergence
 from .teacher import AdaptersOff, FrozenTeacher, InputRecorder, SelfTeacher, find_copy, stop_after, to_device
 
-__all__ = ["AttentionDistiller", "DistillationMetrics", "DistillationStep", "default_teacher_forward",
-           "padding_mask_from_batch"]
+__all__ = ["AttentionDistiller", "DistillationMetrics", "DistillationStep", "default_student_forward",
+           "default_teacher_forward", "padding_mask_from_batch"]
 
 TeacherForward = Callable[[nn.Module, Any], Any]
 
@@ -47,18 +47,36 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
         >>> tuple(out.shape)
         (4, 2)
     """
+    return _forward(teacher, batch, labels=False)
+
+
+def default_student_forward(student: nn.Module, batch: Any) -> Any:
+    """Run the student on a batch for ``distiller(batch)``: as :func:`default_teacher_forward`, except that a
+    mapping's ``labels`` are passed too (a Hugging Face model then returns its loss) and ``use_cache`` is not set.
+
+    Example:
+        >>> class LM(nn.Module):
+        ...     def forward(self, input_ids, labels=None):
+        ...         return {"loss": None if labels is None else (input_ids - labels).abs().sum()}
+        >>> default_student_forward(LM(), {"input_ids": torch.ones(2), "labels": torch.zeros(2), "other": 1})
+        {'loss': tensor(2.)}
+    """
+    return _forward(student, batch, labels=True)
+
+
+def _forward(model: nn.Module, batch: Any, *, labels: bool) -> Any:
     if isinstance(batch, Mapping):
-        params = inspect.signature(teacher.forward).parameters
+        params = inspect.signature(model.forward).parameters
         named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        kwargs = {k: v for k, v in batch.items() if k in named and k != "labels"}
+        kwargs = {k: v for k, v in batch.items() if k in named and (labels or k != "labels")}
         if not kwargs:
-            return teacher(batch)
-        if "use_cache" in named and "use_cache" not in kwargs:
+            return model(batch)
+        if not labels and "use_cache" in named and "use_cache" not in kwargs:
             kwargs["use_cache"] = False
-        return teacher(**kwargs)
+        return model(**kwargs)
     if isinstance(batch, (tuple, list)):
-        return teacher(batch[0])
-    return teacher(batch)
+        return model(batch[0])
+    return model(batch)
 
 
 def padding_mask_from_batch(batch: Any, key: str | None) -> torch.Tensor | None:
@@ -144,7 +162,7 @@ class AttentionDistiller:
         teacher_forward: ``fn(teacher, batch)`` that runs the teacher on a batch; default
             :func:`default_teacher_forward`. Giving one turns ``teacher_inputs="auto"`` into ``"batch"``.
         student_forward: ``fn(student, batch)`` that ``distiller(batch)`` runs the student with; default
-            :func:`default_teacher_forward` (mapping batches keep ``labels``, so a Hugging Face model returns its
+            :func:`default_student_forward` (mapping batches keep ``labels``, so a Hugging Face model returns its
             loss).
         padding_mask: ``fn(batch) -> [B, N] bool mask or None``; default: ``batch[config.mask_key]``.
         offload: keep the teacher in host memory and borrow device copies of its weights for each pass.
@@ -207,7 +225,7 @@ class AttentionDistiller:
                                          from_pretrained=config.teacher_from_pretrained, offload=offload)
         self.custom_forward = teacher_forward is not None
         self.teacher_forward = teacher_forward or default_teacher_forward
-        self.student_forward = student_forward or default_teacher_forward
+        self.student_forward = student_forward or default_student_forward
         #: Calls of :meth:`__call__` and :meth:`distilling` so far (the warm-up step when none is given).
         self.steps = 0
         #: The student's output of the last ``distiller(batch)`` call.

@@ -1,5 +1,5 @@
-"""The three documented ways in (callback, mixin, LightningCLI YAML) run as shipped, and the code shown in the
-README and docs/guides/lightning.md is the code of those example files."""
+"""The documented ways in (callback, mixin, LightningCLI YAML; outside the Trainer: plain PyTorch, Fabric, a Hugging
+Face Trainer) run as shipped, and the code shown in the README and the guides is the code of those example files."""
 
 from __future__ import annotations
 
@@ -41,6 +41,28 @@ def test_mixin_example():
 
     metrics = lightning_mixin.main(max_steps=6, limit_train_batches=3, limit_val_batches=1, **QUIET)
     assert {"train/attn_kl/first", "val/attn_kl/first", "train/task_loss"} <= set(metrics)
+
+
+def test_plain_pytorch_example():
+    import plain_pytorch
+
+    out = plain_pytorch.main(max_steps=12)
+    assert out["steps"] == 12 and out["attn_kl_last"] < out["attn_kl_first"]  # the student's attention moved
+
+
+def test_fabric_example():
+    import fabric_loop
+
+    out = fabric_loop.main(max_steps=12)
+    assert out["weight"] == 5.0 and out["attn_kl_last"] < out["attn_kl_first"]  # the warm-up ended at step 10
+
+
+def test_hf_trainer_example(tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    import hf_trainer
+
+    out = hf_trainer.main(max_steps=12, output_dir=str(tmp_path))
+    assert out["steps"] == 12 and out["attn_kl_last"] < out["attn_kl_first"]
 
 
 def test_lightning_cli_yaml(tmp_path):
