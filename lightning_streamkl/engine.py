@@ -38,7 +38,8 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
     """Run ``teacher`` on a batch the way most training steps run their model.
 
     - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``
-      (``use_cache=False`` is added when the forward takes it); when it names none of them, ``teacher(batch)``;
+      (``use_cache=False`` is added when the forward takes it); when it names none of them, every key but
+      ``labels`` if it takes ``**kwargs`` (a wrapper such as PEFT's ``PeftModel``), else ``teacher(batch)``;
     - a tuple or list: ``teacher(batch[0])`` (the ``(inputs, targets)`` convention);
     - anything else: ``teacher(batch)``.
 
@@ -69,6 +70,8 @@ def _forward(model: nn.Module, batch: Any, *, labels: bool) -> Any:
         params = inspect.signature(model.forward).parameters
         named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         kwargs = {k: v for k, v in batch.items() if k in named and (labels or k != "labels")}
+        if not kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values()):  # forward(*args, **kwargs): a wrapper
+            kwargs = {k: v for k, v in batch.items() if labels or k != "labels"}
         if not kwargs:
             return model(batch)
         if not labels and "use_cache" in named and "use_cache" not in kwargs:

@@ -361,6 +361,8 @@ class AdaptersOff:
 def _switchable(module: nn.Module) -> bool:
     if callable(getattr(module, "disable_adapter", None)):
         return True
+    if not getattr(module, "_hf_peft_config_loaded", True):  # a transformers model has the methods, maybe no adapter
+        return False
     return callable(getattr(module, "disable_adapters", None)) and callable(getattr(module, "enable_adapters", None))
 
 
