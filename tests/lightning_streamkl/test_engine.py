@@ -54,11 +54,11 @@ def test_the_teacher_stops_after_the_deepest_paired_layer(pair):
     student = make_student(seed=1)
     values = {}
     for early_exit in (True, False):
-        rec = Recorder("train/attn_kl/total")
+        rec = Recorder("train/attn_kl/total_step")
         cb = StreamKLDistillation(teacher, pairs=[pair], teacher_early_exit=early_exit)
         calls.update(dict.fromkeys(calls, 0))
         trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(copy.deepcopy(student), loader(8, 4))
-        values[early_exit] = rec.values["train/attn_kl/total"]
+        values[early_exit] = rec.values["train/attn_kl/total_step"]
         if early_exit:
             assert calls[f"model.layers.{pair['teacher']}"] == 2  # the paired layer ran, once per step
             assert all(calls[name] == 0 for name in ["lm_head", "model.norm", *later]), calls
@@ -71,10 +71,10 @@ def test_a_teacher_by_name_takes_from_pretrained_options(tmp_path):
     make_teacher().save_pretrained(tmp_path / "teacher")
     cb = StreamKLDistillation(str(tmp_path / "teacher"), pairs=[LAST],
                               teacher_from_pretrained={"dtype": "bfloat16", "attn_implementation": "eager"})
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))
     assert {p.dtype for p in cb.teacher.parameters()} == {torch.bfloat16}  # kept: teacher_dtype="auto"
-    assert cb.teacher.config._attn_implementation == "eager" and rec.values["train/attn_kl/last"][0] > 0
+    assert cb.teacher.config._attn_implementation == "eager" and rec.values["train/attn_kl/last_step"][0] > 0
 
 
 class EmbeddedLM(CausalLM):
@@ -98,15 +98,15 @@ def test_a_teacher_that_is_a_copy_of_the_student_gets_its_inputs(teacher_inputs)
     (``teacher_inputs``, detected with "auto"), not the batch: at lr = 0 the KL is 0."""
     student = EmbeddedLM()
     teacher = copy.deepcopy(student.model.model)
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     cb = StreamKLDistillation(teacher, pairs=[LAST], teacher_inputs=teacher_inputs)
     trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(student, loader(8, 4))
     assert cb.distiller.inputs_from == "model.model"
-    assert max(rec.values["train/attn_kl/last"]) <= 1e-6
+    assert max(rec.values["train/attn_kl/last_step"]) <= 1e-6
     fed_the_batch = StreamKLDistillation(teacher, pairs=[LAST], teacher_inputs="batch")
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     trainer(max_steps=1, callbacks=[fed_the_batch, rec], log_every_n_steps=1).fit(EmbeddedLM(), loader(4, 4))
-    assert rec.values["train/attn_kl/last"][0] > 1e-3  # what the batch gives the teacher is not what the student saw
+    assert rec.values["train/attn_kl/last_step"][0] > 1e-3  # what the batch gives the teacher is not what the student saw
 
 
 def test_a_teacher_fed_a_submodule_that_did_not_run_fails_clearly():
@@ -125,7 +125,7 @@ class HeadlessLM(CausalLM):
 
 
 def test_default_pair_names_are_short_in_the_logs():
-    rec = Recorder("train/attn_kl/t1_s1", "train/attn_kl/t0_s0")
+    rec = Recorder("train/attn_kl/t1_s1_step", "train/attn_kl/t0_s0_step")
     cb = StreamKLDistillation(make_teacher(), pairs=[["model.layers.1.self_attn", "model.model.layers.1.self_attn"],
                                                      ["model.layers.0.self_attn", 0]])
     trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))

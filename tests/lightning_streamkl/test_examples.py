@@ -29,18 +29,19 @@ def test_callback_example():
     import lightning_callback
 
     metrics = lightning_callback.main(max_steps=6, limit_train_batches=3, limit_val_batches=1, **QUIET)
-    assert {"train/attn_kl/first", "train/attn_kl/last", "train/attn_kl/total", "val/attn_kl/first",
-            "val/attn_kl/total", "train/task_loss"} <= set(metrics)
+    assert {"train/attn_kl/first_step", "train/attn_kl/first_epoch", "train/attn_kl/last_epoch",
+            "train/attn_kl/total_epoch", "val/attn_kl/first", "val/attn_kl/total", "train/task_loss"} <= set(metrics)
     # both pairs have weight 1: the logged total is their sum, at every stage
-    assert metrics["train/attn_kl/total"] == pytest.approx(metrics["train/attn_kl/first"] + metrics["train/attn_kl/last"])
-    assert metrics["val/attn_kl/total"] == pytest.approx(metrics["val/attn_kl/first"] + metrics["val/attn_kl/last"])
+    for key in ("train/attn_kl/{}_step", "train/attn_kl/{}_epoch", "val/attn_kl/{}"):
+        total, first, last = (metrics[key.format(p)] for p in ("total", "first", "last"))
+        assert total == pytest.approx(first + last)
 
 
 def test_mixin_example():
     import lightning_mixin
 
     metrics = lightning_mixin.main(max_steps=6, limit_train_batches=3, limit_val_batches=1, **QUIET)
-    assert {"train/attn_kl/first", "val/attn_kl/first", "train/task_loss"} <= set(metrics)
+    assert {"train/attn_kl/first_step", "train/attn_kl/first_epoch", "val/attn_kl/first", "train/task_loss"} <= set(metrics)
 
 
 def test_plain_pytorch_example():
@@ -76,7 +77,7 @@ def test_lightning_cli_yaml(tmp_path):
     assert callback.config.weight == 5.0 and [p.label for p in callback.config.pairs] == ["first", "last"]
     assert callback.config.pairs[1].weight == 0.5
     assert type(callback.teacher).__name__ == "LlamaForCausalLM" and not callback.teacher.training
-    assert {"train/attn_kl/first", "train/attn_kl/last", "val/attn_kl/total"} <= set(cli.trainer.callback_metrics)
+    assert {"train/attn_kl/first_step", "train/attn_kl/last_epoch", "val/attn_kl/total"} <= set(cli.trainer.callback_metrics)
     assert (tmp_path / "config.yaml").exists()  # the CLI saved the resolved config, callback included
 
 
