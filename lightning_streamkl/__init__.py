@@ -14,12 +14,14 @@ from .callback import StreamKLDistillation
 from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCapture, RecorderCapture, record
 from .config import AttentionKLOptions, LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
 from .continual import ContinualAttentionRegularizer, ContinualConfig
-from .engine import AttentionDistiller, DistillationMetrics
-from .loss import AttentionDistillationLoss, last_to_last, uniform_pairs
+from .engine import AttentionDistiller, DistillationMetrics, DistillationStep
+from .loss import AttentionDistillationLoss, explicit_pairs, last_k_pairs, last_to_last, layer_count, uniform_pairs
 from .metrics import AttentionKLDivergence
 from .mixin import AttentionDistillationMixin
+from .teacher import AdaptersOff
 
 __all__ = [
+    "AdaptersOff",
     "AttentionCapture",
     "AttentionDistillationLoss",
     "AttentionDistillationMixin",
@@ -29,13 +31,17 @@ __all__ = [
     "ContinualAttentionRegularizer",
     "ContinualConfig",
     "DistillationMetrics",
+    "DistillationStep",
     "HFAttentionCapture",
     "LayerPair",
     "MultiheadAttentionCapture",
     "RecorderCapture",
     "StreamKLConfig",
     "StreamKLDistillation",
+    "explicit_pairs",
+    "last_k_pairs",
     "last_to_last",
+    "layer_count",
     "load_config",
     "record",
     "to_yaml",

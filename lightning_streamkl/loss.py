@@ -18,16 +18,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from streamkl import attention_kl
 
+from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
 from .config import LayerPair, StreamKLConfig, validate_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "last_to_last", "relation_heads_split",
-           "uniform_pairs", "weighted_sum"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "explicit_pairs", "last_k_pairs", "last_to_last",
+           "layer_count", "relation_heads_split", "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -40,31 +42,103 @@ def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: o
     return [LayerPair(teacher=-1, student=-1, weight=weight, name=name, **options)]
 
 
-def uniform_pairs(num_teacher_layers: int, num_student_layers: int, *, weight: float = 1.0,
+def layer_count(model: nn.Module | int, capture: str = "auto", *, name: str = "model") -> int:
+    """The number of attention layers of ``model`` that its capture finds (``capture``: as in
+    :func:`~lightning_streamkl.capture.build_capture`); an ``int`` is returned as it is. ``name`` names the argument
+    in errors.
+
+    Raises:
+        ValueError: an int < 1, or a model in which the capture finds no attention layer.
+
+    Example:
+        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 3, enable_nested_tensor=False)
+        >>> layer_count(encoder), layer_count(12)
+        (3, 12)
+    """
+    if isinstance(model, nn.Module):
+        found = len(build_capture(model, capture).layer_names())
+        if found == 0:
+            raise ValueError(f"Expected `{name}` ({type(model).__name__}) to have attention layers, but the "
+                             f"{capture!r} capture found none; pass the number of layers instead.")
+        return found
+    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        raise ValueError(f"Expected `{name}` to be a model or a number of layers >= 1, but got {model!r}.")
+    return model
+
+
+def uniform_pairs(teacher: nn.Module | int, student: nn.Module | int, *, weight: float = 1.0,
                   **options: object) -> list[LayerPair]:
     """Pair every student layer with a teacher layer at the same relative depth.
 
     Student layer ``i`` (of ``L_s``) takes teacher layer ``round((i + 1) · L_t / L_s) - 1``, so the last
     layers are paired and the others are spread evenly. Each pair gets ``weight / L_s``, so the sum is
-    ``weight`` times the mean over pairs.
+    ``weight`` times the mean over pairs. ``teacher`` and ``student`` are the layer counts, or the models
+    themselves (their attention layers are counted with :func:`layer_count`). Other keyword arguments are
+    :class:`~lightning_streamkl.LayerPair` fields.
 
     Example:
         >>> [(p.teacher, p.student, p.weight) for p in uniform_pairs(12, 4)]
         [(2, 0, 0.25), (5, 1, 0.25), (8, 2, 0.25), (11, 3, 0.25)]
+        >>> deep = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 6, enable_nested_tensor=False)
+        >>> shallow = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False)
+        >>> [(p.teacher, p.student) for p in uniform_pairs(deep, shallow)]
+        [(2, 0), (5, 1)]
     """
-    for arg, value in (("num_teacher_layers", num_teacher_layers), ("num_student_layers", num_student_layers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Expected `{arg}` to be an int >= 1, but got {value!r}.")
+    num_teacher_layers, num_student_layers = layer_count(teacher, name="teacher"), layer_count(student, name="student")
     if num_student_layers > num_teacher_layers:
         raise ValueError(
-            f"Expected `num_student_layers` <= `num_teacher_layers`, but got {num_student_layers} > "
-            f"{num_teacher_layers}; pair layers explicitly with LayerPair."
+            f"Expected the student's layers to be at most the teacher's, but got {num_student_layers} > "
+            f"{num_teacher_layers}; pair layers explicitly with explicit_pairs() or LayerPair."
         )
     return [
         LayerPair(teacher=round((i + 1) * num_teacher_layers / num_student_layers) - 1, student=i,
                   weight=weight / num_student_layers, **options)
         for i in range(num_student_layers)
     ]
+
+
+def last_k_pairs(k: int, teacher: nn.Module | int | None = None, student: nn.Module | int | None = None, *,
+                 weight: float = 1.0, **options: object) -> list[LayerPair]:
+    """Pair the last ``k`` student layers with the last ``k`` teacher layers, in order (``k=1``: MiniLM's last
+    layer to last layer). Layers are negative indices, so no count is needed; given the models (or their counts),
+    ``k`` is checked against both. Each pair gets ``weight / k``; names are ``last``, ``last-1``, ...
+
+    Raises:
+        ValueError: ``k < 1``, or more layers than a model has.
+
+    Example:
+        >>> [(p.teacher, p.student, p.label, p.weight) for p in last_k_pairs(2)]
+        [(-2, -2, 'last-1', 0.5), (-1, -1, 'last', 0.5)]
+        >>> last_k_pairs(3, teacher=12, student=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `k` to be at most the student's 2 attention layers, but got 3.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"Expected `k` to be an int >= 1, but got {k!r}.")
+    for side, model in (("teacher", teacher), ("student", student)):
+        if model is not None and k > (count := layer_count(model, name=side)):
+            raise ValueError(f"Expected `k` to be at most the {side}'s {count} attention layers, but got {k}.")
+    return [LayerPair(teacher=-i, student=-i, weight=weight / k, name="last" if i == 1 else f"last-{i - 1}",
+                      **options) for i in range(k, 0, -1)]
+
+
+def explicit_pairs(mapping: Mapping[int | str, int | str], *, weight: float = 1.0,
+                   **options: object) -> list[LayerPair]:
+    """One pair per entry of ``{student layer: teacher layer}`` (indices or module paths), each weighing
+    ``weight / len(mapping)``.
+
+    Raises:
+        ValueError: an empty mapping.
+
+    Example:
+        >>> [(p.teacher, p.student, p.label) for p in explicit_pairs({0: 3, 1: 7})]
+        [(3, 0, 't3_s0'), (7, 1, 't7_s1')]
+    """
+    if not isinstance(mapping, Mapping) or not mapping:
+        raise ValueError(f"Expected `mapping` to be a non-empty {{student layer: teacher layer}} mapping, but got "
+                         f"{mapping!r}.")
+    return [LayerPair(teacher=t, student=s, weight=weight / len(mapping), **options) for s, t in mapping.items()]
 
 
 def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
