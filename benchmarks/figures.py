@@ -43,7 +43,7 @@ PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/atte
          "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
          "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
-         "docs/concepts/architecture.md",
+         "docs/concepts/architecture.md", "docs/guides/recipes.md",
          "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md")
 
 #: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
@@ -53,6 +53,7 @@ GENERATED = {
     "continual-results:sweep": "benchmarks/continual/run.py",
     "continual-stats:cpu10": "benchmarks/continual/stats.py",
     "minilm:results": "examples/minilm_attention_transfer.py",
+    "minilm:relations": "examples/minilm_attention_transfer.py", "lora:memory": "benchmarks/lora_memory.py",
     "ablation": "benchmarks/ablation.py",  # written between <!-- ablation:table --> and <!-- /ablation -->
     "job-headline": "benchmarks/job_headline.py", "figures:quickstart-eval": "benchmarks/figures.py",
     "figures:gpu-long": "benchmarks/figures.py",
@@ -89,6 +90,7 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
     ("docs/reliability.md", r"< 1e-4", ("tests/lightning_streamkl/test_ddp_gpu.py", "RTOL = 1e-4")),
     ("docs/guides/hf-models.md", r"1e-9", ("tests/lightning_streamkl/test_capture_hf.py", "rtol=1e-9")),
     ("docs/examples.md", r"1e-9", ("tests/lightning_streamkl/test_minilm.py", "rtol=1e-9")),
+    ("docs/guides/recipes.md", r"to 1e-10", ("tests/lightning_streamkl/test_adapters_off.py", "rtol=1e-10")),
     ("docs/guides/continual.md", r"40 steps", ("benchmarks/continual/run.py", "steps: int = 40")),
     ("docs/guides/continual.md", r"150 steps per task|150 Adam steps", ("benchmarks/continual/cpu.yaml",
                                                                         "steps_per_task: 150")),

@@ -71,3 +71,22 @@ def test_the_minilm_table_is_the_examples_output():
                       (ROOT / "docs" / "examples.md").read_text(), re.S).group(1)
     assert block == example.markdown(results)
     assert [r["seed"] for r in results["runs"]] == results["args"]["seeds"] == [0, 1, 2]
+
+
+def test_the_minilm_relations_table_is_the_examples_output():
+    example = _load(ROOT / "examples" / "minilm_attention_transfer.py", "minilm_example")
+    results = json.loads((ROOT / "benchmarks" / "results" / "minilm_relations_cpu.json").read_text())
+    block = re.search(r"<!-- minilm:relations:start -->\n(.*?)\n<!-- minilm:relations:end -->",
+                      (ROOT / "docs" / "examples.md").read_text(), re.S).group(1)
+    assert block == example.markdown(results)
+    assert [r["seed"] for r in results["runs"]] == results["args"]["seeds"] == [0, 1, 2]
+    assert results["args"]["recipes"] == ["with_kl", "relations"]
+
+
+def test_the_lora_memory_table_is_the_scripts_output():
+    script = _load(ROOT / "benchmarks" / "lora_memory.py", "lora_memory")
+    results = json.loads((ROOT / "benchmarks" / "results" / "lora_self_distillation_cpu.json").read_text())
+    block = re.search(r"<!-- lora:memory:start -->\n(.*?)\n<!-- lora:memory:end -->",
+                      (ROOT / "docs" / "guides" / "recipes.md").read_text(), re.S).group(1)
+    assert block == script.markdown(results)
+    assert [r["mode"] for r in results["runs"]] == ["frozen_copy", "adapters_off"]
