@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from lightning.fabric import Fabric
-from lightning_tiny import TokenDataModule, llama_config, tiny_teacher
+from lightning_tiny import TokenDataModule, llama_config, take, tiny_teacher
 from transformers import LlamaForCausalLM
 
 from lightning_streamkl import AttentionDistiller
@@ -22,18 +22,14 @@ def main(max_steps: int = 60, **fabric_kwargs) -> dict[str, float]:
                                    student=student)  # the module itself, before Fabric wraps it
     model, optimizer = fabric.setup(student, torch.optim.Adam(student.parameters(), lr=0.01))
     loader = fabric.setup_dataloaders(TokenDataModule().train_dataloader())
-    step, kls = 0, []
-    while step < max_steps:
-        for batch in loader:
-            with distiller.distilling(batch, step=step) as kd:  # the teacher runs, the student is recorded
-                task_loss = model(**batch).loss
-            fabric.backward(task_loss + kd.loss)  # kd.loss = ramp(step) · 5 · attention KL
-            kls.append(float(kd.terms.total.detach()))
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            if step == max_steps:
-                break
+    kls = []
+    for step, batch in enumerate(take(loader, max_steps)):
+        with distiller.distilling(batch, step=step) as kd:  # the teacher runs, the student is recorded
+            task_loss = model(**batch).loss
+        fabric.backward(task_loss + kd.loss)  # kd.loss = ramp(step) · 5 · attention KL
+        optimizer.step()
+        optimizer.zero_grad()
+        kls.append(float(kd.terms.total.detach()))
     return {"task_loss": float(task_loss.detach()), "attn_kl_first": kls[0], "attn_kl_last": kls[-1],
             "weight": kd.weight}
 

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import torch
-from lightning_tiny import TokenDataModule, llama_config, tiny_teacher
+from lightning_tiny import TokenDataModule, llama_config, take, tiny_teacher
 from transformers import LlamaForCausalLM
 
 from lightning_streamkl import AttentionDistiller
@@ -18,19 +18,14 @@ def main(max_steps: int = 60) -> dict[str, float]:
     student = LlamaForCausalLM(llama_config(hidden_size=16, num_kv_heads=1))
     distiller = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "weight": 5.0}, student=student)
     optimizer = torch.optim.Adam(student.parameters(), lr=0.01)
-    loader = TokenDataModule().train_dataloader()
-    step, kls = 0, []
-    while step < max_steps:
-        for batch in loader:
-            kd = distiller(batch)  # teacher pass, student forward, weight · attention KL (differentiable)
-            task_loss = distiller.student_output.loss  # the student's own output of that forward
-            (task_loss + kd).backward()
-            kls.append(float(kd.detach()) / 5.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            if step == max_steps:
-                break
+    kls = []
+    for batch in take(TokenDataModule().train_dataloader(), max_steps):
+        kd = distiller(batch)  # teacher pass, student forward, weight · attention KL (differentiable)
+        task_loss = distiller.student_output.loss  # the student's own output of that forward
+        (task_loss + kd).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        kls.append(float(kd.detach()) / 5.0)
     return {"task_loss": float(task_loss.detach()), "attn_kl_first": kls[0], "attn_kl_last": kls[-1],
             "steps": distiller.steps}
 
