@@ -232,6 +232,17 @@ class Results:
         return _json("minilm_cpu.json")
 
     @cached_property
+    def minilm_relations(self) -> dict:
+        return _json("minilm_relations_cpu.json")
+
+    def minilm_paired_p(self, key: str) -> float:
+        """The relations file's paired t-test of one metric (relations against attention maps, one pair per seed)."""
+        from scipy.stats import ttest_rel
+
+        runs = self.minilm_relations["runs"]
+        return float(ttest_rel([r["relations"][key] for r in runs], [r["with_kl"][key] for r in runs]).pvalue)
+
+    @cached_property
     def minilm_w01(self) -> dict:
         return _json("minilm_cpu_weight0.1.json")
 
@@ -558,6 +569,12 @@ def claims(r: Results) -> list[Claim]:
         f"{ml(w01, 'with_kl', 'similarity_corr'):.3f} against {ml(w01, 'without_kl', 'similarity_corr'):.3f}, same "
         f"nearest paragraph {ml(w01, 'with_kl', 'neighbour_agreement'):.3f} against "
         f"{ml(w01, 'without_kl', 'neighbour_agreement'):.3f}")
+
+    rel_file = "benchmarks/results/minilm_relations_cpu.json (paired t-tests over its 3 seeds)"
+    add("docs/examples.md", rel_file,
+        f"has the same sign on all three seeds ({_p(r.minilm_paired_p('cosine'))}, paired t-test)",
+        f"({_p(r.minilm_paired_p('similarity_corr'))} for the similarity correlation, "
+        f"{_p(r.minilm_paired_p('neighbour_agreement'))} for the nearest\nparagraph)")
 
     # --- perf notes: the grid, the tuning sweep, the overhead profile
     tu_file = "benchmarks/results/nvidia-h100-80gb-hbm3-tuning.json"

@@ -379,7 +379,8 @@ def _compare(results: dict) -> str:
         cells = [f"**{text}**" if (m, text) == best else text for m, text in cells]
         diffs = ", ".join(_signed(b - a, decimals) for a, b in zip(values[first], values[second]))
         p = paired_p(values[second], values[first])
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {diffs} | p = {p:.3f} |")
+        test = "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {diffs} | {test} |")
     return "\n".join(lines)
 
 
