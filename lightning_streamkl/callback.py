@@ -25,6 +25,7 @@ from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .engine import AttentionDistiller, DistillationMetrics, default_teacher_forward, padding_mask_from_batch
 from .metrics import AttentionKLDivergence
 from .options import signature_from_fields
+from .teacher import AdaptersOff
 
 __all__ = ["StreamKLDistillation"]
 
@@ -58,8 +59,9 @@ class StreamKLDistillation(LossTermCallback):
     processes) under the same keys; ``val/<name>/...`` at the end of each validation run.
 
     Args:
-        teacher: the teacher: any ``nn.Module`` (a Hugging Face model, a LightningModule, ...), or the name or
-            local path of a Hugging Face model (loaded with ``AutoModel.from_pretrained``).
+        teacher: the teacher: any ``nn.Module`` (a Hugging Face model, a LightningModule, ...), the name or
+            local path of a Hugging Face model (loaded with ``AutoModel.from_pretrained``), or ``AdaptersOff()``,
+            the student itself with its adapters (LoRA, ...) switched off (:class:`~lightning_streamkl.AdaptersOff`).
         pairs: the layer pairs: :class:`~lightning_streamkl.LayerPair` objects, mappings with its fields, or
             ``[teacher, student]`` lists. Layers are module paths (the student's relative to the
             LightningModule) or indices into each model's attention layers (negative from the end).
@@ -105,7 +107,7 @@ class StreamKLDistillation(LossTermCallback):
     @signature_from_fields(StreamKLConfig, skip=("pairs",))
     def __init__(
         self,
-        teacher: nn.Module | str,
+        teacher: nn.Module | str | AdaptersOff,
         pairs: Sequence[LayerPair | Mapping[str, Any] | Sequence[Any]],
         *,
         teacher_forward: Callable[[nn.Module, Any], Any] | None = None,
@@ -114,7 +116,7 @@ class StreamKLDistillation(LossTermCallback):
         super().__init__()
         self._init(teacher, validate_config({**options, "pairs": pairs}), teacher_forward)
 
-    def _init(self, teacher: nn.Module | str, config: StreamKLConfig,
+    def _init(self, teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig,
               teacher_forward: Callable[[nn.Module, Any], Any] | None) -> None:
         self.config = config
         forward = teacher_forward
@@ -126,7 +128,7 @@ class StreamKLDistillation(LossTermCallback):
         self._val_batches = 0
 
     @classmethod
-    def from_config(cls, teacher: nn.Module | str, config: StreamKLConfig | Mapping[str, Any] | str,
+    def from_config(cls, teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig | Mapping[str, Any] | str,
                     *, teacher_forward: Callable[[nn.Module, Any], Any] | None = None) -> StreamKLDistillation:
         """Build from a :class:`~lightning_streamkl.StreamKLConfig`, a mapping, or a YAML path/text.
 

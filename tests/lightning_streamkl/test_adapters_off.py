@@ -185,3 +185,30 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_the_mixin_and_yaml_take_adapters_off():
+    from lightning_streamkl import AttentionDistillationMixin, load_config
+
+    class Mixed(AttentionDistillationMixin, LoraModule):
+        def __init__(self):
+            super().__init__()
+            self.configure_attention_distillation(AdaptersOff(), pairs=[[-1, -1]])
+
+    module = Mixed()
+    batch = token_batch()
+    with module.capture_student_attention():
+        module.model(**batch)
+    loss = module.attention_distillation_loss(batch)
+    assert float(loss.detach()) > 0 and loss.requires_grad and module._streamkl.teacher_module is module.model
+    # no teacher weights were added to the module (nothing more to checkpoint or optimise)
+    assert sum(p.numel() for p in module.parameters()) == sum(p.numel() for p in module.model.parameters())
+
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(StreamKLDistillation, "distill")
+    cfg = parser.parse_object({"distill": {"teacher": {"class_path": "lightning_streamkl.AdaptersOff"},
+                                           "pairs": [[-1, -1]], "relations": ["qq", "kk"]}})
+    callback = parser.instantiate_classes(cfg).distill
+    assert isinstance(callback.distiller.teacher.spec, AdaptersOff)
+    assert callback.config.relations == load_config("pairs: [[-1, -1]]\nrelations: [qq, kk]").relations

@@ -171,3 +171,24 @@ def test_a_teacher_spread_with_device_map_is_never_moved(monkeypatch):
         else:
             with pytest.raises(AssertionError, match="moved"), frozen.placed(torch.device("meta")):
                 pass
+
+
+def test_from_pretrained_options_reach_the_loader_in_the_mixin_and_the_engine(tmp_path):
+    from lightning_streamkl import AttentionDistillationMixin, AttentionDistiller
+
+    make_teacher().save_pretrained(tmp_path / "teacher")
+    options = {"dtype": "float64", "attn_implementation": "eager", "local_files_only": True}
+    engine = AttentionDistiller(str(tmp_path / "teacher"), {"pairs": [LAST], "teacher_from_pretrained": options},
+                                student=make_student())
+
+    class Mixed(AttentionDistillationMixin, type(make_student())):
+        def __init__(self):
+            super().__init__(tiny_llama(hidden=16, heads=4, kv_heads=1, layers=2, seed=1))
+            self.configure_attention_distillation(str(tmp_path / "teacher"), pairs=[LAST],
+                                                  teacher_from_pretrained=options)
+
+    mixed = Mixed()
+    mixed._streamkl_ready()
+    for teacher in (engine.teacher_module, mixed._streamkl.teacher_module):
+        assert {p.dtype for p in teacher.parameters()} == {torch.float64}
+        assert teacher.config._attn_implementation == "eager"
