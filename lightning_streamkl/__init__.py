@@ -6,7 +6,9 @@ Three ways in, each a thin adapter over one Lightning-free engine (:class:`Atten
 :class:`ContinualAttentionRegularizer` (regularise attention toward frozen snapshots of the model taken at task
 boundaries). LightningCLI YAML works too (``class_path: lightning_streamkl.StreamKLDistillation``). Layer pairs,
 weights and options are :class:`StreamKLConfig` structured configs; :class:`AttentionKLDivergence` logs per-pair
-divergence. The demo job (``streamkl-distill``) lives in :mod:`lightning_streamkl.jobs`, which this package never
+divergence. :class:`IndexerDistillation` and :class:`IndexerDistillationMixin` (:mod:`lightning_streamkl.indexer`, an
+engine and two adapters of their own) train a sparse-attention (DeepSeek-V3.2 lightning) indexer against the model's
+own attention. The demo job (``streamkl-distill``) lives in :mod:`lightning_streamkl.jobs`, which this package never
 imports.
 """
 
@@ -15,6 +17,15 @@ from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCap
 from .config import AttentionKLOptions, LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
 from .continual import ContinualAttentionRegularizer, ContinualConfig
 from .engine import AttentionDistiller, DistillationMetrics, DistillationStep
+from .indexer import (
+    IndexerConfig,
+    IndexerDistillation,
+    IndexerDistillationMixin,
+    IndexerDistiller,
+    IndexerLayer,
+    LightningIndexer,
+    record_indexer,
+)
 from .loss import AttentionDistillationLoss, explicit_pairs, last_k_pairs, last_to_last, layer_count, uniform_pairs
 from .metrics import AttentionKLDivergence
 from .mixin import AttentionDistillationMixin
@@ -33,7 +44,13 @@ __all__ = [
     "DistillationMetrics",
     "DistillationStep",
     "HFAttentionCapture",
+    "IndexerConfig",
+    "IndexerDistillation",
+    "IndexerDistillationMixin",
+    "IndexerDistiller",
+    "IndexerLayer",
     "LayerPair",
+    "LightningIndexer",
     "MultiheadAttentionCapture",
     "RecorderCapture",
     "StreamKLConfig",
@@ -44,6 +61,7 @@ __all__ = [
     "layer_count",
     "load_config",
     "record",
+    "record_indexer",
     "to_yaml",
     "uniform_pairs",
     "validate_config",

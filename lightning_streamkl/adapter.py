@@ -2,9 +2,10 @@ r"""
 Lightning adapter base
 ^^^^^^^^^^^^^^^^^^^^^^
 
-The Lightning side that the three front doors share, written once: :class:`LossTermCallback`, the base of the
+The Lightning side that the front doors share, written once: :class:`LossTermCallback`, the base of the
 callbacks that add a term to the loss ``training_step`` returns (:class:`~lightning_streamkl.StreamKLDistillation`,
-:class:`~lightning_streamkl.ContinualAttentionRegularizer`), and the functions the mixin uses too: log a step's
+:class:`~lightning_streamkl.ContinualAttentionRegularizer`, :class:`~lightning_streamkl.IndexerDistillation`), with
+:class:`EngineCallback` for those that adapt a single engine, and the functions the mixin uses too: log a step's
 values (:func:`log_step`) and an epoch's (:func:`log_epoch`), checkpoint a metric's epoch-so-far state
 (:func:`metric_state`, :func:`load_metric_state`), check the trainer (:func:`check_trainer`) and add a term to a
 step's output (:func:`add_to_loss`). Everything model-side is the engine's
@@ -21,6 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
@@ -30,8 +32,8 @@ from .engine import DistillationMetrics
 from .loss import LossOutput
 from .metrics import AttentionKLDivergence
 
-__all__ = ["EPOCH_SUFFIX", "STEP_SUFFIX", "LossTermCallback", "add_to_loss", "check_trainer", "load_metric_state",
-           "log_epoch", "log_step", "metric_state"]
+__all__ = ["EPOCH_SUFFIX", "STEP_SUFFIX", "EngineCallback", "LossTermCallback", "add_to_loss", "check_trainer",
+           "load_metric_state", "log_epoch", "log_step", "metric_state"]
 
 #: Strategies whose sharded layers the captures do not support.
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
@@ -248,3 +250,121 @@ class LossTermCallback(Callback):
         metrics = self._metrics()
         if metrics is not None and not trainer.sanity_checking:
             log_epoch(pl_module, metrics, "val", prog_bar=self.config.prog_bar)
+
+
+class EngineCallback(LossTermCallback):
+    """Base of the callbacks that adapt one engine with one metric state
+    (:class:`~lightning_streamkl.StreamKLDistillation`, :class:`~lightning_streamkl.IndexerDistillation`): their
+    ``setup``, ``teardown``, checkpoint state and the end of a step, written once.
+
+    A subclass holds its engine in ``_distiller`` (with ``setup(module)``, ``describe()``, ``weight_at(step)`` and
+    ``clear()``) and its :class:`~lightning_streamkl.DistillationMetrics` in ``_state``, initialises
+    ``_train_batches`` and ``_val_batches`` to 0, sets :attr:`alternative`, :attr:`state_version`, :attr:`names_key`
+    and :attr:`verb`, and implements :meth:`_names`, :meth:`_terms` and the step protocol's ``_step_begin`` and
+    ``_student_recording``.
+
+    Example:
+        >>> from lightning_streamkl import IndexerDistillation, StreamKLDistillation
+        >>> [issubclass(c, EngineCallback) for c in (StreamKLDistillation, IndexerDistillation)]
+        [True, True]
+    """
+
+    #: The mixin that check_trainer's messages name as the way to use manual optimization.
+    alternative: str | None = None
+    #: The version written into the checkpoint state.
+    state_version: int = 1
+    #: The key of the term names (pairs, layers) in the checkpoint state and the state key.
+    names_key: str = "pairs"
+    #: What the callback does with its terms, in the message about a checkpoint written with other names.
+    verb: str = "distils"
+
+    _distiller: Any
+    _state: DistillationMetrics
+    _train_batches: int
+    _val_batches: int
+
+    def _names(self) -> list[str]:
+        """The names of the terms (the metric's), in order."""
+        raise NotImplementedError
+
+    def _terms(self, stage: str, batch: Any, step: int) -> tuple[LossOutput, Mapping[str, torch.Tensor] | None]:
+        """This step's loss terms (releasing what was captured) and any extra values to log with them."""
+        raise NotImplementedError
+
+    @property
+    def train_metric(self) -> AttentionKLDivergence:
+        """The training :class:`~lightning_streamkl.AttentionKLDivergence` (reset every epoch)."""
+        return self._state.train
+
+    @property
+    def val_metric(self) -> AttentionKLDivergence:
+        """The validation :class:`~lightning_streamkl.AttentionKLDivergence`."""
+        return self._state.val
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.config.name, **{self.names_key: tuple(self._names())})
+
+    def _metrics(self) -> DistillationMetrics:
+        return self._state
+
+    def _step_cleanup(self) -> None:
+        self._distiller.clear()
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage not in ("fit", "validate"):
+            return
+        check_trainer(self, trainer, pl_module, stage, alternative=self.alternative)
+        self._distiller.setup(pl_module)
+        self._wrap_steps(pl_module, stage)
+        rank_zero_info(self._distiller.describe())
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._unwrap_steps(pl_module)
+        self._step_cleanup()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a run that raises skips `teardown`: restore the module's step methods anyway, so the module can be trained
+        # again (with or without this callback) after the crash
+        self.teardown(trainer, pl_module, trainer.state.fn or "fit")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.state_version,
+            "name": self.config.name,
+            self.names_key: self._names(),
+            "train_batches": self._train_batches,
+            "val_batches": self._val_batches,
+            "train_metric": metric_state(self.train_metric, getattr(self._module, "_trainer", None)),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._train_batches = int(state_dict.get("train_batches", 0))
+        self._val_batches = int(state_dict.get("val_batches", 0))
+        saved, names = state_dict.get(self.names_key), self._names()
+        if saved is not None and list(saved) != names:
+            rank_zero_warn(f"StreamKL {self.config.name!r}: the checkpoint was written with {self.names_key} "
+                           f"{list(saved)}, this run {self.verb} {names}.")
+        elif state_dict.get("train_metric") is not None:
+            load_metric_state(self.train_metric, state_dict["train_metric"], getattr(self._module, "_trainer", None))
+
+    def _step_end(self, stage: str, batch: Any, output: Any) -> Any:
+        module = self._module
+        assert module is not None
+        if output is None and stage == "train":
+            return output  # the user skipped this batch
+        step = module.trainer.global_step
+        terms, extra = self._terms(stage, batch, step)
+        log_step(module, self._state, stage, terms, log_on_step=self.config.log_on_step, prog_bar=self.config.prog_bar,
+                 extra=extra)
+        if stage != "train":
+            self._val_batches += 1
+            return output
+        self._train_batches += 1
+        return add_to_loss(output, terms.total * self._distiller.weight_at(step), type(self).__name__)

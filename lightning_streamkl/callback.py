@@ -15,15 +15,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from typing_extensions import override
 
-from .adapter import LossTermCallback, add_to_loss, check_trainer, load_metric_state, log_step, metric_state
+from .adapter import EngineCallback, LossTermCallback
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
-from .engine import AttentionDistiller, DistillationMetrics, default_teacher_forward, padding_mask_from_batch
-from .metrics import AttentionKLDivergence
+from .engine import AttentionDistiller, default_teacher_forward, padding_mask_from_batch
+from .loss import LossOutput
 from .options import signature_from_fields
 from .teacher import AdaptersOff
 
@@ -32,7 +29,7 @@ __all__ = ["StreamKLDistillation"]
 _STATE_VERSION = 2  # 2: the training metric's epoch-so-far state
 
 
-class StreamKLDistillation(LossTermCallback):
+class StreamKLDistillation(EngineCallback):
     r"""Add attention-KL distillation terms to a LightningModule's training loss, with no change to the module.
 
     On every training batch the callback runs the teacher (frozen: ``eval()``, no grad, on the student's device
@@ -104,6 +101,9 @@ class StreamKLDistillation(LossTermCallback):
         several at once (e.g. two teachers).
     """
 
+    alternative = "AttentionDistillationMixin"
+    state_version = _STATE_VERSION
+
     @signature_from_fields(StreamKLConfig, skip=("pairs",))
     def __init__(
         self,
@@ -164,70 +164,14 @@ class StreamKLDistillation(LossTermCallback):
         """The engine this callback adapts (teacher, captures, loss)."""
         return self._distiller
 
-    @property
-    def train_metric(self) -> AttentionKLDivergence:
-        """The training :class:`~lightning_streamkl.AttentionKLDivergence` (reset every epoch)."""
-        return self._state.train
+    # ------------------------------------------------------------------------------------------ the engine
+    def _names(self) -> list[str]:
+        return list(self._distiller.loss.pair_names)
 
-    @property
-    def val_metric(self) -> AttentionKLDivergence:
-        """The validation :class:`~lightning_streamkl.AttentionKLDivergence`."""
-        return self._state.val
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(name=self.config.name, pairs=tuple(self._distiller.loss.pair_names))
-
-    # ------------------------------------------------------------------------------------------ hooks
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage not in ("fit", "validate"):
-            return
-        check_trainer(self, trainer, pl_module, stage, alternative="AttentionDistillationMixin")
-        self._distiller.setup(pl_module)
-        self._wrap_steps(pl_module, stage)
-        rank_zero_info(self._distiller.describe())
-
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._unwrap_steps(pl_module)
-        self._distiller.clear()
-
-    @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # a run that raises skips `teardown`: restore the module's step methods anyway, so the module can be trained
-        # again (with or without this callback) after the crash
-        self.teardown(trainer, pl_module, trainer.state.fn or "fit")
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": _STATE_VERSION,
-            "name": self.config.name,
-            "pairs": list(self._distiller.loss.pair_names),
-            "train_batches": self._train_batches,
-            "val_batches": self._val_batches,
-            "train_metric": metric_state(self.train_metric, getattr(self._module, "_trainer", None)),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._train_batches = int(state_dict.get("train_batches", 0))
-        self._val_batches = int(state_dict.get("val_batches", 0))
-        saved = state_dict.get("pairs")
-        if saved is not None and list(saved) != list(self._distiller.loss.pair_names):
-            rank_zero_warn(
-                f"StreamKL {self.config.name!r}: the checkpoint was written with pairs {list(saved)}, this run "
-                f"distils {self._distiller.loss.pair_names}."
-            )
-        elif state_dict.get("train_metric") is not None:
-            load_metric_state(self.train_metric, state_dict["train_metric"], getattr(self._module, "_trainer", None))
+    def _terms(self, stage: str, batch: Any, step: int) -> tuple[LossOutput, None]:
+        return self._distiller.end_step(batch), None
 
     # ------------------------------------------------------------------------------------------ the step
-    def _metrics(self) -> DistillationMetrics:
-        return self._state
-
     def _step_begin(self, stage: str, batch: Any) -> bool:
         if not self._takes_part(stage):
             return False
@@ -237,20 +181,3 @@ class StreamKLDistillation(LossTermCallback):
     def _student_recording(self) -> AbstractContextManager[None]:
         return self._distiller.student_recording()
 
-    def _step_end(self, stage: str, batch: Any, output: Any) -> Any:
-        module = self._module
-        assert module is not None
-        if output is None and stage == "train":
-            return output  # the user skipped this batch
-        terms = self._distiller.end_step(batch)
-        log_step(module, self._state, stage, terms, log_on_step=self.config.log_on_step,
-                 prog_bar=self.config.prog_bar)
-        if stage != "train":
-            self._val_batches += 1
-            return output
-        self._train_batches += 1
-        return add_to_loss(output, terms.total * self._distiller.weight_at(module.trainer.global_step),
-                           type(self).__name__)
-
-    def _step_cleanup(self) -> None:
-        self._distiller.clear()

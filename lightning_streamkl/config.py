@@ -214,7 +214,8 @@ class AttentionKLOptions:
             Default: ``"forward"``.
         causal: force causal (``True``) or bidirectional (``False``) masking for every pair; ``None`` takes it
             from the captured layers (teacher and student must then agree). Default: ``None``.
-        mask_key: the key of the padding mask (True/1 = real token) in mapping batches; ``None`` for no mask.
+        mask_key: the key of the padding mask (True/1 = real token) in mapping batches, used for layers whose
+            capture does not read the mask from the attention call (``record()``); ``None`` for no mask.
             Default: ``"attention_mask"``.
         mask_queries: also exclude padded query rows from the KL (and its mean). Default: ``True``.
         validation: compute and log the KL on validation batches too. Default: ``True``.

@@ -33,13 +33,19 @@ __all__ = ["AttentionDistiller", "DistillationMetrics", "DistillationStep", "def
 
 TeacherForward = Callable[[nn.Module, Any], Any]
 
+#: Keys of padding-free batches (transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) that
+#: the attention layers read through ``**kwargs``: the teacher gets them too.
+PACKED_SEQUENCE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
 
 def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
     """Run ``teacher`` on a batch the way most training steps run their model.
 
-    - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``
-      (``use_cache=False`` is added when the forward takes it); when it names none of them, every key but
-      ``labels`` if it takes ``**kwargs`` (a wrapper such as PEFT's ``PeftModel``), else ``teacher(batch)``;
+    - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``, and,
+      when it takes ``**kwargs``, the packed-sequence keys of padding-free batches (:data:`PACKED_SEQUENCE_KEYS`:
+      ``cu_seq_lens_q``, ...) so that the teacher attends over the same documents (``use_cache=False`` is added when
+      the forward takes it); when it names none of them, every key but ``labels`` if it takes ``**kwargs`` (a
+      wrapper such as PEFT's ``PeftModel``), else ``teacher(batch)``;
     - a tuple or list: ``teacher(batch[0])`` (the ``(inputs, targets)`` convention);
     - anything else: ``teacher(batch)``.
 
@@ -70,8 +76,12 @@ def _forward(model: nn.Module, batch: Any, *, labels: bool) -> Any:
         params = inspect.signature(model.forward).parameters
         named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         kwargs = {k: v for k, v in batch.items() if k in named and (labels or k != "labels")}
-        if not kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values()):  # forward(*args, **kwargs): a wrapper
-            kwargs = {k: v for k, v in batch.items() if labels or k != "labels"}
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            # forward(*args, **kwargs) naming none of the keys is a wrapper: it gets every key; a model that takes
+            # **kwargs gets the packed-sequence keys its attention layers read
+            wrapper = not kwargs
+            kwargs.update({k: v for k, v in batch.items()
+                           if (labels or k != "labels") and (wrapper or k in PACKED_SEQUENCE_KEYS)})
         if not kwargs:
             return model(batch)
         if not labels and "use_cache" in named and "use_cache" not in kwargs:
@@ -85,13 +95,19 @@ def _forward(model: nn.Module, batch: Any, *, labels: bool) -> Any:
 def padding_mask_from_batch(batch: Any, key: str | None) -> torch.Tensor | None:
     """``batch[key]`` as a bool ``[B, N]`` mask (True = real token) for mapping batches, else ``None``.
 
+    It fills in only for layers whose capture does not read the mask from the attention call (the manual
+    recorder); a 4D custom mask (``[B, 1, N_q, N_k]``, which a model reads itself) gives ``None``.
+
     Example:
         >>> padding_mask_from_batch({"attention_mask": torch.tensor([[1, 0]])}, "attention_mask")
         tensor([[ True, False]])
+        >>> padding_mask_from_batch({"attention_mask": torch.ones(1, 1, 2, 2, dtype=torch.bool)}, "attention_mask")
     """
     if key is None or not isinstance(batch, Mapping) or batch.get(key) is None:
         return None
     mask = batch[key]
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(
             f"Expected the batch's `{key}` to be a [B, N] padding mask tensor (1/True = real token), but got "

@@ -8,14 +8,20 @@ and masks, call :func:`streamkl.attention_kl` per pair and relation (the attenti
 MiniLM-v2's self-attention relations ``"qq"``, ``"kk"``, ``"vv"`` after re-splitting the heads into relation heads)
 and return the weighted sum together with per-term sums and row counts (what the metric accumulates). Also the
 helpers for common pairings.
+
+Each layer's mask comes from its own attention call when the capture read it there (Hugging Face,
+``nn.MultiheadAttention``): causal, sliding window, key padding, packed documents (the op's ``layout="thd"``) or a
+general mask; soft-caps, sinks and scales are per side. The two layers of a pair must allow the same keys for every
+query row (the KL compares two distributions over the same keys); when they do not, the pair is refused. A relation
+is computed over the same keys as the layer's attention (its mask, not its scale, soft-cap or sinks, which belong to
+``q kᵀ``).
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -24,12 +30,13 @@ from streamkl import attention_kl
 
 from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
+from .capture.masks import Masking, PackedSequences, canonical_window, dense_allowed, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "count_rows", "explicit_pairs", "last_k_pairs", "last_to_last",
-           "layer_count", "relation_heads_split", "uniform_pairs", "weighted_sum"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "count_packed_rows", "count_rows", "explicit_pairs",
+           "last_k_pairs", "last_to_last", "layer_count", "relation_heads_split", "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -142,11 +149,13 @@ def explicit_pairs(mapping: Mapping[int | str, int | str], *, weight: float = 1.
 
 
 def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
-               key_padding_mask: torch.Tensor | None = None, query_mask: torch.Tensor | None = None) -> torch.Tensor:
+               key_padding_mask: torch.Tensor | None = None, query_mask: torch.Tensor | None = None,
+               window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The number of query rows :func:`streamkl.attention_kl` averages over with ``reduction="mean"``.
 
-    A row counts when it has at least one allowed key (causal: key ``j <= i + N_k - N_q``; real per
-    ``key_padding_mask``) and ``query_mask`` keeps it; every head counts it. Returns a float32 scalar tensor.
+    A row counts when it has at least one allowed key (causal: key ``j <= i + N_k - N_q``; inside the ``window``; real
+    per ``key_padding_mask``; allowed by ``attn_mask``) and ``query_mask`` keeps it; every head counts it (a per-head
+    ``attn_mask`` counts per head). Returns a float32 scalar tensor.
 
     Example:
         >>> pad = torch.tensor([[True, True, False]])
@@ -154,21 +163,27 @@ def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, devi
         tensor(6.)
         >>> count_rows(1, 2, 2, 3, causal=True, device=torch.device("cpu"), query_mask=torch.tensor([[False, True]]))
         tensor(2.)
+        >>> count_rows(1, 1, 3, 3, causal=True, device=torch.device("cpu"), window=(0, 0),
+        ...            key_padding_mask=torch.tensor([[True, False, True]]))
+        tensor(2.)
     """
+    if attn_mask is not None:
+        masking = Masking(causal, window, key_padding_mask, query_mask, None, attn_mask.to(device))
+        rows = dense_allowed(masking, batch, n_q, n_k, device).any(-1)  # [B, H or 1, N_q]
+        return rows.sum().to(torch.float32) * (heads if rows.shape[1] == 1 else 1)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    aligned = torch.arange(n_q, device=device) + (n_k - n_q)
+    lo = (aligned - left).clamp_min(0) if left >= 0 else torch.zeros_like(aligned)
+    hi = (aligned + right).clamp_max(n_k - 1) if right >= 0 else torch.full_like(aligned, n_k - 1)
     if key_padding_mask is None:
-        real = torch.full((batch, n_q), n_k, device=device, dtype=torch.long)
-        if causal:
-            limit = torch.arange(n_q, device=device) + (n_k - n_q)  # last allowed key per row
-            real = (limit + 1).clamp(0, n_k).expand(batch, n_q)
+        real = (hi - lo + 1).expand(batch, n_q)
     else:
-        cum = key_padding_mask.to(device=device, dtype=torch.long).cumsum(-1)  # real keys among 0..j
-        if causal:
-            limit = torch.arange(n_q, device=device) + (n_k - n_q)
-            idx = limit.clamp(0, n_k - 1).expand(batch, n_q)
-            real = torch.gather(cum, 1, idx) * (limit >= 0)
-        else:
-            real = cum[:, -1:].expand(batch, n_q)
-    valid = real > 0
+        cum = torch.nn.functional.pad(key_padding_mask.to(device=device, dtype=torch.long).cumsum(-1), (1, 0))
+        real = torch.gather(cum, 1, (hi + 1).clamp(0, n_k).expand(batch, n_q)) - \
+            torch.gather(cum, 1, lo.clamp(0, n_k).expand(batch, n_q))
+    valid = (real > 0) & (hi >= lo)
     if query_mask is not None:
         valid = valid & query_mask.to(device=device, dtype=torch.bool)
     return valid.sum().to(torch.float32) * heads
@@ -198,6 +213,28 @@ def relation_heads_split(x: torch.Tensor, heads: int, *, what: str = "x") -> tor
         raise ValueError(f"Expected the number of relation heads to divide the {what}' concatenated heads ({h} heads "
                          f"× {d} = {h * d}), but got {heads}.")
     return x.transpose(1, 2).reshape(b, n, heads, h * d // heads).transpose(1, 2)
+def count_packed_rows(packed: PackedSequences, heads: int, *, causal: bool,
+                      window: tuple[int, int] | None = None) -> torch.Tensor:
+    """:func:`count_rows` for packed sequences (``layout="thd"``): the query tokens with at least one allowed key in
+    their own sequence, times ``heads``.
+
+    Example:
+        >>> cu_q = torch.tensor([0, 3, 3, 5], dtype=torch.int32)          # the middle sequence has no queries
+        >>> cu_k = torch.tensor([0, 3, 4, 4], dtype=torch.int32)          # the last one has no keys
+        >>> count_packed_rows(PackedSequences(cu_q, cu_k, 3, 3), 2, causal=False)
+        tensor(6.)
+    """
+    cu_q, cu_k = packed.cu_seqlens_q.long(), packed.cu_seqlens_k.long()
+    n_q, n_k = torch.diff(cu_q), torch.diff(cu_k)
+    seq = torch.repeat_interleave(torch.arange(len(n_q), device=cu_q.device), n_q)
+    aligned = torch.arange(int(cu_q[-1]), device=cu_q.device) - cu_q[seq] + (n_k - n_q)[seq]
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    lo = (aligned - left).clamp_min(0) if left >= 0 else torch.zeros_like(aligned)
+    last = n_k[seq] - 1
+    hi = torch.minimum(aligned + right, last) if right >= 0 else last
+    return (hi >= lo).sum().to(torch.float32) * heads
 
 
 @dataclass
@@ -268,7 +305,6 @@ class AttentionDistillationLoss:
         #: Each term's weight (its pair's ``weight``).
         self.weights = [p.weight for p in self.config.pairs for _ in _term_names(p, self.config)]
         self._resolved: list[_ResolvedPair] | None = None
-        self._warned: set[str] = set()
 
     @property
     def needs_values(self) -> bool:
@@ -312,15 +348,18 @@ class AttentionDistillationLoss:
         Args:
             teacher_records: ``{layer path: CapturedAttention}`` of the teacher.
             student_records: the same for the student.
-            key_padding_mask: ``[B, N_k]`` bool, True = real key (from the batch), used when a record carries none.
-            query_mask: ``[B, N_q]`` bool, False excludes a query row.
+            key_padding_mask: ``[B, N_k]`` bool, True = real key (from the batch), used only for records whose
+                masks do not come from their call (the manual recorder) and that carry none.
+            query_mask: ``[B, N_q]`` bool, False excludes a query row; likewise only for such records (a record
+                from the call carries its own query mask, used when ``mask_queries`` is on).
 
         Raises:
             RuntimeError: a paired layer was not recorded during the forward pass (the message lists what was).
             ValueError: paired layers whose batch size or sequence lengths differ, or whose head counts differ
-                under ``head_map="error"`` (or are not multiples of each other), or whose causality disagrees; a
-                relation whose heads do not split into the relation heads, or a ``"vv"`` relation on a record
-                without values.
+                under ``head_map="error"`` (or are not multiples of each other), whose causality disagrees, that
+                allow different keys (windows, packed documents, padding, masks), with sinks on one side only, or a
+                record marked inexact; a relation whose heads do not split into the relation heads, a relation with
+                a per-head mask, or a ``"vv"`` relation on a record without values.
         """
         if self._resolved is None:
             self._resolved = [_ResolvedPair(p, p.teacher, p.student) for p in self.config.pairs]
@@ -349,9 +388,11 @@ class AttentionDistillationLoss:
         cfg, pair = self.config, r.pair
         label = f"pair {pair.label!r} (teacher {r.teacher!r}, student {r.student!r})"
         for rec, side in ((t, "teacher"), (s, "student")):
-            if not rec.exact and side + r.pair.label not in self._warned:
-                self._warned.add(side + r.pair.label)
-                _warn_on_rank_zero(f"StreamKL {label}: {rec.note}; the KL is computed from softmax(q kᵀ · scale) only.")
+            if not rec.exact:
+                raise ValueError(
+                    f"StreamKL {label}: the {side} layer was recorded as inexact ({rec.note}); attention_kl would not "
+                    "compute the KL between the layers' own distributions. Pair other layers."
+                )
         device = s.q.device  # the teacher may run elsewhere: its queries and keys travel, not the models
         q_t, k_t, q_s, k_s = t.q.to(device, non_blocking=True), t.k.to(device, non_blocking=True), s.q, s.k
         if q_t.dim() != 4 or q_s.dim() != 4 or k_t.dim() != 4 or k_s.dim() != 4:
@@ -366,54 +407,60 @@ class AttentionDistillationLoss:
                 f"k {tuple(k_t.shape)} vs student q {tuple(q_s.shape)}, k {tuple(k_s.shape)} ([B, H, N, D]); "
                 "both models must see the same batch and sequence lengths (same tokenizer)."
             )
-        scale_t, scale_s = t.scale, s.scale
-        if relation != "qk":
-            q_t, k_t, q_s, k_s = self._relation_inputs(pair, label, relation, t, s, q_t, k_t, q_s, k_s)
-            scale_t = scale_s = None  # 1 / sqrt(d_r) of each side's relation heads
-        elif h_t != h_s:
-            q_t, q_s = self._map_heads(pair, label, q_t, q_s)
-
-        causal = pair.causal if pair.causal is not None else cfg.causal
-        if causal is None:
-            if t.causal is not None and s.causal is not None and t.causal != s.causal:
-                raise ValueError(
-                    f"StreamKL {label}: the teacher layer is {'causal' if t.causal else 'bidirectional'} but the "
-                    f"student layer is {'causal' if s.causal else 'bidirectional'}; set `causal` in the pair or the "
-                    "config to choose one masking for both."
-                )
-            causal = t.causal if t.causal is not None else s.causal
-            if causal is None:
-                raise ValueError(
-                    f"StreamKL {label}: neither capture knows whether the layers are causal; pass causal= to "
-                    "record() or set `causal` in the pair or the config."
-                )
-
-        kpm = _combine(t.key_padding_mask, s.key_padding_mask)
+        sinks_t = None if t.sinks is None else t.sinks.to(device, non_blocking=True)
+        sinks_s = s.sinks
+        if relation == "qk" and (sinks_t is None) != (sinks_s is None):
+            side, other = ("teacher", "student") if sinks_t is not None else ("student", "teacher")
+            raise ValueError(
+                f"StreamKL {label}: the {side} layer has attention sinks and the {other} layer has none; the sink's "
+                "probability mass would have no counterpart. Pair layers that both have sinks or both have none."
+            )
+        causal = self._causality(label, pair, t, s)
         n_k = k_t.shape[2]
-        if kpm is None and key_padding_mask is not None:
-            if tuple(key_padding_mask.shape) != (b_t, n_k):
+        masking = self._masking(label, t, s, causal, key_padding_mask, query_mask, b_t, n_qt, n_k, device)
+        scale_t, scale_s, softcap_t, softcap_s = t.scale, s.scale, t.softcap, s.softcap
+        if relation != "qk":
+            if masking.attn_mask is not None and masking.attn_mask.shape[1] != 1:
                 raise ValueError(
-                    f"StreamKL {label}: the batch's padding mask has shape {tuple(key_padding_mask.shape)}, but the "
-                    f"layers have B={b_t} and N_k={n_k}."
+                    f"StreamKL {label}, relation {relation!r}: the layers' attention mask differs per head, and a "
+                    "relation's heads are not the layer's heads; use relations=['qk'] for this pair."
                 )
-            kpm = key_padding_mask
-        qm = query_mask if query_mask is not None and tuple(query_mask.shape) == (b_t, n_qt) else None
-        kpm = None if kpm is None else kpm.to(device=device, dtype=torch.bool)
-        qm = None if qm is None else qm.to(device=device, dtype=torch.bool)
+            q_t, k_t, q_s, k_s = self._relation_inputs(pair, label, relation, t, s, q_t, k_t, q_s, k_s)
+            # softmax(x xᵀ / sqrt(d_r)) over the keys the layer allows: the scale, soft-cap and sinks belong to q kᵀ
+            scale_t = scale_s = softcap_t = softcap_s = sinks_t = sinks_s = None
+        elif h_t != h_s:
+            if masking.attn_mask is not None and masking.attn_mask.shape[1] != 1:
+                raise ValueError(
+                    f"StreamKL {label}: the layers have {h_t} and {h_s} query heads and a per-head attention mask; "
+                    "head_map='group' cannot map a per-head mask. Pair layers with equal head counts."
+                )
+            q_t, q_s, sinks_t, sinks_s = self._map_heads(pair, label, q_t, q_s, sinks_t, sinks_s)
         if k_t.dtype != q_t.dtype:
             k_t = k_t.to(q_t.dtype)
         if k_s.dtype != q_s.dtype:
             k_s = k_s.to(q_s.dtype)
+        options = dict(
+            causal=causal, scale_t=scale_t, scale_s=scale_s, window=masking.window, softcap_t=softcap_t,
+            softcap_s=softcap_s, sinks_t=sinks_t, sinks_s=sinks_s,
+            temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
+            direction=pair.direction or cfg.direction, reduction="sum", backend=cfg.backend,
+        )
+        heads = q_t.shape[1]
         # the op computes in fp32 itself; autocast must not downcast its internal products
         with torch.autocast(device_type=device.type, enabled=False):
-            kl_sum = attention_kl(
-                q_t, k_t, q_s, k_s, causal=bool(causal), scale_t=scale_t, scale_s=scale_s,
-                temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
-                direction=pair.direction or cfg.direction, reduction="sum",
-                key_padding_mask=kpm, query_mask=qm, backend=cfg.backend,
-            )
-        n = count_rows(b_t, q_t.shape[1], n_qt, n_k, causal=bool(causal), device=device,
-                       key_padding_mask=kpm, query_mask=qm)
+            if masking.packed is not None:
+                p = masking.packed
+                kl_sum = attention_kl(
+                    p.gather(q_t, "q"), p.gather(k_t, "k"), p.gather(q_s, "q"), p.gather(k_s, "k"), layout="thd",
+                    cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+                    max_seqlen_k=p.max_seqlen_k, **options)
+                n = count_packed_rows(p, heads, causal=causal, window=masking.window)
+            else:
+                kl_sum = attention_kl(q_t, k_t, q_s, k_s, key_padding_mask=masking.key_padding_mask,
+                                      query_mask=masking.query_mask, attn_mask=masking.attn_mask, **options)
+                n = count_rows(b_t, heads, n_qt, n_k, causal=causal, device=device,
+                               key_padding_mask=masking.key_padding_mask, query_mask=masking.query_mask,
+                               window=masking.window, attn_mask=masking.attn_mask)
         return kl_sum, n
 
     def _relation_inputs(self, pair: LayerPair, label: str, relation: str, t: CapturedAttention,
@@ -437,10 +484,10 @@ class AttentionDistillationLoss:
                 if getattr(rec, "v", None) is None:
                     raise ValueError(
                         f"StreamKL {label}: the value relation 'vv' needs the {side} layer's values, but its record "
-                        "holds none. The Hugging Face capture records them only with capture_values=True, the "
-                        "nn.MultiheadAttention capture with capture_values=True (build_capture(..., "
-                        "capture_values=True)), and a custom attention passes them with record(self, q, k, v=v); "
-                        "or drop 'vv' from the pair's relations."
+                        "holds none. A capture keeps them only when made with capture_values=True (the engine, "
+                        "callback and mixin ask for them when a pair compares 'vv'; by hand: build_capture(..., "
+                        "capture_values=True)), and a custom attention must hand them over with record(self, q, k, "
+                        "v=v); or drop 'vv' from the pair's relations."
                     )
             x_t, x_s = t.v.to(q_s.device, non_blocking=True), s.v  # type: ignore[union-attr]
             if x_t.dim() != 4 or x_s.dim() != 4 or x_t.shape[2] != q_t.shape[2] or x_s.shape[2] != q_s.shape[2]:
@@ -457,8 +504,74 @@ class AttentionDistillationLoss:
                              "the config) to a common divisor.") from None
         return x_t, x_t, x_s, x_s
 
+    def _causality(self, label: str, pair: LayerPair, t: CapturedAttention, s: CapturedAttention) -> bool:
+        causal = pair.causal if pair.causal is not None else self.config.causal
+        if causal is not None:
+            return bool(causal)
+        if t.causal is not None and s.causal is not None and t.causal != s.causal:
+            raise ValueError(
+                f"StreamKL {label}: the teacher layer is {'causal' if t.causal else 'bidirectional'} but the "
+                f"student layer is {'causal' if s.causal else 'bidirectional'}; set `causal` in the pair or the "
+                "config to choose one masking for both."
+            )
+        causal = t.causal if t.causal is not None else s.causal
+        if causal is None:
+            raise ValueError(
+                f"StreamKL {label}: neither capture knows whether the layers are causal; pass causal= to "
+                "record() or set `causal` in the pair or the config."
+            )
+        return bool(causal)
+
+    def _masking(self, label: str, t: CapturedAttention, s: CapturedAttention, causal: bool,
+                 key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None, batch: int, n_q: int,
+                 n_k: int, device: torch.device) -> Masking:
+        """The one mask of the pair: each side's own, which must allow the same keys for every counted row."""
+        (mt, legacy_t), (ms, legacy_s) = (
+            self._side(label, rec, key_padding_mask, query_mask, batch, n_q, n_k, device, causal) for rec in (t, s))
+        qm = _both(mt.query_mask, ms.query_mask)
+        if legacy_t or legacy_s:  # a record without its call's masks: the batch's padding fills in, combined
+            kpm = _both(mt.key_padding_mask, ms.key_padding_mask)
+            mt, ms = replace(mt, key_padding_mask=kpm), replace(ms, key_padding_mask=kpm)
+        same = mt.window == ms.window and same_mask(mt.key_padding_mask, ms.key_padding_mask) and \
+            same_mask(mt.attn_mask, ms.attn_mask) and (
+                (mt.packed is None and ms.packed is None)
+                or (mt.packed is not None and ms.packed is not None and mt.packed.same_as(ms.packed)))
+        if not same:  # described differently: compare the keys each counted row sees
+            dt, ds = (dense_allowed(replace(m, query_mask=qm), batch, n_q, n_k, device, causal) for m in (mt, ms))
+            if not same_mask(dt, ds):
+                raise ValueError(
+                    f"StreamKL {label}: the two layers attend to different keys (teacher: {mt.summary()}; student: "
+                    f"{ms.summary()}). The KL compares two distributions over the same keys, so both layers must "
+                    f"allow the same keys for every query row.{_mismatch_hint(mt, ms)}"
+                )
+        return replace(mt, causal=causal, query_mask=None if mt.packed is not None else qm)
+
+    def _side(self, label: str, rec: CapturedAttention, key_padding_mask: torch.Tensor | None,
+              query_mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, device: torch.device,
+              causal: bool) -> tuple[Masking, bool]:
+        """One record's masks on ``device`` (the batch's fill in for a record without its call's masks), and whether
+        it is such a record."""
+        def move(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device=device, dtype=torch.bool, non_blocking=True)
+
+        m = rec.masking()
+        kpm, qm = move(m.key_padding_mask), move(m.query_mask) if self.config.mask_queries else None
+        if not rec.masks_from_call:
+            if kpm is None and key_padding_mask is not None:
+                if tuple(key_padding_mask.shape) != (batch, n_k):
+                    raise ValueError(
+                        f"StreamKL {label}: the batch's padding mask has shape {tuple(key_padding_mask.shape)}, but "
+                        f"the layers have B={batch} and N_k={n_k}."
+                    )
+                kpm = move(key_padding_mask)
+            qm = move(query_mask) if query_mask is not None and tuple(query_mask.shape) == (batch, n_q) else None
+        packed = None if m.packed is None else m.packed.to(device)
+        window = canonical_window(m.window, causal, n_q, n_k, kpm, packed)
+        return Masking(causal, window, kpm, qm, packed, move(m.attn_mask)), not rec.masks_from_call
+
     def _map_heads(self, pair: LayerPair, label: str, q_t: torch.Tensor, q_s: torch.Tensor,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   sinks_t: torch.Tensor | None = None, sinks_s: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         h_t, h_s = q_t.shape[1], q_s.shape[1]
         mode = pair.head_map or self.config.head_map
         if mode == "error":
@@ -473,24 +586,33 @@ class AttentionDistillationLoss:
                 f"StreamKL {label}: head_map='group' needs one head count to be a multiple of the other, but the "
                 f"teacher layer has {h_t} query heads and the student layer {h_s}."
             )
-        # Repeat the queries of the side with fewer heads; its keys keep their heads, since the op maps query head h
-        # to key head h // (H // H_k), which is the right key head for the repeated query.
+
+        # Repeat the queries (and sinks) of the side with fewer heads; its keys keep their heads, since the op maps
+        # query head h to key head h // (H // H_k), which is the right key head for the repeated query.
+        def repeat(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            return None if x is None else x.repeat_interleave(big // small, dim=dim)
+
         if h_t < h_s:
-            return q_t.repeat_interleave(big // small, dim=1), q_s
-        return q_t, q_s.repeat_interleave(big // small, dim=1)
+            return repeat(q_t, 1), q_s, repeat(sinks_t, 0), sinks_s
+        return q_t, repeat(q_s, 1), sinks_t, repeat(sinks_s, 0)
 
 
-def _warn_on_rank_zero(message: str) -> None:
-    """``warnings.warn`` on the process of global rank 0 only (every process when there is no process group)."""
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or \
-            torch.distributed.get_rank() == 0:
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _combine(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+def _both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The entries both optional bool masks keep (``None`` keeps everything)."""
     if a is None or b is None:
         return a if b is None else b
-    return a.to(torch.bool) & b.to(device=a.device, dtype=torch.bool)
+    return a & b.to(a.device)
+
+
+def _mismatch_hint(t: Masking, s: Masking) -> str:
+    if t.window != s.window:
+        return (" Their sliding windows differ: pair layers with the same window (e.g. the global-attention layers of"
+                " a model that alternates local and global layers with global layers of the other).")
+    if (t.packed is None) != (s.packed is None):
+        return (" One sees packed documents and the other one sequence per row: transformers builds the packed-"
+                "document mask of sdpa and eager only when the model runs without a cache, so call both models with"
+                " use_cache=False (the teacher's default forward does), or give both the same attention_mask.")
+    return ""
 
 
 def _lookup(records: Mapping[str, CapturedAttention], name: str, side: str, label: str) -> CapturedAttention:

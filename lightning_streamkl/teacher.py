@@ -13,6 +13,7 @@ captured (:func:`stop_after`), and feeding it the inputs a student submodule rec
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -139,8 +140,12 @@ def stop_after(modules: Iterable[nn.Module], done: Callable[[], bool]) -> Iterat
     handles = [m.register_forward_hook(hook) for m in modules]
     try:
         yield
-    except _TeacherDone:
-        pass
+    except _TeacherDone as stopped:
+        # The traceback holds the stopped frames and with them the teacher's activations (the residual stream,
+        # the stopped layer's inputs and output). Clear them now rather than whenever the exception object is
+        # collected: measured on an H100 (Python 3.12), they otherwise stayed alive through the student's step.
+        traceback.clear_frames(stopped.__traceback__)
+        stopped.__traceback__ = None  # a cleared frame still holds its function, and a closure its cells
     finally:
         for handle in handles:
             handle.remove()

@@ -13,12 +13,12 @@ class AttentionKLLoss(nn.Module):
     r"""KL divergence between teacher and student attention distributions, as an ``nn.Module``.
 
     The constructor takes the options of :func:`streamkl.attention_kl` (checked immediately, so a bad
-    value fails where it is written); ``forward`` takes the tensors and the per-batch masks.
+    value fails where it is written); ``forward`` takes the tensors and the per-batch ones: masks, sinks and
+    packed-sequence offsets.
 
     Args:
         causal, scale_t, scale_s, temperature, direction, reduction, layout, backend, window, softcap_t,
-        softcap_s, allow_tf32, deterministic, check_finite: as in :func:`streamkl.attention_kl`. The per-batch
-        tensors (masks, sinks, packed-sequence offsets) are arguments of ``forward``.
+        softcap_s, allow_tf32, deterministic, check_finite: as in :func:`streamkl.attention_kl`.
 
     Example:
         >>> import torch

@@ -1,7 +1,7 @@
 """Getting ``(q, k)`` out of models: Hugging Face transformers, ``nn.MultiheadAttention``, manual recording.
 
-Only queries and keys are held (``O(N·D)`` per layer), never attention maps, and only between a forward
-pass and the loss that consumes them.
+Only queries and keys (and, when asked, values) are held (``O(N·D)`` per layer), with the call's mask, never
+attention maps, and only between a forward pass and the loss that consumes them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 
 from .base import AttentionCapture, CapturedAttention, closest, is_recording
 from .hf import HFAttentionCapture, is_hf_model
+from .masks import Masking, PackedSequences
 from .mha import MultiheadAttentionCapture
 from .recorder import RecorderCapture, record
 
@@ -23,7 +24,9 @@ __all__ = [
     "AttentionCapture",
     "CapturedAttention",
     "HFAttentionCapture",
+    "Masking",
     "MultiheadAttentionCapture",
+    "PackedSequences",
     "RecorderCapture",
     "build_capture",
     "closest",
@@ -42,8 +45,8 @@ def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.
             ``PreTrainedModel`` with attention-interface layers, else ``"mha"`` when it contains an
             ``nn.MultiheadAttention``, else ``"recorder"``. Every adapter also accepts :func:`record` calls.
         exclude: submodules to ignore.
-        capture_values: also record the values (MiniLM-v2's ``"vv"`` relation): the ``"mha"`` adapter then
-            projects them; :func:`record` calls pass them themselves (``v=``).
+        capture_values: also record the value tensors (``CapturedAttention.v``), e.g. for MiniLM-v2's ``"vv"``
+            relation (the engine asks for them when a pair compares it); off by default.
 
     Example:
         >>> from torch import nn
@@ -56,9 +59,9 @@ def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.
         raise ValueError(f"Expected `kind` to be one of {CAPTURE_KINDS}, but got {kind!r}.")
     exclude = tuple(exclude)
     if kind == "hf" or (kind == "auto" and is_hf_model(model)):
-        capture: AttentionCapture = HFAttentionCapture(model, exclude=exclude)
+        capture: AttentionCapture = HFAttentionCapture(model, exclude=exclude, capture_values=capture_values)
         if kind == "hf" or capture.layer_names():
             return capture
     if kind == "mha" or (kind == "auto" and any(isinstance(m, nn.MultiheadAttention) for m in model.modules())):
         return MultiheadAttentionCapture(model, exclude=exclude, capture_values=capture_values)
-    return RecorderCapture(model, exclude=exclude)
+    return RecorderCapture(model, exclude=exclude, capture_values=capture_values)

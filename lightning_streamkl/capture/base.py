@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .masks import Masking, PackedSequences
+
 log = logging.getLogger(__name__)
 
 #: The captures whose :meth:`AttentionCapture.recording` block is open, innermost last. Module-level
@@ -31,27 +33,37 @@ _RECORDING: list[AttentionCapture] = []
 
 @dataclass
 class CapturedAttention:
-    """The queries and keys of one attention call, in the layout :func:`streamkl.attention_kl` takes ("bhnd").
+    """One attention call, in the form :func:`streamkl.attention_kl` takes: queries, keys and everything that decides
+    the layer's distribution (its scale, soft-cap, sinks and the call's complete mask).
 
     Attributes:
         q: queries ``[B, H, N_q, D]`` as the attention computed them (after RoPE, if any).
         k: keys ``[B, H_k, N_k, D]`` before any GQA repetition (``H`` divisible by ``H_k``).
         scale: the score scale the layer used; ``None`` means ``1 / sqrt(D)``.
         causal: whether the layer masks future keys; ``None`` when the adapter cannot tell.
-        key_padding_mask: ``[B, N_k]`` bool, True for real keys, when the layer call carried its own padding
-            mask (``nn.MultiheadAttention``); ``None`` to use the batch's mask.
-        exact: False when the layer's attention is more than ``softmax(q kᵀ · scale)`` under causal and
-            padding masks (a sliding window, a soft cap, a position bias, an arbitrary mask), so the KL computed
-            from ``q`` and ``k`` differs from the one between the layer's own probabilities.
+        key_padding_mask: ``[B, N_k]`` bool, True for real keys. ``None``: no key padding when ``masks_from_call``,
+            else the batch's padding mask.
+        exact: False when the adapter could not express the layer's distribution (the loss refuses such a record;
+            the adapters of this package refuse the layer when it is recorded instead).
         note: why ``exact`` is False.
         layer_idx: the layer's ``layer_idx`` when the module has one (Hugging Face attention modules).
-        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition) when the capture records them (needed by the
-            ``"vv"`` relation); ``None`` otherwise.
+        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition), only when the capture was asked for them
+            (``capture_values=True``; MiniLM-v2's ``"vv"`` relation needs them).
+        window: ``(left, right)`` sliding window (flash-attn convention, −1 unbounded), or ``None``.
+        softcap: the logit soft-cap (Gemma 2), or ``None``.
+        sinks: ``[H]`` sink logits (gpt-oss), or ``None``.
+        attn_mask: ``[B|1, H|1, N_q, N_k]`` bool, True = allowed: the call's mask when no structured option
+            describes it (it then holds the padding too), or ``None``.
+        query_mask: ``[B, N_q]`` bool, True = a real query token (self-attention), or ``None``.
+        packed: the call's packed sequences (:class:`~lightning_streamkl.capture.masks.PackedSequences`), or
+            ``None``.
+        masks_from_call: True when the fields above are the call's complete mask; False (the manual recorder):
+            the batch's padding mask fills in ``key_padding_mask`` and the query mask.
 
     Example:
         >>> record = CapturedAttention(torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), causal=True)
-        >>> record.q.shape[1] // record.k.shape[1], record.exact
-        (2, True)
+        >>> record.q.shape[1] // record.k.shape[1], record.exact, record.window
+        (2, True, None)
     """
 
     q: torch.Tensor
@@ -63,6 +75,17 @@ class CapturedAttention:
     note: str | None = None
     layer_idx: int | None = None
     v: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    query_mask: torch.Tensor | None = None
+    packed: PackedSequences | None = None
+    masks_from_call: bool = False
+
+    def masking(self) -> Masking:
+        """The mask fields as one :class:`~lightning_streamkl.capture.masks.Masking`."""
+        return Masking(self.causal, self.window, self.key_padding_mask, self.query_mask, self.packed, self.attn_mask)
 
 
 def is_recording() -> bool:
@@ -96,6 +119,8 @@ class AttentionCapture(ABC):
         model: the module whose attention layers are captured; layer paths are relative to it.
         exclude: submodules of ``model`` to ignore (e.g. a teacher stored inside the student's
             LightningModule), with everything below them.
+        capture_values: also record the value tensors (``CapturedAttention.v``), e.g. for MiniLM-v2's value
+            relation (``"vv"``); off by default, so only queries and keys are held.
 
     Attributes:
         records: ``{layer path: CapturedAttention}`` of the layers recorded since the last :meth:`pop`.
@@ -115,10 +140,15 @@ class AttentionCapture(ABC):
     #: Short name used in messages ("hf", "mha", "recorder").
     kind: str = "custom"
 
-    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> None:
+    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = (), capture_values: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected argument `model` to be a torch.nn.Module, but got {type(model).__name__}.")
+        if not isinstance(capture_values, bool):
+            raise TypeError(
+                f"Expected argument `capture_values` to be a bool, but got {type(capture_values).__name__}."
+            )
         self.model = model
+        self.capture_values = capture_values
         self._exclude_ids = {id(m) for m in exclude if m is not model}
         self.records: dict[str, CapturedAttention] = {}
         self.selected: set[str] | None = None
@@ -207,15 +237,24 @@ class AttentionCapture(ABC):
         note: str | None = None,
         layer_idx: int | None = None,
         v: torch.Tensor | None = None,
+        window: tuple[int, int] | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        query_mask: torch.Tensor | None = None,
+        packed: PackedSequences | None = None,
+        masks_from_call: bool = False,
     ) -> None:
-        """Store the ``(q, k)`` (and values ``v``, when given) of layer ``name`` (ignored when the layer is not
-        selected).
+        """Store the call of layer ``name`` (ignored when the layer is not selected); see :class:`CapturedAttention`.
 
-        A layer that runs twice in one recording (a module reused across depths) keeps its last call.
+        ``v`` is kept only when the capture was made with ``capture_values=True``. A layer that runs twice in one
+        recording (a module reused across depths) keeps its last call.
         """
         if self.selected is not None and name not in self.selected:
             return
-        self.records[name] = CapturedAttention(q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v=v)
+        self.records[name] = CapturedAttention(
+            q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v if self.capture_values else None,
+            window, softcap, sinks, attn_mask, query_mask, packed, masks_from_call)
 
     @property
     def is_recording(self) -> bool:

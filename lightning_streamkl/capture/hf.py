@@ -2,43 +2,63 @@ r"""
 Hugging Face transformers capture
 ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 
-Capture through the attention interface of transformers (5.x; 4.48+ best effort): while recording, the
-model's attention implementation is switched to ``"streamkl_<original>"``, a registered attention function
-that records the post-RoPE queries and the un-repeated (GQA) keys of each layer and then calls the original
-implementation, so sdpa / flash / eager keep computing the model's output.
+Capture through the attention interface of transformers (5.x): while a capture records, every function registered
+in ``ALL_ATTENTION_FUNCTIONS`` (the mapping the attention modules' code reads) and the module-level
+``eager_attention_forward`` of each captured module's code (what ``get_interface("eager", ...)`` falls back to)
+are replaced by a wrapper that records the call of the captured modules and then calls the original function with
+the same arguments. Nothing about the model changes: its config keeps its implementation name, so the mask
+builder and flash-attention's loader see what they see without capture, and the implementation receives exactly
+the name, arguments and mask it would have received. The replacements are counted and undone when the last
+capture that needs them stops.
 
-The same name is registered as a *mask* function too (the original's mask builder): transformers builds the
-causal / padding mask only for names it finds in ``AttentionMaskInterface``, and a name registered only as an
-attention function would get ``attention_mask=None`` and silently lose causal masking. When recording ends the
-original implementation name is restored, so nothing is left behind in the model's config.
+A record holds the post-RoPE query, the key (and, when asked, the value) before GQA repetition, the layer's
+``scaling``, ``softcap`` and sinks (``s_aux``), and the complete mask of the call, read from what the
+implementation received (:mod:`lightning_streamkl.capture.masks`): a 4D boolean or additive mask, or a
+FlexAttention ``BlockMask``, is mapped to causal / window / key padding / packed documents when it equals them,
+else kept as a general mask; flash-attention calls are read from their padding mask, ``cu_seq_lens_*``,
+``position_ids`` and ``sliding_window``; no mask means what it means to the implementation (sdpa: causal from
+``is_causal``; eager and flex: no mask).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from .base import AttentionCapture
+from .masks import Masking, allowed_map, describe_allowed, flash_masking
 
 log = logging.getLogger(__name__)
 
-#: Prefix of the attention implementation names registered by this module.
-CAPTURE_PREFIX = "streamkl_"
+#: Attention keyword arguments that add something attention_kl cannot express; a layer whose call carries one
+#: is refused.
+REFUSED_KWARGS = {
+    "position_bias": "a score bias (a T5-style relative position bias)",
+    "indices": "a sparse selection of keys per query (top-k key indices)",
+    "block_indices": "a sparse selection of key blocks per query",
+}
+#: Call arguments of an attention module that make the call cross-attention when given.
+CROSS_ATTENTION_ARGS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
 
 # id(attention module) -> the HF captures that currently record it
 _OWNERS: dict[int, list[HFAttentionCapture]] = {}
-# id(config) -> [config, original implementation, number of captures that switched it]
-_SWITCHED: dict[int, list[Any]] = {}
-_REGISTERED: set[str] = set()
+# (id(mapping), key) -> the replacement of one registered function
+_PATCHES: dict[tuple[int, str], _Patch] = {}
+# id(attention module) -> leaf copies of a call recorded without autograd (reentrant activation checkpointing)
+_PENDING: dict[int, _Pending] = {}
+# id(mask) -> (mask, key, Masking): a mask object's reading, shared by the layers of one forward pass
+_MASKS: dict[int, tuple[Any, tuple, Masking]] = {}
 _USES_INTERFACE: dict[type, bool] = {}
-# attention kwargs that make the layer's distribution differ from softmax(q kᵀ · scale) under causal/padding masks
-_INEXACT_KWARGS = ("sliding_window", "softcap", "position_bias", "s_aux", "sinks")
+_SIGNATURES: dict[Any, inspect.Signature | None] = {}
 
 
 def transformers_available() -> bool:
@@ -72,20 +92,14 @@ def is_hf_model(model: nn.Module) -> bool:
     return any(isinstance(m, PreTrainedModel) for m in model.modules())
 
 
-def _interfaces() -> tuple[Any, Any, Any | None, Any | None]:
+def _check_transformers() -> None:
     try:
-        from transformers import AttentionInterface
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: F401
     except ImportError as err:  # pragma: no cover - transformers < 4.48
         raise ImportError(
             "Capturing a Hugging Face model needs transformers>=4.48 (the AttentionInterface); upgrade it, or call "
             "lightning_streamkl.capture.record(...) from the attention code and use the 'recorder' capture."
         ) from err
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    except ImportError:  # pragma: no cover - transformers 4.x before masking_utils: masks are built per model
-        ALL_MASK_ATTENTION_FUNCTIONS = AttentionMaskInterface = None
-    return AttentionInterface, ALL_ATTENTION_FUNCTIONS, AttentionMaskInterface, ALL_MASK_ATTENTION_FUNCTIONS
 
 
 def uses_attention_interface(module: nn.Module) -> bool:
@@ -113,69 +127,277 @@ def uses_attention_interface(module: nn.Module) -> bool:
     return _USES_INTERFACE[cls]
 
 
-def _original_function(original: str, module: nn.Module) -> Callable[..., Any]:
-    _, all_attention, _, _ = _interfaces()
-    if original != "eager":
-        return all_attention[original]
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        raise RuntimeError(
-            f"{type(module).__name__} runs the 'eager' attention implementation, but its module "
-            f"{type(module).__module__} defines no `eager_attention_forward` to delegate to; switch the model to "
-            "attn_implementation='sdpa' before distilling."
-        )
-    return fn
-
-
-def _capturing_attention(original: str) -> Callable[..., Any]:
-    def streamkl_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        for capture in tuple(_OWNERS.get(id(module), ())):
-            if capture.is_recording:
-                capture._record_call(module, query, key, kwargs)
-        return _original_function(original, module)(module, query, key, value, attention_mask, *args, **kwargs)
-
-    streamkl_attention.__name__ = f"{CAPTURE_PREFIX}{original}_attention"
-    return streamkl_attention
-
-
-def capture_implementation(original: str) -> str:
-    """Register (once) and return the capturing implementation name that wraps ``original``.
+def implementation_kind(name: str) -> str:
+    """How an implementation registered under ``name`` reads its mask: ``"eager"``, ``"sdpa"``, ``"flash"``,
+    ``"flex"`` or ``"custom"`` (transformers' own test for flash is ``"flash" in name``).
 
     Example:
-        >>> capture_implementation("sdpa")
-        'streamkl_sdpa'
+        >>> [implementation_kind(n) for n in ("eager", "paged|sdpa", "flash_attention_2", "flex_attention", "mine")]
+        ['eager', 'sdpa', 'flash', 'flex', 'custom']
     """
-    name = f"{CAPTURE_PREFIX}{original}"
-    if name not in _REGISTERED:
-        attention_interface, _, mask_interface, all_masks = _interfaces()
-        attention_interface.register(name, _capturing_attention(original))
-        # Same name as a mask function, or transformers would build no causal/padding mask for it.
-        if mask_interface is not None and original in all_masks._global_mapping:
-            mask_interface.register(name, all_masks[original])
-        _REGISTERED.add(name)
-    return name
+    if name in ("eager", "paged|eager"):
+        return "eager"
+    if "flash" in name:
+        return "flash"
+    if "flex" in name:
+        return "flex"
+    if "sdpa" in name:
+        return "sdpa"
+    return "custom"
 
 
-def _set_implementation(config: Any, name: str) -> None:
-    if hasattr(config, "_attn_implementation_internal"):
-        config._attn_implementation_internal = name  # the setter of `_attn_implementation` recurses into sub-configs
-    else:  # pragma: no cover - older configs
-        config._attn_implementation = name
+# ---------------------------------------------------------------------------------------------- the replacements
+@dataclass
+class _Patch:
+    target: dict
+    key: str
+    original: Callable[..., Any]
+    wrapper: Callable[..., Any]
+    count: int = 0
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    if fn not in _SIGNATURES:
+        try:
+            _SIGNATURES[fn] = inspect.signature(fn)
+        except (TypeError, ValueError):
+            _SIGNATURES[fn] = None
+    return _SIGNATURES[fn]
+
+
+def _capturing(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``original`` with the calls of captured modules recorded first; every argument passes through unchanged."""
+
+    @functools.wraps(original)
+    def streamkl_capturing_attention(*args: Any, **kwargs: Any) -> Any:
+        module = args[0] if args else kwargs.get("module")
+        if id(module) in _OWNERS or id(module) in _PENDING:
+            _observe(original, name, args, kwargs)
+        return original(*args, **kwargs)
+
+    return streamkl_capturing_attention
+
+
+def _patch_targets(module: nn.Module) -> list[tuple[dict, str, str]]:
+    """``(mapping, key, implementation name)`` of every function the forward of ``module`` may dispatch to."""
+    scope = getattr(inspect.unwrap(type(module).forward), "__globals__", {})
+    targets = []
+    interface = scope.get("ALL_ATTENTION_FUNCTIONS")
+    mappings = (interface,) if isinstance(interface, dict) else (  # a plain dict before AttentionInterface (4.48)
+        getattr(interface, "_global_mapping", None), getattr(interface, "_local_mapping", None))
+    for mapping in mappings:
+        if isinstance(mapping, dict):
+            targets += [(mapping, key, key) for key, fn in mapping.items() if callable(fn)]
+    if callable(scope.get("eager_attention_forward")):
+        targets.append((scope, "eager_attention_forward", "eager"))
+    return targets
+
+
+def _retain(target: dict, key: str, name: str) -> tuple[int, str]:
+    handle = (id(target), key)
+    patch = _PATCHES.get(handle)
+    if patch is None:
+        original = target[key]
+        patch = _PATCHES[handle] = _Patch(target, key, original, _capturing(original, name))
+        target[key] = patch.wrapper
+    elif target.get(key) is not patch.wrapper:  # another function was registered under the name meanwhile
+        patch.original, patch.wrapper = target[key], _capturing(target[key], name)
+        target[key] = patch.wrapper
+    patch.count += 1
+    return handle
+
+
+def _release(handles: Iterable[tuple[int, str]]) -> None:
+    for handle in handles:
+        patch = _PATCHES.get(handle)
+        if patch is None:  # pragma: no cover - defensive
+            continue
+        patch.count -= 1
+        if patch.count <= 0:
+            if patch.target.get(patch.key) is patch.wrapper:  # unless someone registered another function since
+                patch.target[patch.key] = patch.original
+            del _PATCHES[handle]
+
+
+def _retain_again(handles: Iterable[tuple[int, str]]) -> list[tuple[int, str]]:
+    kept = []
+    for handle in handles:
+        if handle in _PATCHES:
+            _PATCHES[handle].count += 1
+            kept.append(handle)
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------- reentrant checkpointing
+@dataclass
+class _Pending:
+    """Leaf copies of one call recorded without autograd, waiting for the call's recomputation in the backward."""
+
+    leaves: tuple[torch.Tensor | None, ...]
+    handles: list[tuple[int, str]]
+
+    def attach(self, recomputed: tuple[torch.Tensor | None, ...]) -> None:
+        for leaf, tensor in zip(self.leaves, recomputed):
+            if leaf is not None and tensor is not None and tensor.requires_grad and tensor.shape == leaf.shape:
+                tensor.register_hook(_adds_gradient_of(leaf))
+        self.drop()
+
+    def drop(self) -> None:
+        _release(self.handles)
+        self.handles = []
+
+
+def _adds_gradient_of(leaf: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        extra, leaf.grad = leaf.grad, None
+        return grad if extra is None else grad + extra.to(grad.dtype)
+
+    return hook
+
+
+def _drop_pending(module_id: int) -> None:
+    pending = _PENDING.pop(module_id, None)
+    if pending is not None:
+        pending.drop()
+
+
+def _in_reentrant_checkpoint(depth: int = 200) -> bool:
+    """True when called from the first forward of reentrant activation checkpointing (``CheckpointFunction.forward``,
+    which runs its segment under ``no_grad``)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    code = inspect.unwrap(CheckpointFunction.forward).__code__
+    frame = sys._getframe(1)
+    while frame is not None and depth > 0:
+        if frame.f_code is code:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def _without_graph() -> bool:
+    """True for the first forward of a reentrant checkpointed segment: the call runs without autograd, so the
+    recorded tensors carry no graph, and the backward will recompute it."""
+    return not torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and _in_reentrant_checkpoint()
+
+
+# ---------------------------------------------------------------------------------------------- one call
+@torch.compiler.disable
+def _observe(original: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    signature = _signature(original)
+    try:
+        bound = signature.bind(*args, **kwargs).arguments if signature is not None else None
+    except TypeError:
+        bound = None
+    if bound is None:  # an unusual signature: the documented positional order
+        bound = dict(zip(("module", "query", "key", "value", "attention_mask"), args)) | kwargs
+    call = {}
+    for key, value in bound.items():
+        param = signature.parameters.get(key) if signature is not None else None
+        if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        else:
+            call[key] = value
+    module = call.pop("module", None)
+    query, key, value = call.pop("query", None), call.pop("key", None), call.pop("value", None)
+    mask = call.pop("attention_mask", None)
+    if module is None or query is None or key is None:  # pragma: no cover - not an attention call
+        return
+    if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward (activation checkpointing)
+        pending = _PENDING.pop(id(module), None)
+        if pending is not None and torch.is_grad_enabled():
+            pending.attach((query, key, value))
+        elif pending is not None:
+            pending.drop()
+        return
+    for capture in tuple(_OWNERS.get(id(module), ())):
+        if capture.is_recording:
+            capture._record_call(name, module, query, key, value, mask, call)
+
+
+def _causal_flag(module: nn.Module, kwargs: dict[str, Any]) -> bool | None:
+    flag = kwargs.get("is_causal")
+    if flag is None:
+        flag = getattr(module, "is_causal", None)
+    return None if flag is None else bool(flag)
+
+
+def call_masking(name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: Any,
+                 kwargs: dict[str, Any], *, self_attention: bool) -> Masking:
+    """The complete mask of one attention call, as the implementation registered under ``name`` applies it.
+
+    * a 4D (or 3D) boolean or additive mask, or a ``BlockMask``: the mask is the whole truth (``is_causal`` is not
+      read, as sdpa, eager and flex do not read it then); mapped to structured options when it equals them;
+    * a ``[B, N]`` mask (flash-attention, or a custom implementation): a padding mask, read as flash-attention reads
+      it, with ``is_causal`` (call argument, else ``module.is_causal``) and ``sliding_window``;
+    * no mask: sdpa is causal when ``is_causal`` (default True) and ``N_q > 1``; flash-attention and custom
+      implementations follow ``is_causal``, ``sliding_window`` and packed sequences (flash-attention also reads
+      restarting ``position_ids``); eager and flex attend to every key.
+
+    Raises:
+        ValueError: an additive mask holding a bias, or a ``[B, N]`` mask given to sdpa, eager or flex.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> from transformers.models.llama.modeling_llama import LlamaAttention
+        >>> attn = LlamaAttention(LlamaConfig(hidden_size=8, num_attention_heads=2), 0)
+        >>> q = torch.randn(1, 2, 5, 4)
+        >>> call_masking("sdpa", attn, q, q, None, {}, self_attention=True).summary()
+        'causal'
+        >>> call_masking("eager", attn, q, q, None, {}, self_attention=True).summary()
+        'bidirectional'
+        >>> pos = torch.tensor([[0, 1, 2, 0, 1]])
+        >>> call_masking("flash_attention_2", attn, q, q, None, {"position_ids": pos}, self_attention=True).summary()
+        'causal, 2 packed sequences'
+    """
+    kind = implementation_kind(name)
+    batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    flag = _causal_flag(module, kwargs)
+    two_d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    if mask is not None and not two_d:
+        version = mask._version if isinstance(mask, torch.Tensor) and not mask.is_inference() else None
+        cache_key = (kind, batch, n_q, n_k, self_attention, version)
+        cached = _MASKS.get(id(mask))
+        if cached is not None and cached[0] is mask and cached[1] == cache_key:
+            return cached[2]
+        masking = describe_allowed(allowed_map(mask, n_q, n_k), batch, self_attention=self_attention)
+        _MASKS[id(mask)] = (mask, cache_key, masking)
+        return masking
+    if two_d and kind in ("sdpa", "eager", "flex"):
+        raise ValueError(
+            f"{type(module).__name__} passed a [B, N] attention mask of shape {tuple(mask.shape)} to the {name!r} "
+            "implementation, which takes a 4D mask; StreamKL cannot tell what it applied."
+        )
+    if kind in ("eager", "flex") or (kind == "sdpa" and mask is None and flag is False):
+        return Masking(causal=False)
+    if kind == "sdpa":
+        return Masking(causal=n_q > 1)
+    if kind != "flash":
+        kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}  # only flash-attention infers packing
+    return flash_masking(mask, batch, n_q, n_k, kwargs, flag, self_attention=self_attention)
 
 
 class HFAttentionCapture(AttentionCapture):
-    """Capture ``(q, k)`` from transformers models through a registered attention function.
+    """Capture transformers attention calls (queries, keys, masks, soft-caps, sinks) through the attention interface.
 
     Every module whose ``forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS`` is a layer (Llama's
     ``model.layers.<i>.self_attn``, BERT's ``encoder.layer.<i>.attention.self``, ...); a layer's index is its
-    position in module order, which equals ``layer_idx`` for decoder-only and encoder-only models. The record
-    holds the post-RoPE query ``[B, H, N, D]``, the key ``[B, H_kv, N, D]`` before GQA repetition, the layer's
-    ``scaling``, its causality (the ``is_causal`` call argument, else ``module.is_causal``) and ``layer_idx``.
+    position in module order, which equals ``layer_idx`` for decoder-only and encoder-only models. Works under every
+    implementation (eager, sdpa, flash-attention 2/3/4, flex, registered custom ones), whose name, arguments and mask
+    are never changed. See :class:`~lightning_streamkl.capture.CapturedAttention` for what a record holds.
+
+    Under reentrant activation checkpointing the first forward runs without autograd: the record then holds leaf
+    copies of the query and key, and when the backward recomputes the call, their gradients are added to the
+    recomputed tensors', so the distillation term trains the student as without checkpointing.
 
     Args:
         model: a ``PreTrainedModel`` or any module containing them (e.g. a LightningModule).
         exclude: submodules to ignore.
+        capture_values: also record the values ``[B, H_kv, N, D_v]``.
+
+    Raises:
+        ValueError: (while recording) a captured call whose attention adds what attention_kl cannot express
+            (:data:`REFUSED_KWARGS`, or an additive mask holding a bias).
 
     Example:
         >>> import torch
@@ -186,35 +408,29 @@ class HFAttentionCapture(AttentionCapture):
         >>> capture = HFAttentionCapture(model)
         >>> capture.layer_names()
         ['model.layers.0.self_attn', 'model.layers.1.self_attn']
+        >>> mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
         >>> with capture.recording():
-        ...     _ = model(torch.randint(0, 50, (2, 6)))
+        ...     _ = model(torch.randint(0, 50, (2, 6)), attention_mask=mask)
         >>> r = capture.records["model.layers.1.self_attn"]
         >>> tuple(r.q.shape), tuple(r.k.shape), r.scale, r.causal, r.layer_idx, model.config._attn_implementation
         ((2, 4, 6, 8), (2, 2, 6, 8), 0.3535533905932738, True, 1, 'sdpa')
+        >>> r.key_padding_mask.int().tolist()
+        [[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]
     """
 
     kind = "hf"
 
-    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> None:
-        super().__init__(model, exclude=exclude)
-        _interfaces()  # fail early without a usable transformers
-        self._configs: list[Any] = []
+    def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = (), capture_values: bool = False) -> None:
+        super().__init__(model, exclude=exclude, capture_values=capture_values)
+        _check_transformers()
         self._owned: list[nn.Module] = []
-        self._warned: set[str] = set()
+        self._handles: dict[int, list[tuple[int, str]]] = {}
+        self._hooks: list[Any] = []
+        self._cross: dict[int, bool] = {}
 
     def find_layers(self) -> list[str]:
         """Module paths of the attention modules that use transformers' attention interface."""
         return [name for name, m in self.named_modules() if uses_attention_interface(m)]
-
-    def _model_configs(self) -> list[Any]:
-        from transformers import PreTrainedModel
-
-        configs: dict[int, Any] = {}
-        for _, m in self.named_modules():
-            owns_config = isinstance(m, PreTrainedModel) or uses_attention_interface(m)
-            if owns_config and hasattr(getattr(m, "config", None), "_attn_implementation"):
-                configs.setdefault(id(m.config), m.config)
-        return list(configs.values())
 
     def _attach(self) -> None:
         names = self.layer_names()
@@ -222,52 +438,75 @@ class HFAttentionCapture(AttentionCapture):
         modules = dict(self.named_modules())
         self._owned = [modules[n] for n in wanted]
         for m in self._owned:
+            _drop_pending(id(m))  # a previous step's copies whose backward never came
             _OWNERS.setdefault(id(m), []).append(self)
-        self._configs = self._model_configs()
-        for config in self._configs:
-            entry = _SWITCHED.get(id(config))
-            if entry is None:
-                original = config._attn_implementation or "eager"
-                if isinstance(original, str) and original.startswith(CAPTURE_PREFIX):  # pragma: no cover
-                    original = original[len(CAPTURE_PREFIX):]
-                entry = _SWITCHED[id(config)] = [config, original, 0]
-                _set_implementation(config, capture_implementation(original))
-            entry[2] += 1
+            self._handles[id(m)] = [_retain(target, key, name) for target, key, name in _patch_targets(m)]
+            self._hooks.append(m.register_forward_pre_hook(self._note_call, with_kwargs=True))
 
     def _detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         for m in self._owned:
             owners = _OWNERS.get(id(m), [])
             if self in owners:
                 owners.remove(self)
             if not owners:
                 _OWNERS.pop(id(m), None)
+            _release(self._handles.pop(id(m), []))
         self._owned = []
-        for config in self._configs:
-            entry = _SWITCHED.get(id(config))
-            if entry is None:  # pragma: no cover - defensive
-                continue
-            entry[2] -= 1
-            if entry[2] <= 0:
-                _set_implementation(config, entry[1])
-                del _SWITCHED[id(config)]
-        self._configs = []
+        self._cross = {}
+        if not _OWNERS:
+            _MASKS.clear()
 
-    def _record_call(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        name = self.module_path(module)
-        if name is None:  # pragma: no cover - defensive
+    def _note_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: whether this call of ``module`` is cross-attention (keys from other states)."""
+        cross = bool(getattr(module, "is_cross_attention", False))
+        if not cross:
+            named = dict(kwargs)
+            signature = _signature(type(module).forward)
+            if signature is not None:
+                with contextlib.suppress(TypeError):
+                    named = signature.bind_partial(module, *args, **kwargs).arguments
+            cross = any(named.get(arg) is not None for arg in CROSS_ATTENTION_ARGS)
+        self._cross[id(module)] = cross
+
+    def _record_call(self, name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor | None, mask: Any, kwargs: dict[str, Any]) -> None:
+        path = self.module_path(module)
+        if path is None:  # pragma: no cover - defensive
             return
-        causal = kwargs.get("is_causal")
-        if causal is None:
-            causal = getattr(module, "is_causal", None)
-        if causal is not None and getattr(getattr(module, "config", None), "is_causal", True) is False:
-            causal = False  # decoder used bidirectionally (config.is_causal=False)
-        odd = [k for k in _INEXACT_KWARGS if kwargs.get(k) is not None]
-        if getattr(module, "sliding_window", None) is not None and "sliding_window" not in odd:
-            odd.append("sliding_window")
-        note = None
-        if odd:
-            note = f"{type(module).__name__} attention uses {odd}, which attention_kl does not model"
-        scale = kwargs.get("scaling")
-        self.record(name, query, key, scale=None if scale is None else float(scale),
-                    causal=None if causal is None else bool(causal), exact=not odd, note=note,
-                    layer_idx=getattr(module, "layer_idx", None))
+        where = f"the attention layer {path!r} ({type(module).__name__}, implementation {name!r})"
+        for arg, what in REFUSED_KWARGS.items():
+            if kwargs.get(arg) is not None:
+                raise ValueError(
+                    f"StreamKL cannot distil {where}: its attention adds {what} (`{arg}`), which attention_kl cannot "
+                    "express. Pair other layers, or record the layer's queries and keys yourself with "
+                    "lightning_streamkl.capture.record()."
+                )
+        cross = self._cross.get(id(module), bool(getattr(module, "is_cross_attention", False)))
+        try:
+            masking = call_masking(name, module, query, key, mask, kwargs, self_attention=not cross)
+        except ValueError as err:
+            raise ValueError(f"StreamKL cannot distil {where}: {err}") from err
+        if implementation_kind(name) == "sdpa" and mask is None and masking.causal and key.shape[2] > query.shape[2]:
+            # sdpa's is_causal is top-left aligned: transformers keeps the first N_q keys (prefill of a static cache)
+            key = key[:, :, :query.shape[2]]
+            value = None if value is None else value[:, :, :query.shape[2]]
+        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+        if sinks is not None and (sinks.dim() != 1 or sinks.numel() != query.shape[1]):
+            raise ValueError(
+                f"StreamKL cannot distil {where}: expected one sink logit per query head ({query.shape[1]}), but the "
+                f"call passed sinks of shape {tuple(sinks.shape)}."
+            )
+        softcap, scale = kwargs.get("softcap"), kwargs.get("scaling")
+        value = value if self.capture_values else None
+        if _without_graph():  # kept until the recomputation (or this module's next recording)
+            query, key, value = (None if t is None else t.detach().requires_grad_() for t in (query, key, value))
+            _drop_pending(id(module))
+            _PENDING[id(module)] = _Pending((query, key, value), _retain_again(self._handles.get(id(module), [])))
+        self.record(path, query, key, scale=None if scale is None else float(scale), causal=masking.causal,
+                    key_padding_mask=masking.key_padding_mask, layer_idx=getattr(module, "layer_idx", None),
+                    v=value, window=masking.window, softcap=None if softcap is None else float(softcap),
+                    sinks=sinks, attn_mask=masking.attn_mask, query_mask=masking.query_mask, packed=masking.packed,
+                    masks_from_call=True)

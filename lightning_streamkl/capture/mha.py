@@ -18,35 +18,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import AttentionCapture
+from .masks import MASKED_BELOW, Masking, allowed_map, describe_allowed
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
-
-
-def _is_causal_pattern(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
-    """True when ``mask`` ([N_q, N_k], bool True = masked, or additive float) is the causal mask."""
-    if mask.dim() != 2 or tuple(mask.shape) != (n_q, n_k):
-        return False
-    future = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).triu(1 + n_k - n_q)
-    blocked = mask if mask.dtype == torch.bool else torch.isneginf(mask)
-    if mask.dtype != torch.bool and bool((mask[~blocked] != 0).any()):
-        return False
-    return bool(torch.equal(blocked, future))
 
 
 class MultiheadAttentionCapture(AttentionCapture):
     """Capture ``(q, k)`` of every ``torch.nn.MultiheadAttention`` in a model.
 
     The record holds ``q [B, H, N_q, D]`` and ``k [B, H, N_k, D]`` (``D = embed_dim // num_heads``, scale
-    ``1/sqrt(D)``), the call's ``key_padding_mask`` converted to True = real key, and ``causal`` from
-    ``is_causal=True`` or an ``attn_mask`` equal to the causal mask. Any other ``attn_mask`` is recorded as
-    inexact (it is not applied by ``attention_kl``). Layers with ``add_bias_kv`` or ``add_zero_attn`` are
-    rejected. With ``capture_values=True`` the record also holds the values ``v [B, H, N_k, D]`` (a third
-    ``linear``), which MiniLM-v2's value relation (``"vv"``) needs.
+    ``1/sqrt(D)``; with ``capture_values``, ``v`` too) and the call's complete mask: its ``key_padding_mask``
+    (True = real key; an additive one may hold only 0 and masking values), ``causal`` from ``is_causal=True``, and any
+    ``attn_mask`` (bool, True = masked, or additive; ``[N_q, N_k]`` or ``[B·H, N_q, N_k]``) mapped to causal / window
+    / packed documents when it equals them, else kept as a general mask. For self-attention (the same tensor as
+    query and key) the padded positions' rows are not counted. Layers with ``add_bias_kv`` or ``add_zero_attn`` are
+    rejected.
 
     Args:
         model: the model whose ``nn.MultiheadAttention`` layers are captured.
         exclude: submodules to ignore.
-        capture_values: also record the value projections. Default: ``False``.
+        capture_values: also record the values ``v [B, H, N_k, D]`` (a third ``linear``), which MiniLM-v2's value
+            relation (``"vv"``) needs. Default: ``False``.
 
     Example:
         >>> import torch
@@ -66,9 +58,8 @@ class MultiheadAttentionCapture(AttentionCapture):
     kind = "mha"
 
     def __init__(self, model: nn.Module, *, exclude: Iterable[nn.Module] = (), capture_values: bool = False) -> None:
-        super().__init__(model, exclude=exclude)
+        super().__init__(model, exclude=exclude, capture_values=capture_values)
         self._handles: list[Any] = []
-        self.capture_values = bool(capture_values)
 
     def find_layers(self) -> list[str]:
         """Module paths of the ``nn.MultiheadAttention`` modules."""
@@ -101,6 +92,7 @@ class MultiheadAttentionCapture(AttentionCapture):
 
     def _record_call(self, name: str, m: nn.MultiheadAttention, call: dict[str, Any]) -> None:
         query, key, value = call["query"], call["key"], call["value"]
+        self_attention = query is key
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)  # (N, E) -> (N, 1, E)
@@ -116,25 +108,37 @@ class MultiheadAttentionCapture(AttentionCapture):
         n_q, batch, n_k, heads = query.shape[0], query.shape[1], key.shape[0], m.num_heads
         q = F.linear(query, w_q, b_q).view(n_q, batch, heads, m.head_dim).permute(1, 2, 0, 3)
         k = F.linear(key, w_k, b_k).view(n_k, batch, heads, m.head_dim).permute(1, 2, 0, 3)
-        v = F.linear(value, w_v, b_v).view(n_k, batch, heads, m.head_dim).permute(1, 2, 0, 3) \
-            if self.capture_values else None
+        v = None
+        if self.capture_values:
+            v = F.linear(value, w_v, b_v).view(n_k, batch, heads, -1).permute(1, 2, 0, 3)
+        masking = self._masking(name, call, unbatched, batch, heads, n_q, n_k, self_attention)
+        self.record(name, q, k, scale=None, causal=masking.causal, key_padding_mask=masking.key_padding_mask, v=v,
+                    window=masking.window, attn_mask=masking.attn_mask, query_mask=masking.query_mask,
+                    packed=masking.packed, masks_from_call=True)
 
-        notes = []
+    @staticmethod
+    def _masking(name: str, call: dict[str, Any], unbatched: bool, batch: int, heads: int, n_q: int, n_k: int,
+                 self_attention: bool) -> Masking:
         kpm = call.get("key_padding_mask")
         if kpm is not None:
             if unbatched:
                 kpm = kpm.unsqueeze(0)
-            if kpm.dtype == torch.bool:
-                kpm = ~kpm
-            else:
-                if bool((~torch.isneginf(kpm) & (kpm != 0)).any()):
-                    notes.append("a float key_padding_mask with values other than 0/-inf")
-                kpm = kpm == 0
-        causal = bool(call.get("is_causal", False))
+            if kpm.dtype != torch.bool and bool((~(kpm == 0) & ~(kpm <= MASKED_BELOW)).any()):
+                raise ValueError(
+                    f"StreamKL cannot distil nn.MultiheadAttention {name!r}: its float key_padding_mask holds values "
+                    "other than 0 and a masking value (a score bias, which attention_kl cannot express)."
+                )
+            kpm = ~kpm if kpm.dtype == torch.bool else kpm == 0
+            kpm = None if bool(kpm.all()) else kpm
         attn_mask = call.get("attn_mask")
-        if attn_mask is not None and not causal:
-            causal = _is_causal_pattern(attn_mask, n_q, n_k)
-            if not causal:
-                notes.append("an attn_mask that is not the causal mask")
-        self.record(name, q, k, scale=None, causal=causal, key_padding_mask=kpm, exact=not notes,
-                    note=f"nn.MultiheadAttention call with {' and '.join(notes)}" if notes else None, v=v)
+        causal = bool(call.get("is_causal", False))
+        if attn_mask is None or causal:
+            return Masking(causal, None, kpm, kpm if self_attention and n_q == n_k else None)
+        mask = attn_mask.view(batch, heads, n_q, n_k) if attn_mask.dim() == 3 else attn_mask
+        try:
+            allowed = allowed_map(mask, n_q, n_k, blocked=True)
+        except ValueError as err:
+            raise ValueError(f"StreamKL cannot distil nn.MultiheadAttention {name!r}: {err}") from err
+        if kpm is not None:
+            allowed = allowed & kpm[:, None, None, :]
+        return describe_allowed(allowed, batch, self_attention=self_attention)

@@ -25,9 +25,12 @@ def record(
     causal: bool | None = None,
     key_padding_mask: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> None:
-    """Hand the queries and keys (and, for the ``"vv"`` relation, the values) of one attention call to the captures
-    that are recording.
+    """Hand the queries and keys of one attention call to the captures that are recording.
 
     Call it from a custom attention module's ``forward``; outside a recording block it does nothing.
 
@@ -39,8 +42,12 @@ def record(
         scale: the score scale; ``None`` means ``1 / sqrt(D)``.
         causal: whether the layer masks future keys; ``None`` leaves it to the distillation config.
         key_padding_mask: ``[B, N_k]`` bool, True for real keys; ``None`` uses the batch's padding mask.
-        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition), for MiniLM-v2's value relation (``"vv"``);
-            ``None`` when no pair needs them.
+        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition), for MiniLM-v2's value relation (``"vv"``); kept
+            by captures made with ``capture_values=True`` (the engine's, when a pair compares ``"vv"``).
+        window: ``(left, right)`` sliding window (flash-attn convention, −1 unbounded), if the layer has one.
+        softcap: the layer's logit soft-cap, if any.
+        sinks: ``[H]`` sink logits, if the layer has attention sinks.
+        attn_mask: ``[B|1, H|1, N_q, N_k]`` bool (True = allowed), any other mask the layer applies.
 
     Example:
         >>> import torch
@@ -67,7 +74,8 @@ def record(
                 continue
         else:
             name = str(layer)
-        capture.record(name, q, k, scale=scale, causal=causal, key_padding_mask=key_padding_mask, v=v)
+        capture.record(name, q, k, scale=scale, causal=causal, key_padding_mask=key_padding_mask, v=v, window=window,
+                       softcap=softcap, sinks=sinks, attn_mask=attn_mask)
 
 
 class RecorderCapture(AttentionCapture):
@@ -80,6 +88,7 @@ class RecorderCapture(AttentionCapture):
             (which is what ``record(self, ...)`` produces) and any other name is accepted until the first
             step shows it was never recorded.
         exclude: submodules to ignore (see :class:`AttentionCapture`).
+        capture_values: keep the values handed to :func:`record`.
 
     Example:
         >>> capture = RecorderCapture(nn.Identity(), names=["a", "b"])
@@ -89,8 +98,9 @@ class RecorderCapture(AttentionCapture):
 
     kind = "recorder"
 
-    def __init__(self, model: nn.Module, names: Iterable[str] | None = None, *, exclude: Iterable[nn.Module] = ()):
-        super().__init__(model, exclude=exclude)
+    def __init__(self, model: nn.Module, names: Iterable[str] | None = None, *, exclude: Iterable[nn.Module] = (),
+                 capture_values: bool = False):
+        super().__init__(model, exclude=exclude, capture_values=capture_values)
         self._names = None if names is None else [str(n) for n in names]
 
     def find_layers(self) -> list[str]:

@@ -19,11 +19,11 @@ LAYERS = {
     "loss": 2, "metrics": 2, "teacher": 2,
     "engine": 3,
     "step_wrapper": 4, "adapter": 5,
-    "callback": 6, "mixin": 6, "continual": 6,
+    "callback": 6, "mixin": 6, "continual": 6, "indexer": 6,
     "__init__": 7,
     "jobs": 8,
 }
-ADAPTERS = {"callback", "mixin", "continual"}
+ADAPTERS = {"callback", "mixin", "continual", "indexer"}
 LIGHTNING_FREE = {"options", "capture", "config", "loss", "metrics", "teacher", "engine"}
 
 

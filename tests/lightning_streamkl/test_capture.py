@@ -86,10 +86,10 @@ def test_mha_capture_in_a_transformer_and_flags():
     (rec,) = cap.records.values()
     assert list(cap.records) == ["layers.1.self_attn"] and rec.causal is False and rec.exact
 
-    with cap.recording():
-        model(x, mask=torch.randn(5, 5))  # an arbitrary float mask cannot be expressed
-    rec = cap.pop()["layers.1.self_attn"]
-    assert not rec.exact and "attn_mask that is not the causal mask" in rec.note
+    bias = r"'layers.1.self_attn'.*values other than 0 and a masking value.*score bias"
+    with pytest.raises(ValueError, match=bias), cap.recording():
+        model(x, mask=torch.randn(5, 5))  # an additive mask that is a bias: refused, never approximated
+    cap.clear()
     # hooks are removed after recording
     assert all(not m._forward_pre_hooks for m in model.modules())
 

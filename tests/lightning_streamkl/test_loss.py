@@ -99,14 +99,13 @@ def test_errors_name_the_pair_and_what_is_wrong():
         loss(records(a=(q, k)), records(b=(q, k)), key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
 
 
-def test_inexact_layers_warn_once():
+def test_inexact_records_are_refused():
+    """A record its adapter marked inexact would give a KL that is not the layers' own: the pair is refused."""
     q, k = qk()
-    t = {"a": CapturedAttention(q, k, causal=True, exact=False, note="LlamaAttention uses ['sliding_window']")}
+    t = {"a": CapturedAttention(q, k, causal=True, exact=False, note="a relative position bias")}
     loss = AttentionDistillationLoss({"pairs": [["a", "b"]]})
-    with pytest.warns(UserWarning, match=r"sliding_window.*computed from softmax\(q kᵀ · scale\) only"):
+    with pytest.raises(ValueError, match=r"teacher layer was recorded as inexact \(a relative position bias\)"):
         loss(t, records(b=(q, k)))
-    loss(t, records(b=(q, k)))  # no second warning (pytest would not fail, but the set keeps it quiet)
-    assert len(loss._warned) == 1
 
 
 def test_resolve_selects_only_paired_layers():

@@ -127,14 +127,54 @@ def test_relations_are_differentiable_for_the_student_only():
         torch.testing.assert_close(s[k].grad, ref[k].grad, rtol=1e-9, atol=1e-12)
 
 
+def test_relations_follow_the_calls_masks_packed_documents_and_causal():
+    """A record whose masks come from its call (packed documents, layout='thd'): each relation is computed within
+    each document, over the keys the layer allows, as the paper's relations of the documents one by one."""
+    from lightning_streamkl.capture import PackedSequences
+
+    t, s = qkv(b=1, h=4, n=7, d=8, seed=1), qkv(b=1, h=2, h_kv=2, n=7, d=8, seed=2)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    packed = PackedSequences(cu, cu, 4, 4)
+
+    def rec(x):
+        return CapturedAttention(x["q"], x["k"], causal=True, v=x["v"], packed=packed, masks_from_call=True)
+
+    loss = AttentionDistillationLoss({"pairs": [LayerPair("t", "s", name="p")], "relations": ["qq", "kk", "vv"],
+                                      "relation_heads": 4})
+    out = loss({"t": rec(t)}, {"s": rec(s)})
+    for relation, alpha in (("qq", "q"), ("kk", "k"), ("vv", "v")):
+        per_doc = []
+        for lo, hi in ((0, 3), (3, 7)):
+            doc_t = {a: x[:, :, lo:hi] for a, x in t.items()}
+            doc_s = {a: x[:, :, lo:hi] for a, x in s.items()}
+            m = paper_loss(doc_t, doc_s, 4, torch.ones(1, hi - lo, dtype=torch.bool), relations=(alpha,),
+                           causal=True)[alpha]
+            per_doc.append(m * (hi - lo))
+        torch.testing.assert_close(out.per_pair[f"p/{relation}"], sum(per_doc) / 7, rtol=1e-10, atol=1e-12)
+    assert out.rows.tolist() == [28.0, 28.0, 28.0]  # 7 tokens x 4 relation heads
+
+
+def test_a_relation_with_a_per_head_mask_is_refused():
+    t = qkv(b=1, h=4, n=5, d=8, seed=1)
+    allowed = torch.ones(1, 4, 5, 5, dtype=torch.bool)
+    allowed[:, 1, :, 0] = False  # head 1 may not see key 0: a mask per attention head
+
+    def rec(x):
+        return CapturedAttention(x["q"], x["k"], causal=False, v=x["v"], attn_mask=allowed, masks_from_call=True)
+
+    loss = AttentionDistillationLoss({"pairs": [["t", "s"]], "relations": ["kk"], "relation_heads": 2})
+    with pytest.raises(ValueError, match=r"relation 'kk': the layers' attention mask differs per head"):
+        loss({"t": rec(t)}, {"s": rec(t)})
+
+
 # ------------------------------------------------------------------------------------------ errors
 def test_a_value_relation_without_captured_values_fails_clearly():
     t, s = qkv(seed=1), qkv(seed=2)
     loss = AttentionDistillationLoss({"pairs": [LayerPair("t", "s", name="last")], "relations": ["vv"],
                                       "causal": False})
-    without = CapturedAttention(s["q"], s["k"], causal=False)  # what the Hugging Face capture records today
+    without = CapturedAttention(s["q"], s["k"], causal=False)  # what a capture without capture_values records
     with pytest.raises(ValueError, match=r"pair 'last' .*'vv' needs the student layer's values, but its record holds "
-                                         r"none\. The Hugging Face capture records them only with capture_values=True"):
+                                         r"none\. A capture keeps them only when made with capture_values=True"):
         loss({"t": as_record(t)}, {"s": without})
 
 
@@ -197,7 +237,8 @@ def test_the_engine_distils_relations_of_recorded_layers():
     with distiller.distilling(x) as kd:
         student(x)
     seen = {}
-    capture_t, capture_s = RecorderCapture(teacher), RecorderCapture(student)
+    assert distiller.teacher_capture.capture_values and distiller.student_capture.capture_values
+    capture_t, capture_s = RecorderCapture(teacher, capture_values=True), RecorderCapture(student, capture_values=True)
     with capture_t.recording(), torch.no_grad():
         teacher(x @ torch.ones(16, 24, dtype=F64))
     with capture_s.recording():
@@ -234,17 +275,63 @@ def test_the_mha_capture_projects_values_when_a_pair_needs_them():
     assert kd.requires_grad and float(kd.detach()) > 0
 
 
-def test_the_hf_capture_without_values_fails_at_the_first_step_with_the_message():
+def test_record_v_is_kept_only_by_captures_asked_for_values():
+    """record(v=) feeds the same field as the other captures' values, under the same rule: only when asked."""
+    layer = RecordingAttention(8, 2).to(F64)
+    x = torch.randn(1, 3, 8, dtype=F64)
+    for values in (False, True):
+        capture = RecorderCapture(layer, capture_values=values)
+        with capture.recording():
+            layer(x)
+        assert (capture.pop()[""].v is not None) is values
+
+
+def test_the_hf_capture_records_values_for_the_value_relation():
+    """A Hugging Face model's values come from its capture (the engine asks for them because a pair compares 'vv'):
+    the three relations equal the paper's on the layers' own projections (a hook on BERT's self-attention), with
+    padding; a capture made without values fails at the first step with the message."""
     pytest.importorskip("transformers")
+    from lightning_streamkl.capture import HFAttentionCapture
+
     from ._models import tiny_bert, token_batch
 
-    teacher, student = tiny_bert(seed=1), tiny_bert(heads=2, seed=2)
-    distiller = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "relations": ["qq", "kk", "vv"]}, student=student)
+    teacher, student = tiny_bert(seed=1, dtype=F64), tiny_bert(heads=2, seed=2, dtype=F64)
+    seen = {}
+
+    def keep(side):
+        def hook(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            shape = (*hidden.shape[:-1], -1, module.attention_head_size)
+            seen[side] = {a: proj(hidden).view(shape).transpose(1, 2).detach()
+                          for a, proj in (("q", module.query), ("k", module.key), ("v", module.value))}
+        return hook
+
+    for side, model in (("t", teacher), ("s", student)):
+        model.encoder.layer[-1].attention.self.register_forward_hook(keep(side), with_kwargs=True)
+    distiller = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "relations": ["qq", "kk", "vv"],
+                                             "relation_heads": 4}, student=student)
+    assert isinstance(distiller.teacher_capture, HFAttentionCapture) and distiller.teacher_capture.capture_values
+    batch = token_batch()
+    mask = batch["attention_mask"].bool()
+    assert not mask.all()
+    kd = distiller(batch)
+    ref = paper_loss(seen["t"], seen["s"], 4, mask)
+    torch.testing.assert_close(kd, ref["total"], rtol=1e-10, atol=1e-12)
+    kd.backward()
+    assert student.encoder.layer[-1].attention.self.value.weight.grad is not None
+
+    loss = AttentionDistillationLoss({"pairs": [[-1, -1]], "relations": ["vv"], "relation_heads": 4})
+    t_cap, s_cap = HFAttentionCapture(teacher), HFAttentionCapture(student)  # no capture_values
+    loss.resolve(t_cap, s_cap)
+    with torch.no_grad(), t_cap.recording():
+        teacher(**batch)
+    with torch.no_grad(), s_cap.recording():
+        student(**batch)
     with pytest.raises(ValueError, match="'vv' needs the teacher layer's values, but its record holds none"):
-        distiller(token_batch())
+        loss(t_cap.pop(), s_cap.pop())
     qk_only = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "relations": ["qq", "kk"], "relation_heads": 4},
                                  student=student)
-    assert float(qk_only(token_batch()).detach()) > 0  # queries and keys are captured today: their relations work
+    assert not qk_only.teacher_capture.capture_values  # values only when a pair compares them
 
 
 def test_relations_in_the_callback_and_the_mixin():

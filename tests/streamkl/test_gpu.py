@@ -197,3 +197,29 @@ def test_gpu_cuda_graph_capture_of_forward_and_backward():
     torch.testing.assert_close(static_loss, ref)
     torch.testing.assert_close(q_s.grad, ref_q.grad)
     torch.testing.assert_close(k_s.grad, ref_k.grad)
+
+
+def test_gpu_forward_and_backward_never_synchronise_with_the_host():
+    """No host synchronisation anywhere in the op's default path (masks, mean reduction, packed with both maxima
+    given, windows, caps, sinks): ``torch.cuda.set_sync_debug_mode("error")`` raises on any implicit sync."""
+    q_t, k_t, q_s, k_s = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q_s.requires_grad_(True)
+    kpm = torch.rand(2, 512, device="cuda") > 0.1
+    cu = torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda")
+    packed = [x.transpose(1, 2).reshape(1024, 4, 64) for x in (q_t, k_t, q_s, k_s)]
+    sinks = torch.zeros(4, device="cuda")
+    calls = [
+        lambda: attention_kl(q_t, k_t, q_s, k_s, causal=True, key_padding_mask=kpm, window=(100, 0)),
+        lambda: attention_kl(q_t, k_t, q_s, k_s, softcap_t=30.0, sinks_t=sinks, sinks_s=sinks),
+        lambda: attention_kl(*packed, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=724,
+                             max_seqlen_k=724, causal=True),
+    ]
+    for call in calls:
+        call().backward()  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in calls:
+            call().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,528 @@
+r"""
+Masks of an attention call
+^^^^^^^^^^^^^^^^^^^^^^^^^^
+
+What the mask an attention implementation receives means, in the terms :func:`streamkl.attention_kl` takes:
+causality, a sliding window, key padding, packed sequences (flash-attn's varlen form), or, when nothing structured
+describes it, the mask itself as a boolean ``attn_mask``.
+
+* :func:`allowed_map` turns a boolean, additive (``0`` / very negative) or FlexAttention ``BlockMask`` mask into a
+  boolean map ``[B|1, H|1, N_q, N_k]``, True = the query may see the key; an additive mask with any other value is a
+  bias, which the op cannot express, and is refused.
+* :func:`describe_allowed` maps such a map to the structured options when they equal it *exactly* (tried in order:
+  causal or not, a window, key padding; then packed documents), else keeps it as ``attn_mask``.
+* :func:`flash_masking` reads what a flash-attention implementation receives instead (a ``[B, N]`` padding mask or
+  none, ``cu_seq_lens_*`` / ``position_ids`` for packed sequences, ``sliding_window``), following transformers'
+  ``_flash_attention_forward``.
+* :func:`dense_allowed`, :func:`canonical_window`, :func:`same_mask`: what the loss uses to compare the teacher's and
+  the student's masks and to count rows.
+
+Every map built here is ``N_q × N_k`` booleans, the size of the mask the model already built (flash-attention calls
+never build one unless the two sides disagree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Additive mask values at or below this are "masked": ``exp(-1e4)`` is 0 in every floating-point format.
+MASKED_BELOW = -1.0e4
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Packed sequences in flash-attn's varlen form, over the flattened ``[B · N]`` tokens of a call.
+
+    Attributes:
+        cu_seqlens_q: ``[S + 1]`` int32 offsets of the sequences among the kept query tokens.
+        cu_seqlens_k: ``[S + 1]`` int32 offsets among the kept key tokens.
+        max_seqlen_q: the longest query sequence.
+        max_seqlen_k: the longest key sequence.
+        index_q: ``[T_q]`` positions of the kept query tokens in the flattened ``[B · N_q]`` tokens; ``None``: all
+            of them, in order.
+        index_k: the same for keys.
+
+    Example:
+        >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+        >>> packed = PackedSequences(cu, cu, 3, 3)
+        >>> tuple(packed.gather(torch.randn(1, 2, 5, 4), "q").shape)       # [B, H, N, D] -> [T, H, D]
+        (5, 2, 4)
+        >>> packed.same_as(PackedSequences(cu.clone(), cu.clone(), 3, 3, torch.arange(5), torch.arange(5)))
+        True
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    index_q: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+
+    def gather(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """``x`` ``[B, H, N, D]`` as the packed ``[T, H, D]`` of the kept tokens (``side``: "q" or "k")."""
+        b, h, n, d = x.shape
+        flat = x.transpose(1, 2).reshape(b * n, h, d)
+        index = self.index_q if side == "q" else self.index_k
+        return flat if index is None else flat.index_select(0, index.to(flat.device))
+
+    def to(self, device: torch.device) -> PackedSequences:
+        """The same sequences with every tensor on ``device``."""
+        move = (lambda t: None if t is None else t.to(device, non_blocking=True))
+        return PackedSequences(move(self.cu_seqlens_q), move(self.cu_seqlens_k), self.max_seqlen_q,
+                               self.max_seqlen_k, move(self.index_q), move(self.index_k))
+
+    def same_as(self, other: PackedSequences) -> bool:
+        """True when both describe the same tokens and sequences (``None`` indices equal the full range)."""
+        def index(i: torch.Tensor | None, cu: torch.Tensor) -> torch.Tensor:
+            return torch.arange(int(cu[-1]), device=cu.device) if i is None else i.to(cu.device)
+
+        return all(torch.equal(a.to(b.device).long(), b.long()) for a, b in (
+            (self.cu_seqlens_q, other.cu_seqlens_q), (self.cu_seqlens_k, other.cu_seqlens_k),
+            (index(self.index_q, self.cu_seqlens_q), index(other.index_q, other.cu_seqlens_q)),
+            (index(self.index_k, self.cu_seqlens_k), index(other.index_k, other.cu_seqlens_k))))
+
+    def describe(self) -> str:
+        """E.g. ``"3 packed sequences"``."""
+        return f"{len(self.cu_seqlens_q) - 1} packed sequences"
+
+
+@dataclass
+class Masking:
+    """The complete mask of one attention call (see :class:`~lightning_streamkl.capture.CapturedAttention`).
+
+    Attributes:
+        causal: key ``j`` allowed only when ``j <= i + N_k - N_q`` (inside each sequence when packed); ``None``:
+            unknown.
+        window: ``(left, right)`` sliding window (flash-attn convention, −1 unbounded), or ``None``.
+        key_padding_mask: ``[B, N_k]`` bool, True = real key, or ``None``.
+        query_mask: ``[B, N_q]`` bool, True = a real query token (self-attention), or ``None``.
+        packed: the call's packed sequences, or ``None``.
+        attn_mask: ``[B|1, H|1, N_q, N_k]`` bool, True = allowed: a mask nothing structured describes (it then
+            holds everything, padding included), or ``None``.
+
+    Example:
+        >>> Masking(causal=True).summary()
+        'causal'
+        >>> Masking(causal=True, window=(3, 0), key_padding_mask=torch.tensor([[True, False]])).summary()
+        'causal, window (3, 0), key padding'
+    """
+
+    causal: bool | None = None
+    window: tuple[int, int] | None = None
+    key_padding_mask: torch.Tensor | None = None
+    query_mask: torch.Tensor | None = None
+    packed: PackedSequences | None = None
+    attn_mask: torch.Tensor | None = None
+
+    def summary(self) -> str:
+        """A short description for messages."""
+        parts = ["causal" if self.causal else "bidirectional" if self.causal is False else "causality unknown"]
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        if self.key_padding_mask is not None:
+            parts.append("key padding")
+        if self.packed is not None:
+            parts.append(self.packed.describe())
+        if self.attn_mask is not None:
+            parts.append("a general attention mask")
+        return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+def allowed_map(mask: object, n_q: int, n_k: int, *, blocked: bool = False) -> torch.Tensor:
+    """The boolean map ``[B|1, H|1, N_q, N_k]`` (True = allowed) of an attention mask.
+
+    Args:
+        mask: a bool tensor (True = allowed, or True = masked with ``blocked=True``, as ``nn.MultiheadAttention``
+            takes it), an additive float tensor (0 = allowed, ``<= -1e4`` or ``-inf`` = masked), of 2 to 4 dims
+            broadcastable to ``[B, H, N_q, N_k]`` (a longer last dim is cut to ``N_k``, as transformers does), or a
+            FlexAttention ``BlockMask``.
+        n_q: the call's query length.
+        n_k: the call's key length.
+        blocked: True when a bool mask marks the *masked* entries.
+
+    Raises:
+        ValueError: an additive mask with a value that is neither 0 nor masked (a bias, e.g. ALiBi or a relative
+            position bias, which attention_kl cannot express), or a shape that does not fit.
+
+    Example:
+        >>> m = torch.tensor([[0.0, -1e9], [0.0, 0.0]])
+        >>> allowed_map(m, 2, 2)
+        tensor([[[[ True, False],
+                  [ True,  True]]]])
+        >>> try:
+        ...     allowed_map(torch.tensor([[0.0, 0.5]]), 1, 2)
+        ... except ValueError as err:
+        ...     print(str(err)[:73])
+        The attention mask adds values other than 0 and a masking value (e.g. 0.5
+    """
+    if _is_block_mask(mask):
+        return _block_mask_map(mask, n_q, n_k)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"Expected the attention mask to be a tensor or a BlockMask, but got {type(mask).__name__}.")
+    if not 2 <= mask.dim() <= 4:
+        raise ValueError(f"Expected a 2- to 4-d attention mask [.., N_q, N_k], but got shape {tuple(mask.shape)}.")
+    if mask.shape[-1] > n_k:
+        mask = mask[..., :n_k]
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[-2] not in (1, n_q) or mask.shape[-1] not in (1, n_k):
+        raise ValueError(f"The attention mask has shape {tuple(mask.shape)}, which does not fit N_q={n_q}, N_k={n_k}.")
+    if mask.dtype == torch.bool:
+        allowed = ~mask if blocked else mask
+    else:
+        allowed = mask == 0
+        odd = ~allowed & ~(mask <= MASKED_BELOW)
+        if bool(odd.any()):
+            value = float(mask[odd].flatten()[0])
+            raise ValueError(
+                f"The attention mask adds values other than 0 and a masking value (e.g. {value:g}): a score bias, "
+                "which attention_kl cannot express."
+            )
+    return allowed.expand(*allowed.shape[:2], n_q, n_k)
+
+
+def _is_block_mask(mask: object) -> bool:
+    return type(mask).__name__ == "BlockMask" and hasattr(mask, "mask_mod")
+
+
+def _blocks_to_dense(num: torch.Tensor, indices: torch.Tensor, n_kv_blocks: int) -> torch.Tensor:
+    """flex_attention's ordered block lists as a dense ``[B, H, Q_blocks, KV_blocks]`` bool map."""
+    valid = torch.arange(indices.shape[-1], device=indices.device) < num[..., None]
+    dense = torch.zeros(*indices.shape[:-1], n_kv_blocks + 1, dtype=torch.bool, device=indices.device)
+    dense.scatter_(-1, torch.where(valid, indices.long(), n_kv_blocks), True)
+    return dense[..., :n_kv_blocks]
+
+
+def _block_mask_map(block_mask, n_q: int, n_k: int) -> torch.Tensor:
+    """What flex_attention computes with ``block_mask``: full blocks are allowed whole, partial blocks where the
+    ``mask_mod`` allows, other blocks never."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    b, h, q_len, kv_len = block_mask.shape
+    device = block_mask.kv_indices.device
+    by_mod = create_mask(block_mask.mask_mod, b, h, q_len, kv_len, device=device)
+    q_block, kv_block = (block_mask.BLOCK_SIZE, block_mask.BLOCK_SIZE) if isinstance(block_mask.BLOCK_SIZE, int) \
+        else block_mask.BLOCK_SIZE
+    n_kv_blocks = -(-kv_len // kv_block)
+
+    def tokens(blocks: torch.Tensor) -> torch.Tensor:
+        dense = blocks.repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)
+        return dense[..., :q_len, :kv_len].expand(b, h, q_len, kv_len)
+
+    allowed = tokens(_blocks_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, n_kv_blocks)) & by_mod
+    if block_mask.full_kv_num_blocks is not None:
+        allowed = allowed | tokens(_blocks_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                                    n_kv_blocks))
+    if (q_len, kv_len) != (n_q, n_k):
+        raise ValueError(f"The BlockMask covers {q_len} x {kv_len} scores, but the call has N_q={n_q}, N_k={n_k}.")
+    return allowed
+
+
+# ------------------------------------------------------------------------------------------------ structure
+def band(n_q: int, n_k: int, causal: bool, window: tuple[int, int] | None, device: torch.device) -> torch.Tensor:
+    """``[N_q, N_k]`` bool: the keys each query may see under ``causal`` and ``window`` (bottom-right aligned).
+
+    Example:
+        >>> band(3, 3, True, (1, 0), torch.device("cpu")).int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [0, 1, 1]], dtype=torch.int32)
+    """
+    i = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=device)[None, :]
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    return allowed
+
+
+def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k: int,
+                     key_padding_mask: torch.Tensor | None = None,
+                     packed: PackedSequences | None = None) -> tuple[int, int] | None:
+    """``window`` with the bounds that exclude no key of this call made unbounded (``None`` when both are).
+
+    Two calls that allow the same keys then have the same window, whichever way each was described (a
+    flash-attention ``sliding_window`` longer than the documents, a mask whose window never bites).
+
+    Example:
+        >>> canonical_window((9, 9), True, 8, 8) is None                 # no row looks back more than 7 keys
+        True
+        >>> canonical_window((3, 9), True, 8, 8)
+        (3, 0)
+    """
+    if window is None:
+        return None
+    left, right = window
+    if causal:
+        right = 0
+    if packed is not None:
+        nq = (packed.cu_seqlens_q[1:] - packed.cu_seqlens_q[:-1]).long()
+        nk = (packed.cu_seqlens_k[1:] - packed.cu_seqlens_k[:-1]).long()
+        reach_left = int((nk - 1).max()) if len(nk) else 0
+        reach_right = int((nq - 1).max()) if len(nq) else 0
+    else:
+        first, last = 0, n_k - 1
+        if key_padding_mask is not None and bool(key_padding_mask.any()):
+            cols = torch.arange(n_k, device=key_padding_mask.device)
+            real = key_padding_mask.bool()
+            first = int(torch.where(real, cols, n_k).min())
+            last = int(torch.where(real, cols, -1).max())
+        reach_left = n_k - 1 - first  # the last row (aligned to key N_k - 1) looking back to the first real key
+        reach_right = last - (n_k - n_q)  # the first row (aligned to key N_k - N_q) looking ahead to the last one
+    if left >= reach_left:
+        left = -1
+    if not causal and right >= reach_right:
+        right = -1
+    if left < 0 and (causal or right < 0):
+        return None
+    return (left, 0 if causal else right)
+
+
+def describe_allowed(allowed: torch.Tensor, batch: int, *, self_attention: bool) -> Masking:
+    """The structured options equal to ``allowed``, else ``allowed`` itself as ``attn_mask``.
+
+    Tried in order, each verified against the whole map: causal or bidirectional, with the narrowest window the map
+    shows, and key padding (the keys no query sees); then, for self-attention, packed documents (a block-diagonal
+    map over the real tokens, each block causal or full, with a window inside). The query mask marks the real
+    tokens of self-attention (a padded position's row is not a row of the layer's distribution).
+
+    Args:
+        allowed: ``[B|1, H|1, N_q, N_k]`` bool, True = the query may see the key.
+        batch: the call's batch size.
+        self_attention: queries and keys are the same tokens (not cross-attention).
+
+    Example:
+        >>> m = band(4, 4, True, None, torch.device("cpu")) & torch.tensor([True, True, True, False])
+        >>> d = describe_allowed(m[None, None], 1, self_attention=True)
+        >>> d.summary(), d.key_padding_mask.tolist()
+        ('causal, key padding', [[True, True, True, False]])
+        >>> docs = torch.block_diag(torch.ones(2, 2), torch.ones(3, 3)).bool() & band(5, 5, True, None, m.device)
+        >>> describe_allowed(docs[None, None], 1, self_attention=True).summary()
+        'causal, 2 packed sequences'
+    """
+    _, _, n_q, n_k = allowed.shape
+    a = allowed.expand(batch, allowed.shape[1], n_q, n_k)
+    device = a.device
+    kpm = a.any(dim=1).any(dim=1)  # [B, N_k]: keys some query sees
+    qmask = kpm[:, n_k - n_q:] if self_attention and n_q <= n_k else None
+    rows = a.any(-1)  # [B, H, N_q]
+    as_bytes = a.to(torch.uint8)
+    first = as_bytes.argmax(-1)  # the first allowed key of each row (argmax returns the first maximum)
+    last = n_k - 1 - as_bytes.flip(-1).argmax(-1)
+    del as_bytes
+    aligned = torch.arange(n_q, device=device) + (n_k - n_q)
+    causal = not bool(((last > aligned) & rows).any())
+    left = int(torch.where(rows, aligned - first, -1).max()) if rows.numel() else -1
+    right = int(torch.where(rows, last - aligned, -1).max()) if rows.numel() else -1
+    kpm_or_none = None if bool(kpm.all()) else kpm
+    qmask_or_none = None if qmask is None or bool(qmask.all()) else qmask
+
+    for window in (None, (left, -1 if causal else right)):
+        candidate = band(n_q, n_k, causal, window, device)[None, None] & kpm[:, None, None, :]
+        if torch.equal(candidate.expand_as(a), a):
+            window = canonical_window(window, causal, n_q, n_k, kpm_or_none)
+            return Masking(causal, window, kpm_or_none, qmask_or_none)
+    if self_attention and n_q == n_k:
+        packed = _packed_candidate(a, kpm, causal, left, right)
+        if packed is not None:
+            return packed
+    return Masking(False, None, None, qmask_or_none, None, allowed)
+
+
+def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: int, right: int) -> Masking | None:
+    """Packed documents whose map equals ``a`` on the real query rows, or ``None``."""
+    batch, _, n, _ = a.shape
+    device = a.device
+    seen = a.any(1)  # [B, N, N]
+    index = real.flatten().nonzero().flatten()  # the real tokens, in [B·N] order
+    if index.numel() < 2:
+        return None
+    b, pos = index // n, index % n
+    joined = seen[b[1:], pos[1:], pos[:-1]]  # a token sees the real token before it: the same document
+    if not causal:
+        joined |= seen[b[:-1], pos[:-1], pos[1:]]
+    start = torch.ones(index.numel(), dtype=torch.bool, device=device)
+    start[1:] = ~((b[1:] == b[:-1]) & joined)
+    starts = start.nonzero().flatten()
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([index.numel()])]))
+    cu = torch.cat([starts, starts.new_tensor([index.numel()])]).to(torch.int32)
+    max_len = int(lengths.max())
+    packed = PackedSequences(cu, cu, max_len, max_len, index, index)
+    window = canonical_window((left, -1 if causal else right), causal, max_len, max_len, packed=packed)
+    candidate = packed_allowed(packed, causal, window, batch, n, n)
+    keep = real[:, None, :, None]  # compare the real query rows: a padded position's row is not a document's row
+    if not torch.equal(candidate[:, None] & keep, a & keep):
+        return None
+    return Masking(causal, window, None, None, packed)
+
+
+# ------------------------------------------------------------------------------------------------ flash attention
+def flash_masking(mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, kwargs: dict, causal: bool | None, *,
+                  self_attention: bool) -> Masking:
+    """The mask a flash-attention implementation applies, from what it receives (transformers'
+    ``_flash_attention_forward``, 5.17 to 5.23).
+
+    * a ``[B, N_k]`` padding mask (1 = real): each row's real tokens are one sequence; left or right padding is
+      key padding (the same keys at the same distances), padding inside a row makes the row's real tokens one
+      packed sequence (flash-attn compresses them);
+    * else ``cu_seq_lens_q``/``cu_seq_lens_k`` (with ``max_length_q``/``max_length_k``, or with packed
+      ``position_ids``): packed sequences over the flattened tokens;
+    * else ``position_ids`` of one batch row that restart (a new sequence wherever the position equals the
+      smallest one);
+    * ``sliding_window`` ``w`` when ``N_k > w``: the window ``(w - 1, w - 1)`` (right bound 0 when causal).
+
+    Example:
+        >>> pos = torch.tensor([[0, 1, 2, 0, 1]])
+        >>> m = flash_masking(None, 1, 5, 5, {"position_ids": pos, "sliding_window": 2}, True, self_attention=True)
+        >>> m.summary(), m.packed.cu_seqlens_q.tolist()
+        ('causal, window (1, 0), 2 packed sequences', [0, 3, 5])
+    """
+    sliding = kwargs.get("sliding_window")
+    window = None
+    if sliding is not None and n_k > int(sliding):
+        window = (int(sliding) - 1, 0 if causal else int(sliding) - 1)
+    causal_ = bool(causal) if causal is not None else None
+    if mask is not None:
+        real = mask.bool()[:, -n_k:]
+        if not self_attention or n_q != n_k:
+            kpm = None if bool(real.all()) else real
+            return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm), kpm)
+        runs = real[:, 0].int() + (torch.diff(real.int(), dim=-1) == 1).sum(-1)  # runs of real tokens per row
+        if bool((runs <= 1).all()):
+            kpm = None if bool(real.all()) else real
+            return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm), kpm, kpm)
+        lengths = real.sum(-1)
+        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+        index = real.flatten().nonzero().flatten()
+        m = int(lengths.max())
+        packed = PackedSequences(cu, cu, m, m, index, index)
+        return Masking(causal_, canonical_window(window, bool(causal), m, m, packed=packed), None, None, packed)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    position_ids = kwargs.get("position_ids")
+    packed_positions = _packed_positions(position_ids, batch)
+    given = cu_q is not None and cu_k is not None and (
+        (kwargs.get("max_length_q") is not None and kwargs.get("max_length_k") is not None) or packed_positions)
+    if given:
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        packed = PackedSequences(cu_q, cu_k, int(torch.diff(cu_q).max()), int(torch.diff(cu_k).max()))
+    elif packed_positions:
+        flat = position_ids.reshape(-1)
+        starts = (flat == flat.min()).nonzero().flatten()
+        cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
+        m = int(torch.diff(cu).max())
+        packed = PackedSequences(cu, cu, m, m)
+    else:
+        return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k))
+    window = canonical_window(window, bool(causal), packed.max_seqlen_q, packed.max_seqlen_k, packed=packed)
+    return Masking(causal_, window, None, None, packed)
+
+
+def _packed_positions(position_ids: torch.Tensor | None, batch: int) -> bool:
+    """transformers' ``_is_packed_sequence``: one batch row whose positions are not one increasing run."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return False
+    run = torch.arange(position_ids.shape[-1], device=position_ids.device) + position_ids.min()
+    return bool((run - position_ids).abs().sum())
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+def same_mask(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """True when two optional boolean masks allow the same entries (``None`` = everything allowed).
+
+    Example:
+        >>> same_mask(None, torch.ones(2, 3, dtype=torch.bool)), same_mask(torch.tensor([True]), torch.tensor([False]))
+        (True, False)
+    """
+    if a is None and b is None:
+        return True
+    if a is None or b is None:
+        return bool((a if b is None else b).all())
+    try:
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        return False
+    return torch.equal(a.to(b.device).expand(shape), b.expand(shape))
+
+
+def dense_allowed(masking: Masking, batch: int, n_q: int, n_k: int, device: torch.device,
+                  causal: bool | None = None) -> torch.Tensor:
+    """``[B, H|1, N_q, N_k]`` bool: the keys each counted query row sees under ``masking`` (rows that are not
+    counted, by the query mask or as padding between packed sequences, are all False).
+
+    Args:
+        masking: the call's masks.
+        batch: ``B``.
+        n_q: ``N_q``.
+        n_k: ``N_k``.
+        device: where to build the map.
+        causal: overrides ``masking.causal``.
+
+    Example:
+        >>> dense_allowed(Masking(causal=True, window=(1, 0)), 1, 3, 3, torch.device("cpu"))[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [0, 1, 1]], dtype=torch.int32)
+    """
+    causal = bool(masking.causal if causal is None else causal)
+    if masking.packed is not None:
+        return packed_allowed(masking.packed.to(device), causal, masking.window, batch, n_q, n_k)[:, None]
+    allowed = band(n_q, n_k, causal, masking.window, device)[None, None].expand(batch, 1, n_q, n_k)
+    if masking.key_padding_mask is not None:
+        allowed = allowed & masking.key_padding_mask.to(device)[:, None, None, :]
+    if masking.attn_mask is not None:
+        allowed = allowed & masking.attn_mask.to(device)
+    if masking.query_mask is not None:
+        allowed = allowed & masking.query_mask.to(device)[:, None, :, None]
+    return allowed
+
+
+def packed_allowed(packed: PackedSequences, causal: bool, window: tuple[int, int] | None, batch: int, n_q: int,
+                   n_k: int) -> torch.Tensor:
+    """``[B, N_q, N_k]`` bool map of packed sequences laid out in the ``[B, N]`` tokens of a call (tokens that are in
+    no sequence: all False).
+
+    Raises:
+        ValueError: a sequence that crosses batch rows (flattened varlen inputs), which no ``[B, N_q, N_k]`` map holds.
+
+    Example:
+        >>> cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+        >>> packed_allowed(PackedSequences(cu, cu, 2, 2), True, None, 1, 3, 3)[0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [0, 0, 1]], dtype=torch.int32)
+    """
+    device = packed.cu_seqlens_q.device
+    iq = torch.arange(batch * n_q, device=device) if packed.index_q is None else packed.index_q.to(device)
+    ik = torch.arange(batch * n_k, device=device) if packed.index_k is None else packed.index_k.to(device)
+    nq, nk = torch.diff(packed.cu_seqlens_q.long()), torch.diff(packed.cu_seqlens_k.long())
+    seq_q = torch.repeat_interleave(torch.arange(len(nq), device=device), nq)
+    seq_k = torch.repeat_interleave(torch.arange(len(nk), device=device), nk)
+    row_q, row_k = iq // n_q, ik // n_k
+    if bool((row_q != row_q[packed.cu_seqlens_q.long()[:-1]][seq_q]).any()) or \
+            bool((row_k != row_k[packed.cu_seqlens_k.long()[:-1]][seq_k]).any()):
+        raise ValueError("Packed sequences cross batch rows; they have no [B, N_q, N_k] mask.")
+    local_q = torch.arange(len(iq), device=device) - packed.cu_seqlens_q.long()[seq_q]
+    local_k = torch.arange(len(ik), device=device) - packed.cu_seqlens_k.long()[seq_k]
+    aligned = local_q + (nk - nq)[seq_q]
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    allowed = torch.zeros(batch, n_q, n_k, dtype=torch.bool, device=device)
+    for b in range(batch):
+        tq, tk = (row_q == b).nonzero().flatten(), (row_k == b).nonzero().flatten()
+        d = local_k[tk][None, :] - aligned[tq][:, None]
+        ok = seq_q[tq][:, None] == seq_k[tk][None, :]
+        if left >= 0:
+            ok &= d >= -left
+        if right >= 0:
+            ok &= d <= right
+        allowed[b, (iq[tq] % n_q)[:, None], (ik[tk] % n_k)[None, :]] = ok
+    return allowed
