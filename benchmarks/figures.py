@@ -43,7 +43,7 @@ PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/atte
          "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
          "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
-         "docs/guides/sharding.md", "docs/concepts/architecture.md",
+         "docs/guides/sharding.md", "docs/concepts/architecture.md", "docs/guides/recipes.md",
          "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md")
 
 #: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
@@ -61,6 +61,7 @@ GENERATED = {
     "minilm-sequence:stats": "benchmarks/continual/minilm_sequence.py",
     "minilm-sequence:memory": "benchmarks/continual/minilm_sequence.py",
     "minilm:results": "examples/minilm_attention_transfer.py",
+    "minilm:relations": "examples/minilm_attention_transfer.py", "lora:memory": "benchmarks/lora_memory.py",
     "ablation": "benchmarks/ablation.py",  # written between <!-- ablation:table --> and <!-- /ablation -->
     "job-headline": "benchmarks/job_headline.py", "figures:quickstart-eval": "benchmarks/figures.py",
     "figures:gpu-long": "benchmarks/figures.py",
@@ -110,6 +111,7 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
     ("docs/reliability.md", r"relative 1e-5",
      ("tests/lightning_streamkl/test_capture_implementations.py", "rtol=1e-5")),
     ("docs/examples.md", r"1e-9", ("tests/lightning_streamkl/test_minilm.py", "rtol=1e-9")),
+    ("docs/guides/recipes.md", r"to 1e-10", ("tests/lightning_streamkl/test_adapters_off.py", "rtol=1e-10")),
     ("docs/guides/continual.md", r"40 steps", ("benchmarks/continual/run.py", "steps: int = 40")),
     ("docs/guides/continual.md", r"150 steps per task|150 Adam steps", ("benchmarks/continual/cpu.yaml",
                                                                         "steps_per_task: 150")),
@@ -266,6 +268,17 @@ class Results:
     def minilm_sequence(self) -> dict:
         """The pretrained-MiniLM scenario: benchmarks/results/continual_minilm/results.json."""
         return _json("continual_minilm", "results.json")
+
+    @cached_property
+    def minilm_relations(self) -> dict:
+        return _json("minilm_relations_cpu.json")
+
+    def minilm_paired_p(self, key: str) -> float:
+        """The relations file's paired t-test of one metric (relations against attention maps, one pair per seed)."""
+        from scipy.stats import ttest_rel
+
+        runs = self.minilm_relations["runs"]
+        return float(ttest_rel([r["relations"][key] for r in runs], [r["with_kl"][key] for r in runs]).pvalue)
 
     @cached_property
     def minilm_w01(self) -> dict:
@@ -640,6 +653,12 @@ def claims(r: Results) -> list[Claim]:
         f"{ml(w01, 'with_kl', 'similarity_corr'):.3f} against {ml(w01, 'without_kl', 'similarity_corr'):.3f}, same "
         f"nearest paragraph {ml(w01, 'with_kl', 'neighbour_agreement'):.3f} against "
         f"{ml(w01, 'without_kl', 'neighbour_agreement'):.3f}")
+
+    rel_file = "benchmarks/results/minilm_relations_cpu.json (paired t-tests over its 3 seeds)"
+    add("docs/examples.md", rel_file,
+        f"has the same sign on all three seeds ({_p(r.minilm_paired_p('cosine'))}, paired t-test)",
+        f"({_p(r.minilm_paired_p('similarity_corr'))} for the similarity correlation, "
+        f"{_p(r.minilm_paired_p('neighbour_agreement'))} for the nearest\nparagraph)")
 
     # --- perf notes: the grid, the tuning sweep, the overhead profile
     tu_file = "benchmarks/results/nvidia-h100-80gb-hbm3-tuning.json"

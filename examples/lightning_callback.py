@@ -21,7 +21,8 @@ def main(max_steps: int = 60, **trainer_kwargs) -> dict[str, float]:
         weight=5.0,  # loss = task loss + 5 · (KL_first + KL_last)
     )
     trainer = L.Trainer(max_steps=max_steps, callbacks=[distill], **trainer_kwargs)
-    trainer.fit(student, datamodule=TokenDataModule())  # logs train/attn_kl/{first,last,total}, val/attn_kl/...
+    # logs train/attn_kl/{first,last,total}_{step,epoch} and val/attn_kl/...
+    trainer.fit(student, datamodule=TokenDataModule())
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

@@ -79,6 +79,17 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader(slice(-self.batch_size, None))
 
 
+def take(loader, steps: int):
+    """``steps`` batches, going through ``loader`` again as often as needed (for the loops without a Trainer)."""
+    done = 0
+    while done < steps:
+        for batch in loader:
+            yield batch
+            done += 1
+            if done == steps:
+                return
+
+
 def _as_dict(rows):
     ids, mask, labels = (torch.stack(x) for x in zip(*rows))
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

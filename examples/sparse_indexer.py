@@ -169,7 +169,7 @@ class LookupLM(L.LightningModule):
 
 
 class History(L.Callback):
-    """Every ``every`` steps, the logged values whose key starts with ``prefix``."""
+    """Every ``every`` steps, the per-step values (``<prefix><name>_step``) logged under ``prefix``, by name."""
 
     def __init__(self, prefix: str, every: int = 10) -> None:
         self.prefix, self.every, self.rows = prefix, every, []
@@ -177,8 +177,8 @@ class History(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         if step % self.every == 0 or step == trainer.max_steps:
-            row = {k.removeprefix(self.prefix): round(float(v), 5) for k, v in trainer.callback_metrics.items()
-                   if k.startswith(self.prefix)}
+            row = {k.removeprefix(self.prefix).removesuffix("_step"): round(float(v), 5)
+                   for k, v in trainer.callback_metrics.items() if k.startswith(self.prefix) and k.endswith("_step")}
             self.rows.append({"step": step, **row})
 
 

@@ -16,7 +16,7 @@ from .callback import StreamKLDistillation
 from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCapture, RecorderCapture, record
 from .config import AttentionKLOptions, LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
 from .continual import ContinualAttentionRegularizer, ContinualConfig
-from .engine import AttentionDistiller, DistillationMetrics
+from .engine import AttentionDistiller, DistillationMetrics, DistillationStep
 from .indexer import (
     IndexerConfig,
     IndexerDistillation,
@@ -26,11 +26,13 @@ from .indexer import (
     LightningIndexer,
     record_indexer,
 )
-from .loss import AttentionDistillationLoss, last_to_last, uniform_pairs
+from .loss import AttentionDistillationLoss, explicit_pairs, last_k_pairs, last_to_last, layer_count, uniform_pairs
 from .metrics import AttentionKLDivergence
 from .mixin import AttentionDistillationMixin
+from .teacher import AdaptersOff
 
 __all__ = [
+    "AdaptersOff",
     "AttentionCapture",
     "AttentionDistillationLoss",
     "AttentionDistillationMixin",
@@ -40,6 +42,7 @@ __all__ = [
     "ContinualAttentionRegularizer",
     "ContinualConfig",
     "DistillationMetrics",
+    "DistillationStep",
     "HFAttentionCapture",
     "IndexerConfig",
     "IndexerDistillation",
@@ -52,7 +55,10 @@ __all__ = [
     "RecorderCapture",
     "StreamKLConfig",
     "StreamKLDistillation",
+    "explicit_pairs",
+    "last_k_pairs",
     "last_to_last",
+    "layer_count",
     "load_config",
     "record",
     "record_indexer",

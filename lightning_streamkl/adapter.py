@@ -32,8 +32,8 @@ from .engine import AttentionDistiller, DistillationMetrics
 from .loss import LossOutput
 from .metrics import AttentionKLDivergence
 
-__all__ = ["EngineCallback", "LossTermCallback", "add_to_loss", "check_strategy", "check_trainer", "load_metric_state",
-           "log_epoch", "log_step", "metric_state", "place_teacher"]
+__all__ = ["EPOCH_SUFFIX", "STEP_SUFFIX", "EngineCallback", "LossTermCallback", "add_to_loss", "check_strategy",
+           "check_trainer", "load_metric_state", "log_epoch", "log_step", "metric_state", "place_teacher"]
 
 #: Strategies that shard the student; the teacher is sharded over the same processes by default.
 SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
@@ -196,10 +196,15 @@ def add_to_loss(output: Any, term: torch.Tensor, who: str) -> Any:
     )
 
 
+#: The suffixes of training keys, as ``self.log(..., on_step=True, on_epoch=True)`` names them: one key, one meaning.
+STEP_SUFFIX, EPOCH_SUFFIX = "_step", "_epoch"
+
+
 def log_step(module: LightningModule, metrics: DistillationMetrics, stage: str, terms: LossOutput, *,
              log_on_step: bool, prog_bar: bool, extra: Mapping[str, torch.Tensor] | None = None) -> None:
     """Add one batch's terms to the stage's metric and, for training steps with ``log_on_step`` (and a trainer),
-    log the per-step values (``<name>/total`` in the progress bar with ``prog_bar``).
+    log the per-step values under ``<key>_step`` (``<name>/total_step`` in the progress bar with ``prog_bar``), as
+    ``self.log`` names a value logged per step and per epoch; :func:`log_epoch` logs the epoch's under ``<key>_epoch``.
 
     Example:
         >>> metrics = DistillationMetrics(["last"], [1.0], "attn_kl")
@@ -212,20 +217,23 @@ def log_step(module: LightningModule, metrics: DistillationMetrics, stage: str, 
     if stage != "train" or not log_on_step or getattr(module, "_trainer", None) is None:
         return
     total = f"{stage}/{metrics.name}/total"
-    module.log_dict({k: v for k, v in values.items() if k != total}, on_step=True, on_epoch=False)
-    module.log(total, values[total], on_step=True, on_epoch=False, prog_bar=prog_bar)
+    module.log_dict({k + STEP_SUFFIX: v for k, v in values.items() if k != total}, on_step=True, on_epoch=False)
+    module.log(total + STEP_SUFFIX, values[total], on_step=True, on_epoch=False, prog_bar=prog_bar)
 
 
 def log_epoch(module: LightningModule, metrics: DistillationMetrics, stage: str, *, prog_bar: bool) -> None:
     """Log the stage's epoch values (synced across processes; the validation total in the progress bar with
-    ``prog_bar``) and reset its metric. A stage that saw no batch logs nothing.
+    ``prog_bar``) and reset its metric: training values under ``<key>_epoch`` (the step values are ``<key>_step``),
+    validation values, which exist per epoch only, under ``<key>``. A stage that saw no batch logs nothing.
 
     Example:
         >>> log_epoch(LightningModule(), DistillationMetrics(["last"], [1.0], "attn_kl"), "val", prog_bar=True)
     """
     values = metrics.epoch_values(stage)
+    suffix = EPOCH_SUFFIX if stage == "train" else ""
     if values:
-        module.log_dict(values, on_step=False, on_epoch=True, sync_dist=True, prog_bar=prog_bar and stage == "val")
+        module.log_dict({k + suffix: v for k, v in values.items()}, on_step=False, on_epoch=True, sync_dist=True,
+                        prog_bar=prog_bar and stage == "val")
 
 
 def metric_state(metric: AttentionKLDivergence, trainer: Trainer | None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .engine import AttentionDistiller, default_teacher_forward, padding_mask_from_batch
 from .loss import LossOutput
 from .options import signature_from_fields
+from .teacher import AdaptersOff
 
 __all__ = ["StreamKLDistillation"]
 
@@ -55,8 +56,9 @@ class StreamKLDistillation(EngineCallback):
     processes) under the same keys; ``val/<name>/...`` at the end of each validation run.
 
     Args:
-        teacher: the teacher: any ``nn.Module`` (a Hugging Face model, a LightningModule, ...), or the name or
-            local path of a Hugging Face model (loaded with ``AutoModel.from_pretrained``).
+        teacher: the teacher: any ``nn.Module`` (a Hugging Face model, a LightningModule, ...), the name or
+            local path of a Hugging Face model (loaded with ``AutoModel.from_pretrained``), or ``AdaptersOff()``,
+            the student itself with its adapters (LoRA, ...) switched off (:class:`~lightning_streamkl.AdaptersOff`).
         pairs: the layer pairs: :class:`~lightning_streamkl.LayerPair` objects, mappings with its fields, or
             ``[teacher, student]`` lists. Layers are module paths (the student's relative to the
             LightningModule) or indices into each model's attention layers (negative from the end).
@@ -112,7 +114,7 @@ class StreamKLDistillation(EngineCallback):
     @signature_from_fields(StreamKLConfig, skip=("pairs",))
     def __init__(
         self,
-        teacher: nn.Module | str,
+        teacher: nn.Module | str | AdaptersOff,
         pairs: Sequence[LayerPair | Mapping[str, Any] | Sequence[Any]],
         *,
         teacher_forward: Callable[[nn.Module, Any], Any] | None = None,
@@ -121,7 +123,7 @@ class StreamKLDistillation(EngineCallback):
         super().__init__()
         self._init(teacher, validate_config({**options, "pairs": pairs}), teacher_forward)
 
-    def _init(self, teacher: nn.Module | str, config: StreamKLConfig,
+    def _init(self, teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig,
               teacher_forward: Callable[[nn.Module, Any], Any] | None) -> None:
         self.config = config
         forward = teacher_forward
@@ -133,7 +135,7 @@ class StreamKLDistillation(EngineCallback):
         self._val_batches = 0
 
     @classmethod
-    def from_config(cls, teacher: nn.Module | str, config: StreamKLConfig | Mapping[str, Any] | str,
+    def from_config(cls, teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig | Mapping[str, Any] | str,
                     *, teacher_forward: Callable[[nn.Module, Any], Any] | None = None) -> StreamKLDistillation:
         """Build from a :class:`~lightning_streamkl.StreamKLConfig`, a mapping, or a YAML path/text.
 

@@ -52,6 +52,30 @@ TEACHER_INPUTS = ("auto", "batch")
 TEACHER_SHARDING = ("auto", "shard", "replicate")
 
 
+#: What a pair compares: ``"qk"``, the attention distributions softmax(q kᵀ); ``"qq"``, ``"kk"``, ``"vv"``, MiniLM-v2's
+#: self-attention relations softmax(x xᵀ) of the queries, keys and values (re-split into relation heads).
+RELATIONS = ("qk", "qq", "kk", "vv")
+
+
+class _Relations(Check):
+    """A non-empty list of distinct relations from :data:`RELATIONS` (a single one is taken as a list of one)."""
+
+    @property
+    def expected(self) -> str:
+        return f"a non-empty list of distinct relations from {RELATIONS}"
+
+    def check(self, value: Any, where: str) -> list[str]:
+        value = plain(value)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise self.fail(where, value, TypeError if not isinstance(value, (list, tuple)) else ValueError)
+        out = [Choice(RELATIONS)(r, f"{where}[{i}]") for i, r in enumerate(value)]
+        if len(set(out)) != len(out):
+            raise self.fail(where, list(value))
+        return out
+
+
 @dataclass
 class LayerPair:
     """One teacher layer distilled into one student layer.
@@ -69,6 +93,10 @@ class LayerPair:
         name: the name in logs (``train/attn_kl/<name>``). Default: ``"t<i>_s<j>"``, where ``i`` and ``j``
             are the layer indices, or the layer numbers in the module paths (``model.layers.11.self_attn``
             gives ``11``).
+        relations: what this pair compares, overriding the config's ``relations`` (see
+            :class:`StreamKLConfig`). Default: ``None``.
+        relation_heads: the number of relation heads for this pair's ``"qq"``/``"kk"``/``"vv"`` relations,
+            overriding the config's. Default: ``None``.
 
     Example:
         >>> LayerPair(teacher=-1, student=-1).label
@@ -85,6 +113,8 @@ class LayerPair:
     causal: Optional[bool] = option(None, Flag(optional=True))
     head_map: Optional[str] = option(None, Choice(HEAD_MAPS, optional=True))
     name: Optional[str] = option(None, Text(optional=True))
+    relations: Optional[list[str]] = option(None, _Relations(optional=True))
+    relation_heads: Optional[int] = option(None, Count(low=1, optional=True))
 
     @property
     def label(self) -> str:
@@ -216,7 +246,7 @@ class AttentionKLOptions:
 
 @dataclass
 class StreamKLConfig(AttentionKLOptions):
-    """A whole attention-distillation setup (everything except the teacher model itself).
+    r"""A whole attention-distillation setup (everything except the teacher model itself).
 
     The options of :class:`AttentionKLOptions` (``weight``, ``warmup_steps``, ``temperature``, ``direction``,
     ``causal``, ``mask_key``, ``mask_queries``, ``validation``, ``log_on_step``, ``prog_bar``, ``name``,
@@ -255,6 +285,17 @@ class StreamKLConfig(AttentionKLOptions):
             gathered one at a time during its forward pass and freed after); ``"replicate"`` keeps a whole copy on
             every process; ``"auto"`` shards under ``FSDPStrategy`` and ``ModelParallelStrategy`` and replicates
             under DDP. A single process always holds the whole teacher. Default: ``"auto"``.
+        relations: what every pair compares (a pair's own ``relations`` overrides it), any of: ``"qk"``, the
+            attention distributions :math:`\mathrm{softmax}(q k^\top)`; ``"qq"``, ``"kk"``, ``"vv"``, the
+            self-attention relations of MiniLM-v2 (Wang et al., 2021) :math:`\mathrm{softmax}(x x^\top /
+            \sqrt{d_r})` of the queries, keys or values, after the layer's heads are concatenated and re-split into
+            ``relation_heads`` heads of size :math:`d_r`, so teacher and student may differ in head counts and head
+            dims. Each relation is one :func:`streamkl.attention_kl` term (``attention_kl(x_t, x_t, x_s, x_s)``),
+            logged as ``<pair>/<relation>`` (a pair that compares only ``"qk"`` keeps its plain name); a pair's
+            weight multiplies each of its terms. ``"vv"`` needs captured values (the ``v`` of a record).
+            Default: ``["qk"]``.
+        relation_heads: the number of relation heads :math:`A_r`; ``None`` takes the student layer's number of
+            query heads. Each side's concatenated queries (keys, values) must split evenly. Default: ``None``.
 
     Example:
         >>> cfg = StreamKLConfig(pairs=[LayerPair(teacher=-1, student=-1)], teacher_dtype="bfloat16")
@@ -272,6 +313,8 @@ class StreamKLConfig(AttentionKLOptions):
     teacher_from_pretrained: Optional[dict[str, Any]] = option(None, Keywords(optional=True))
     teacher_early_exit: bool = option(True, Flag())
     teacher_sharding: str = option("auto", Choice(TEACHER_SHARDING))
+    relations: list[str] = option(check=_Relations(), factory=lambda: ["qk"])
+    relation_heads: Optional[int] = option(None, Count(low=1, optional=True))
 
 
 # ---------------------------------------------------------------------------------------------- validation

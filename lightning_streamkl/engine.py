@@ -16,6 +16,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from .capture import AttentionCapture, build_capture, closest
 from .config import StreamKLConfig, validate_config
 from .loss import AttentionDistillationLoss, LossOutput
 from .metrics import AttentionKLDivergence
-from .teacher import FrozenTeacher, InputRecorder, find_copy, stop_after, to_device
+from .teacher import AdaptersOff, FrozenTeacher, InputRecorder, SelfTeacher, find_copy, stop_after, to_device
 
-__all__ = ["AttentionDistiller", "DistillationMetrics", "default_teacher_forward", "padding_mask_from_batch"]
+__all__ = ["AttentionDistiller", "DistillationMetrics", "DistillationStep", "default_student_forward",
+           "default_teacher_forward", "padding_mask_from_batch"]
 
 TeacherForward = Callable[[nn.Module, Any], Any]
 
@@ -42,7 +44,8 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
     - a mapping (Hugging Face style): the keys that ``teacher.forward`` names as parameters, except ``labels``, and,
       when it takes ``**kwargs``, the packed-sequence keys of padding-free batches (:data:`PACKED_SEQUENCE_KEYS`:
       ``cu_seq_lens_q``, ...) so that the teacher attends over the same documents (``use_cache=False`` is added when
-      the forward takes it); when it names none of them, ``teacher(batch)``;
+      the forward takes it); when it names none of them, every key but ``labels`` if it takes ``**kwargs`` (a
+      wrapper such as PEFT's ``PeftModel``), else ``teacher(batch)``;
     - a tuple or list: ``teacher(batch[0])`` (the ``(inputs, targets)`` convention);
     - anything else: ``teacher(batch)``.
 
@@ -51,20 +54,42 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
         >>> tuple(out.shape)
         (4, 2)
     """
+    return _forward(teacher, batch, labels=False)
+
+
+def default_student_forward(student: nn.Module, batch: Any) -> Any:
+    """Run the student on a batch for ``distiller(batch)``: as :func:`default_teacher_forward`, except that a
+    mapping's ``labels`` are passed too (a Hugging Face model then returns its loss) and ``use_cache`` is not set.
+
+    Example:
+        >>> class LM(nn.Module):
+        ...     def forward(self, input_ids, labels=None):
+        ...         return {"loss": None if labels is None else (input_ids - labels).abs().sum()}
+        >>> default_student_forward(LM(), {"input_ids": torch.ones(2), "labels": torch.zeros(2), "other": 1})
+        {'loss': tensor(2.)}
+    """
+    return _forward(student, batch, labels=True)
+
+
+def _forward(model: nn.Module, batch: Any, *, labels: bool) -> Any:
     if isinstance(batch, Mapping):
-        params = inspect.signature(teacher.forward).parameters
+        params = inspect.signature(model.forward).parameters
         named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        kwargs = {k: v for k, v in batch.items() if k in named and (labels or k != "labels")}
         if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            named |= set(PACKED_SEQUENCE_KEYS)
-        kwargs = {k: v for k, v in batch.items() if k in named and k != "labels"}
+            # forward(*args, **kwargs) naming none of the keys is a wrapper: it gets every key; a model that takes
+            # **kwargs gets the packed-sequence keys its attention layers read
+            wrapper = not kwargs
+            kwargs.update({k: v for k, v in batch.items()
+                           if (labels or k != "labels") and (wrapper or k in PACKED_SEQUENCE_KEYS)})
         if not kwargs:
-            return teacher(batch)
-        if "use_cache" in named and "use_cache" not in kwargs:
+            return model(batch)
+        if not labels and "use_cache" in named and "use_cache" not in kwargs:
             kwargs["use_cache"] = False
-        return teacher(**kwargs)
+        return model(**kwargs)
     if isinstance(batch, (tuple, list)):
-        return teacher(batch[0])
-    return teacher(batch)
+        return model(batch[0])
+    return model(batch)
 
 
 def padding_mask_from_batch(batch: Any, key: str | None) -> torch.Tensor | None:
@@ -92,6 +117,29 @@ def padding_mask_from_batch(batch: Any, key: str | None) -> torch.Tensor | None:
     return mask.bool() if mask.dtype != torch.bool else mask
 
 
+@dataclass
+class DistillationStep:
+    """What one :meth:`AttentionDistiller.distilling` block (or call) produced; filled when the block ends.
+
+    Attributes:
+        loss: ``weight_at(step) · terms.total``, differentiable: add it to the student's loss.
+        terms: the :class:`~lightning_streamkl.loss.LossOutput` (per-term means, row sums and counts).
+        weight: the global weight at this step (warm-up included).
+        step: the step the weight was taken at.
+        output: the student's output, when the distiller ran the student itself (``distiller(batch)``).
+
+    Example:
+        >>> DistillationStep().loss is None
+        True
+    """
+
+    loss: torch.Tensor | None = None
+    terms: LossOutput | None = None
+    weight: float = 0.0
+    step: int = 0
+    output: Any = field(default=None, repr=False)
+
+
 def _device_of(module: nn.Module) -> torch.device:
     device = getattr(module, "device", None)
     if isinstance(device, torch.device):
@@ -115,20 +163,55 @@ class AttentionDistiller:
     ``teacher_device`` and ``teacher_dtype``; its inputs follow ``teacher_inputs`` (see
     :class:`~lightning_streamkl.StreamKLConfig`).
 
+    Outside Lightning there are three ways to drive it, from the shortest:
+
+    - ``loss = distiller(batch)``: the teacher's pass, the student's forward (``student_forward``) and the
+      weighted term; the student's output is then :attr:`student_output` (for the task loss);
+    - ``with distiller.distilling(batch) as kd: out = student(...)``, then ``out.loss + kd.loss``: a context
+      manager around your own forward pass;
+    - :meth:`begin_step`, :meth:`student_recording`, :meth:`end_step`: the three steps by hand.
+
+    The first two count their calls (:attr:`steps`) for the warm-up unless given ``step=``.
+
     Args:
-        teacher: the teacher module, or a Hugging Face model name/path.
+        teacher: the teacher module, a Hugging Face model name/path, or
+            :class:`~lightning_streamkl.teacher.AdaptersOff` (the student itself with its adapters switched off).
         config: a :class:`~lightning_streamkl.StreamKLConfig` or a mapping of its fields.
+        student: the student; given here, :meth:`setup` runs at once. Default: ``None`` (call :meth:`setup`).
         teacher_forward: ``fn(teacher, batch)`` that runs the teacher on a batch; default
             :func:`default_teacher_forward`. Giving one turns ``teacher_inputs="auto"`` into ``"batch"``.
+        student_forward: ``fn(student, batch)`` that ``distiller(batch)`` runs the student with; default
+            :func:`default_student_forward` (mapping batches keep ``labels``, so a Hugging Face model returns its
+            loss).
         padding_mask: ``fn(batch) -> [B, N] bool mask or None``; default: ``batch[config.mask_key]``.
         offload: keep the teacher in host memory and borrow device copies of its weights for each pass.
 
     Example:
-        A step in plain PyTorch:
+        ``loss = distiller(batch)`` in a plain PyTorch loop:
 
         >>> encoder = lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
         ...                                         enable_nested_tensor=False)
         >>> teacher, student = encoder(), encoder()
+        >>> distiller = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "causal": False}, student=student)
+        >>> optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+        >>> for _ in range(2):
+        ...     kd = distiller(torch.randn(2, 5, 16))
+        ...     loss = distiller.student_output.pow(2).mean() + kd
+        ...     loss.backward(); optimizer.step(); optimizer.zero_grad()
+        >>> distiller.steps, kd.requires_grad
+        (2, True)
+
+        A context manager around your own forward pass:
+
+        >>> x = torch.randn(2, 5, 16)
+        >>> with distiller.distilling(x) as kd:
+        ...     y = student(x)
+        >>> (y.pow(2).mean() + kd.loss).backward()
+        >>> sorted(kd.terms.per_pair), kd.step
+        (['t-1_s-1'], 2)
+
+        The three steps by hand:
+
         >>> distiller = AttentionDistiller(teacher, {"pairs": [[-1, -1]], "causal": False})
         >>> distiller.setup(student)
         [('layers.1.self_attn', 'layers.1.self_attn')]
@@ -143,16 +226,29 @@ class AttentionDistiller:
         (['t-1_s-1'], True)
     """
 
-    def __init__(self, teacher: nn.Module | str, config: StreamKLConfig | Mapping[str, Any], *,
-                 teacher_forward: TeacherForward | None = None,
+    def __init__(self, teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig | Mapping[str, Any], *,
+                 student: nn.Module | None = None, teacher_forward: TeacherForward | None = None,
+                 student_forward: TeacherForward | None = None,
                  padding_mask: Callable[[Any], torch.Tensor | None] | None = None, offload: bool = False) -> None:
-        if teacher_forward is not None and not callable(teacher_forward):
-            raise TypeError(f"Expected `teacher_forward` to be callable, but got {type(teacher_forward).__name__}.")
+        for arg, fn in (("teacher_forward", teacher_forward), ("student_forward", student_forward)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Expected `{arg}` to be callable, but got {type(fn).__name__}.")
         self.config = config = validate_config(config)
-        self.teacher = FrozenTeacher(teacher, dtype=config.teacher_dtype, device=config.teacher_device,
-                                     from_pretrained=config.teacher_from_pretrained, offload=offload)
+        self.teacher: FrozenTeacher | SelfTeacher
+        if isinstance(teacher, AdaptersOff):
+            if offload:
+                raise ValueError("Expected `offload=False` with AdaptersOff: the teacher is the student itself.")
+            self.teacher = SelfTeacher(teacher)
+        else:
+            self.teacher = FrozenTeacher(teacher, dtype=config.teacher_dtype, device=config.teacher_device,
+                                         from_pretrained=config.teacher_from_pretrained, offload=offload)
         self.custom_forward = teacher_forward is not None
         self.teacher_forward = teacher_forward or default_teacher_forward
+        self.student_forward = student_forward or default_student_forward
+        #: Calls of :meth:`__call__` and :meth:`distilling` so far (the warm-up step when none is given).
+        self.steps = 0
+        #: The student's output of the last ``distiller(batch)`` call.
+        self.student_output: Any = None
         self.padding_mask = padding_mask or functools.partial(padding_mask_from_batch, key=config.mask_key)
         self.loss = AttentionDistillationLoss(config)
         self.teacher_capture: AttentionCapture | None = None
@@ -163,12 +259,20 @@ class AttentionDistiller:
         self.inputs_from: str | None = None
         self._inputs: InputRecorder | None = None
         self._teacher_ran = False
+        if student is not None:
+            self.setup(student)
 
     # ------------------------------------------------------------------------------------------ setup
     @property
     def teacher_module(self) -> nn.Module | None:
-        """The loaded, frozen teacher module (``None`` before :meth:`setup`)."""
+        """The loaded, frozen teacher module (``None`` before :meth:`setup`); with
+        :class:`~lightning_streamkl.teacher.AdaptersOff`, the student's adapter-carrying submodule."""
         return self.teacher.module
+
+    @property
+    def is_self_teacher(self) -> bool:
+        """True when the teacher is the student itself with its adapters off (:class:`AdaptersOff`)."""
+        return isinstance(self.teacher, SelfTeacher)
 
     def setup(self, student: nn.Module) -> list[tuple[str, str]]:
         """Load and freeze the teacher, build both captures, resolve the layer pairs and the teacher's inputs.
@@ -176,16 +280,24 @@ class AttentionDistiller:
         Idempotent for the same student. Returns the resolved ``(teacher layer, student layer)`` paths.
 
         Raises:
-            ValueError: the teacher is the student itself or has no data (meta tensors), an unknown layer
-                (listing the closest names), or an unknown ``teacher_inputs`` submodule.
+            ValueError: the teacher is the student module itself (use
+                :class:`~lightning_streamkl.teacher.AdaptersOff` for the student with its adapters off) or has no
+                data (meta tensors), an unknown layer (listing the closest names), an unknown ``teacher_inputs``
+                submodule, or (``AdaptersOff``) no submodule whose adapters can be switched off.
         """
         if self.student is student:
             return self.resolved
+        if isinstance(self.teacher, SelfTeacher):
+            self.teacher.bind(student)
         teacher = self.teacher.prepare()
-        if teacher is student:
-            raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher.")
-        self.teacher_capture = build_capture(teacher, self.config.teacher_capture)
-        self.student_capture = build_capture(student, self.config.student_capture, exclude=[teacher])
+        if teacher is student and not self.is_self_teacher:
+            raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher, or "
+                             "AdaptersOff() to use the student with its adapters switched off.")
+        values = self.loss.needs_values
+        self.teacher_capture = build_capture(teacher, self.config.teacher_capture, capture_values=values)
+        exclude = [] if self.is_self_teacher else [teacher]
+        self.student_capture = build_capture(student, self.config.student_capture, exclude=exclude,
+                                             capture_values=values)
         self.resolved = self.loss.resolve(self.teacher_capture, self.student_capture)
         self.inputs_from = self._resolve_inputs(teacher, student)
         self._inputs = None if self.inputs_from is None else InputRecorder(student.get_submodule(self.inputs_from))
@@ -196,6 +308,8 @@ class AttentionDistiller:
         choice = self.config.teacher_inputs
         if choice == "batch" or (choice == "auto" and self.custom_forward):
             return None
+        if choice == "auto" and isinstance(self.teacher, SelfTeacher):
+            return self.teacher.path or None  # the adapter-carrying submodule is fed what it received
         if choice == "auto":
             return find_copy(teacher, student)
         paths = [name for name, _ in student.named_modules() if name]
@@ -295,6 +409,53 @@ class AttentionDistiller:
             return self.compute(batch)
         finally:
             self.clear()
+
+    @contextmanager
+    def distilling(self, batch: Any, *, step: int | None = None) -> Iterator[DistillationStep]:
+        """Distil around the student's forward pass run inside the block: the teacher runs on ``batch`` first
+        (or after the block, when it is fed the student's inputs); when the block ends, the yielded
+        :class:`DistillationStep` holds ``loss`` (``weight_at(step) · total``, differentiable) and the terms.
+
+        Args:
+            batch: what the teacher is run on (and where the padding mask comes from).
+            step: the optimizer step for the warm-up; default: :attr:`steps` (this distiller's calls so far).
+
+        Example:
+            >>> model = lambda: nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2, batch_first=True))
+            >>> teacher, student = model(), model()
+            >>> distiller = AttentionDistiller(teacher, {"pairs": [[0, 0]], "causal": False}, student=student,
+            ...                                teacher_forward=lambda m, x: m[1](m[0](x), m[0](x), m[0](x)))
+            >>> x = torch.randn(2, 4, 8)
+            >>> with distiller.distilling(x) as kd:
+            ...     h = student[0](x)
+            ...     out, _ = student[1](h, h, h)
+            >>> kd.loss.requires_grad, kd.weight, distiller.steps
+            (True, 1.0, 1)
+        """
+        kd = DistillationStep(step=self.steps if step is None else int(step))
+        self.begin_step(batch)
+        try:
+            with self.student_recording():
+                yield kd
+            kd.terms = self.end_step(batch)
+        finally:
+            self.clear()
+        kd.weight = self.weight_at(kd.step)
+        kd.loss = kd.terms.total * kd.weight
+        self.steps += 1
+
+    def __call__(self, batch: Any, *, step: int | None = None) -> torch.Tensor:
+        """One distilled forward pass: the teacher's, the student's (``student_forward(student, batch)``, kept in
+        :attr:`student_output`), and the weighted term ``weight_at(step) · total`` (differentiable).
+
+        Example: see the class.
+        """
+        student, _, _ = self._ready()
+        with self.distilling(batch, step=step) as kd:
+            kd.output = self.student_forward(student, batch)
+        self.student_output = kd.output
+        assert kd.loss is not None
+        return kd.loss
 
     def compute(self, batch: Any) -> LossOutput:
         """The loss terms from the records of this step (both models have run), then release the records."""

@@ -2,15 +2,19 @@ r"""
 Layer-pair loss
 ^^^^^^^^^^^^^^^
 
-Assemble the distillation loss from captured ``(q, k)``: resolve each :class:`~lightning_streamkl.LayerPair`
-against the teacher's and the student's captures, map heads, decide causality and masks, call
-:func:`streamkl.attention_kl` per pair and return the weighted sum together with per-pair sums and row counts
-(what the metric accumulates). Also the helpers for common pairings.
+Assemble the distillation loss from captured ``(q, k)`` (and ``v``): resolve each
+:class:`~lightning_streamkl.LayerPair` against the teacher's and the student's captures, map heads, decide causality
+and masks, call :func:`streamkl.attention_kl` per pair and relation (the attention distributions ``"qk"``, or
+MiniLM-v2's self-attention relations ``"qq"``, ``"kk"``, ``"vv"`` after re-splitting the heads into relation heads)
+and return the weighted sum together with per-term sums and row counts (what the metric accumulates). Also the
+helpers for common pairings.
 
 Each layer's mask comes from its own attention call when the capture read it there (Hugging Face,
 ``nn.MultiheadAttention``): causal, sliding window, key padding, packed documents (the op's ``layout="thd"``) or a
 general mask; soft-caps, sinks and scales are per side. The two layers of a pair must allow the same keys for every
-query row (the KL compares two distributions over the same keys); when they do not, the pair is refused.
+query row (the KL compares two distributions over the same keys); when they do not, the pair is refused. A relation
+is computed over the same keys as the layer's attention (its mask, not its scale, soft-cap or sinks, which belong to
+``q kᵀ``).
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from streamkl import attention_kl
 
+from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
 from .capture.masks import Masking, PackedSequences, canonical_window, dense_allowed, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "count_packed_rows", "count_rows", "last_to_last",
-           "uniform_pairs", "weighted_sum"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "count_packed_rows", "count_rows", "explicit_pairs",
+           "last_k_pairs", "last_to_last", "layer_count", "relation_heads_split", "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -43,31 +49,103 @@ def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: o
     return [LayerPair(teacher=-1, student=-1, weight=weight, name=name, **options)]
 
 
-def uniform_pairs(num_teacher_layers: int, num_student_layers: int, *, weight: float = 1.0,
+def layer_count(model: nn.Module | int, capture: str = "auto", *, name: str = "model") -> int:
+    """The number of attention layers of ``model`` that its capture finds (``capture``: as in
+    :func:`~lightning_streamkl.capture.build_capture`); an ``int`` is returned as it is. ``name`` names the argument
+    in errors.
+
+    Raises:
+        ValueError: an int < 1, or a model in which the capture finds no attention layer.
+
+    Example:
+        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 3, enable_nested_tensor=False)
+        >>> layer_count(encoder), layer_count(12)
+        (3, 12)
+    """
+    if isinstance(model, nn.Module):
+        found = len(build_capture(model, capture).layer_names())
+        if found == 0:
+            raise ValueError(f"Expected `{name}` ({type(model).__name__}) to have attention layers, but the "
+                             f"{capture!r} capture found none; pass the number of layers instead.")
+        return found
+    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        raise ValueError(f"Expected `{name}` to be a model or a number of layers >= 1, but got {model!r}.")
+    return model
+
+
+def uniform_pairs(teacher: nn.Module | int, student: nn.Module | int, *, weight: float = 1.0,
                   **options: object) -> list[LayerPair]:
     """Pair every student layer with a teacher layer at the same relative depth.
 
     Student layer ``i`` (of ``L_s``) takes teacher layer ``round((i + 1) · L_t / L_s) - 1``, so the last
     layers are paired and the others are spread evenly. Each pair gets ``weight / L_s``, so the sum is
-    ``weight`` times the mean over pairs.
+    ``weight`` times the mean over pairs. ``teacher`` and ``student`` are the layer counts, or the models
+    themselves (their attention layers are counted with :func:`layer_count`). Other keyword arguments are
+    :class:`~lightning_streamkl.LayerPair` fields.
 
     Example:
         >>> [(p.teacher, p.student, p.weight) for p in uniform_pairs(12, 4)]
         [(2, 0, 0.25), (5, 1, 0.25), (8, 2, 0.25), (11, 3, 0.25)]
+        >>> deep = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 6, enable_nested_tensor=False)
+        >>> shallow = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False)
+        >>> [(p.teacher, p.student) for p in uniform_pairs(deep, shallow)]
+        [(2, 0), (5, 1)]
     """
-    for arg, value in (("num_teacher_layers", num_teacher_layers), ("num_student_layers", num_student_layers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Expected `{arg}` to be an int >= 1, but got {value!r}.")
+    num_teacher_layers, num_student_layers = layer_count(teacher, name="teacher"), layer_count(student, name="student")
     if num_student_layers > num_teacher_layers:
         raise ValueError(
-            f"Expected `num_student_layers` <= `num_teacher_layers`, but got {num_student_layers} > "
-            f"{num_teacher_layers}; pair layers explicitly with LayerPair."
+            f"Expected the student's layers to be at most the teacher's, but got {num_student_layers} > "
+            f"{num_teacher_layers}; pair layers explicitly with explicit_pairs() or LayerPair."
         )
     return [
         LayerPair(teacher=round((i + 1) * num_teacher_layers / num_student_layers) - 1, student=i,
                   weight=weight / num_student_layers, **options)
         for i in range(num_student_layers)
     ]
+
+
+def last_k_pairs(k: int, teacher: nn.Module | int | None = None, student: nn.Module | int | None = None, *,
+                 weight: float = 1.0, **options: object) -> list[LayerPair]:
+    """Pair the last ``k`` student layers with the last ``k`` teacher layers, in order (``k=1``: MiniLM's last
+    layer to last layer). Layers are negative indices, so no count is needed; given the models (or their counts),
+    ``k`` is checked against both. Each pair gets ``weight / k``; names are ``last``, ``last-1``, ...
+
+    Raises:
+        ValueError: ``k < 1``, or more layers than a model has.
+
+    Example:
+        >>> [(p.teacher, p.student, p.label, p.weight) for p in last_k_pairs(2)]
+        [(-2, -2, 'last-1', 0.5), (-1, -1, 'last', 0.5)]
+        >>> last_k_pairs(3, teacher=12, student=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `k` to be at most the student's 2 attention layers, but got 3.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"Expected `k` to be an int >= 1, but got {k!r}.")
+    for side, model in (("teacher", teacher), ("student", student)):
+        if model is not None and k > (count := layer_count(model, name=side)):
+            raise ValueError(f"Expected `k` to be at most the {side}'s {count} attention layers, but got {k}.")
+    return [LayerPair(teacher=-i, student=-i, weight=weight / k, name="last" if i == 1 else f"last-{i - 1}",
+                      **options) for i in range(k, 0, -1)]
+
+
+def explicit_pairs(mapping: Mapping[int | str, int | str], *, weight: float = 1.0,
+                   **options: object) -> list[LayerPair]:
+    """One pair per entry of ``{student layer: teacher layer}`` (indices or module paths), each weighing
+    ``weight / len(mapping)``.
+
+    Raises:
+        ValueError: an empty mapping.
+
+    Example:
+        >>> [(p.teacher, p.student, p.label) for p in explicit_pairs({0: 3, 1: 7})]
+        [(3, 0, 't3_s0'), (7, 1, 't7_s1')]
+    """
+    if not isinstance(mapping, Mapping) or not mapping:
+        raise ValueError(f"Expected `mapping` to be a non-empty {{student layer: teacher layer}} mapping, but got "
+                         f"{mapping!r}.")
+    return [LayerPair(teacher=t, student=s, weight=weight / len(mapping), **options) for s, t in mapping.items()]
 
 
 def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
@@ -111,6 +189,30 @@ def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, devi
     return valid.sum().to(torch.float32) * heads
 
 
+def relation_heads_split(x: torch.Tensor, heads: int, *, what: str = "x") -> torch.Tensor:
+    """MiniLM-v2's re-split: the heads of ``x [B, H, N, D]`` concatenated (``[B, N, H·D]``, as the layer's output
+    projection sees them) and split again into ``heads`` relation heads, ``[B, heads, N, H·D / heads]``.
+
+    Raises:
+        ValueError: ``H·D`` is not a multiple of ``heads`` (``what`` names the tensor in the message).
+
+    Example:
+        >>> x = torch.arange(2 * 3 * 4.0).view(1, 2, 3, 4)     # 2 heads of size 4, 3 tokens
+        >>> relation_heads_split(x, 4).shape                   # 4 relation heads of size 2
+        torch.Size([1, 4, 3, 2])
+        >>> relation_heads_split(x, 4)[0, 2, 0].tolist()       # token 0, the first half of head 1
+        [12.0, 13.0]
+        >>> relation_heads_split(x, 3, what="teacher keys")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected the number of relation heads to divide the teacher keys' concatenated heads (2 heads × 4 \
+= 8), but got 3.
+    """
+    b, h, n, d = x.shape
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or (h * d) % heads:
+        raise ValueError(f"Expected the number of relation heads to divide the {what}' concatenated heads ({h} heads "
+                         f"× {d} = {h * d}), but got {heads}.")
+    return x.transpose(1, 2).reshape(b, n, heads, h * d // heads).transpose(1, 2)
 def count_packed_rows(packed: PackedSequences, heads: int, *, causal: bool,
                       window: tuple[int, int] | None = None) -> torch.Tensor:
     """:func:`count_rows` for packed sequences (``layout="thd"``): the query tokens with at least one allowed key in
@@ -141,9 +243,11 @@ class LossOutput:
 
     Attributes:
         total: ``Σ_p weight_p · KL_p`` (differentiable; before the config's global ``weight`` and warm-up).
-        per_pair: ``{pair name: KL_p}``, the mean KL over counted rows of each pair (differentiable).
-        kl_sums: ``[P]`` float32, the per-pair KL summed over counted rows (detached), for the metric.
-        rows: ``[P]`` float32, the per-pair counted rows (for the metric).
+        per_pair: ``{term name: KL_p}``, the mean KL over counted rows of each term (differentiable). A term is
+            a pair, or ``<pair>/<relation>`` for a pair that compares relations (see
+            :attr:`AttentionDistillationLoss.pair_names`).
+        kl_sums: ``[P]`` float32, the per-term KL summed over counted rows (detached), for the metric.
+        rows: ``[P]`` float32, the per-term counted rows (for the metric).
 
     Example:
         >>> out = LossOutput(torch.tensor(0.5), {"last": torch.tensor(0.5)}, torch.tensor([2.0]), torch.tensor([4.0]))
@@ -162,6 +266,15 @@ class _ResolvedPair:
     pair: LayerPair
     teacher: str
     student: str
+
+
+def _relations(pair: LayerPair, config: StreamKLConfig) -> list[str]:
+    return list(pair.relations if pair.relations is not None else config.relations)
+
+
+def _term_names(pair: LayerPair, config: StreamKLConfig) -> list[str]:
+    relations = _relations(pair, config)
+    return [pair.label] if relations == ["qk"] else [f"{pair.label}/{r}" for r in relations]
 
 
 class AttentionDistillationLoss:
@@ -186,9 +299,22 @@ class AttentionDistillationLoss:
 
     def __init__(self, config: StreamKLConfig | Mapping[str, object]) -> None:
         self.config = validate_config(config)
-        self.pair_names = [p.label for p in self.config.pairs]
-        self.weights = [p.weight for p in self.config.pairs]
+        #: The names of the terms (what is logged): a pair's ``label``, or ``<label>/<relation>`` for each relation
+        #: of a pair that compares relations.
+        self.pair_names = [name for p in self.config.pairs for name in _term_names(p, self.config)]
+        #: Each term's weight (its pair's ``weight``).
+        self.weights = [p.weight for p in self.config.pairs for _ in _term_names(p, self.config)]
         self._resolved: list[_ResolvedPair] | None = None
+
+    @property
+    def needs_values(self) -> bool:
+        """True when a pair compares the value relation ``"vv"`` (the captures must record values).
+
+        Example:
+            >>> AttentionDistillationLoss({"pairs": [[0, 0]], "relations": ["qq", "vv"]}).needs_values
+            True
+        """
+        return any("vv" in _relations(p, self.config) for p in self.config.pairs)
 
     def resolve(self, teacher: AttentionCapture, student: AttentionCapture) -> list[tuple[str, str]]:
         """Map every pair's layer references to module paths, and make the captures record only those.
@@ -232,7 +358,8 @@ class AttentionDistillationLoss:
             ValueError: paired layers whose batch size or sequence lengths differ, or whose head counts differ
                 under ``head_map="error"`` (or are not multiples of each other), whose causality disagrees, that
                 allow different keys (windows, packed documents, padding, masks), with sinks on one side only, or a
-                record marked inexact.
+                record marked inexact; a relation whose heads do not split into the relation heads, a relation with
+                a per-head mask, or a ``"vv"`` relation on a record without values.
         """
         if self._resolved is None:
             self._resolved = [_ResolvedPair(p, p.teacher, p.student) for p in self.config.pairs]
@@ -242,19 +369,21 @@ class AttentionDistillationLoss:
         for r in self._resolved:
             t = _lookup(teacher_records, r.teacher, "teacher", r.pair.label)
             s = _lookup(student_records, r.student, "student", r.pair.label)
-            kl_sum, n = self._pair_term(r, t, s, key_padding_mask, query_mask)
-            mean = kl_sum / n.clamp_min(1.0)
-            per_pair[r.pair.label] = mean
-            sums.append(kl_sum.detach().float())
-            rows.append(n)
-            term = mean * r.pair.weight
-            total = term if total is None else total + term
+            names = _term_names(r.pair, self.config)
+            for name, relation in zip(names, _relations(r.pair, self.config)):
+                kl_sum, n = self._pair_term(r, t, s, key_padding_mask, query_mask, relation)
+                mean = kl_sum / n.clamp_min(1.0)
+                per_pair[name] = mean
+                sums.append(kl_sum.detach().float())
+                rows.append(n)
+                term = mean * r.pair.weight
+                total = term if total is None else total + term
         assert total is not None
         return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))
 
     # ------------------------------------------------------------------------------------------ one pair
     def _pair_term(self, r: _ResolvedPair, t: CapturedAttention, s: CapturedAttention,
-                   key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None,
+                   key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None, relation: str = "qk",
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, pair = self.config, r.pair
         label = f"pair {pair.label!r} (teacher {r.teacher!r}, student {r.student!r})"
@@ -280,7 +409,7 @@ class AttentionDistillationLoss:
             )
         sinks_t = None if t.sinks is None else t.sinks.to(device, non_blocking=True)
         sinks_s = s.sinks
-        if (sinks_t is None) != (sinks_s is None):
+        if relation == "qk" and (sinks_t is None) != (sinks_s is None):
             side, other = ("teacher", "student") if sinks_t is not None else ("student", "teacher")
             raise ValueError(
                 f"StreamKL {label}: the {side} layer has attention sinks and the {other} layer has none; the sink's "
@@ -289,7 +418,17 @@ class AttentionDistillationLoss:
         causal = self._causality(label, pair, t, s)
         n_k = k_t.shape[2]
         masking = self._masking(label, t, s, causal, key_padding_mask, query_mask, b_t, n_qt, n_k, device)
-        if h_t != h_s:
+        scale_t, scale_s, softcap_t, softcap_s = t.scale, s.scale, t.softcap, s.softcap
+        if relation != "qk":
+            if masking.attn_mask is not None and masking.attn_mask.shape[1] != 1:
+                raise ValueError(
+                    f"StreamKL {label}, relation {relation!r}: the layers' attention mask differs per head, and a "
+                    "relation's heads are not the layer's heads; use relations=['qk'] for this pair."
+                )
+            q_t, k_t, q_s, k_s = self._relation_inputs(pair, label, relation, t, s, q_t, k_t, q_s, k_s)
+            # softmax(x xᵀ / sqrt(d_r)) over the keys the layer allows: the scale, soft-cap and sinks belong to q kᵀ
+            scale_t = scale_s = softcap_t = softcap_s = sinks_t = sinks_s = None
+        elif h_t != h_s:
             if masking.attn_mask is not None and masking.attn_mask.shape[1] != 1:
                 raise ValueError(
                     f"StreamKL {label}: the layers have {h_t} and {h_s} query heads and a per-head attention mask; "
@@ -301,8 +440,8 @@ class AttentionDistillationLoss:
         if k_s.dtype != q_s.dtype:
             k_s = k_s.to(q_s.dtype)
         options = dict(
-            causal=causal, scale_t=t.scale, scale_s=s.scale, window=masking.window, softcap_t=t.softcap,
-            softcap_s=s.softcap, sinks_t=sinks_t, sinks_s=sinks_s,
+            causal=causal, scale_t=scale_t, scale_s=scale_s, window=masking.window, softcap_t=softcap_t,
+            softcap_s=softcap_s, sinks_t=sinks_t, sinks_s=sinks_s,
             temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
             direction=pair.direction or cfg.direction, reduction="sum", backend=cfg.backend,
         )
@@ -323,6 +462,47 @@ class AttentionDistillationLoss:
                                key_padding_mask=masking.key_padding_mask, query_mask=masking.query_mask,
                                window=masking.window, attn_mask=masking.attn_mask)
         return kl_sum, n
+
+    def _relation_inputs(self, pair: LayerPair, label: str, relation: str, t: CapturedAttention,
+                         s: CapturedAttention, q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
+                         k_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_t, x_t, x_s, x_s)``: one side's queries, keys or values re-split into the relation heads, as both
+        the queries and the keys of its relation ``softmax(x xᵀ / sqrt(d_r))``."""
+        if q_t.shape[2] != k_t.shape[2]:
+            raise ValueError(
+                f"StreamKL {label}: the relation {relation!r} compares a layer's tokens with themselves, so it needs "
+                f"self-attention (as many queries as keys), but the layers have N_q={q_t.shape[2]} and "
+                f"N_k={k_t.shape[2]}; use relations=['qk'] for this pair."
+            )
+        heads = pair.relation_heads or self.config.relation_heads or q_s.shape[1]
+        if relation == "qq":
+            x_t, x_s = q_t, q_s
+        elif relation == "kk":
+            x_t, x_s = k_t, k_s
+        else:
+            for rec, side in ((t, "teacher"), (s, "student")):
+                if getattr(rec, "v", None) is None:
+                    raise ValueError(
+                        f"StreamKL {label}: the value relation 'vv' needs the {side} layer's values, but its record "
+                        "holds none. A capture keeps them only when made with capture_values=True (the engine, "
+                        "callback and mixin ask for them when a pair compares 'vv'; by hand: build_capture(..., "
+                        "capture_values=True)), and a custom attention must hand them over with record(self, q, k, "
+                        "v=v); or drop 'vv' from the pair's relations."
+                    )
+            x_t, x_s = t.v.to(q_s.device, non_blocking=True), s.v  # type: ignore[union-attr]
+            if x_t.dim() != 4 or x_s.dim() != 4 or x_t.shape[2] != q_t.shape[2] or x_s.shape[2] != q_s.shape[2]:
+                raise ValueError(
+                    f"StreamKL {label}: expected 4-d [B, H, N, D] values with the layers' N={q_t.shape[2]} tokens, "
+                    f"but got teacher v {tuple(x_t.shape)} and student v {tuple(x_s.shape)}."
+                )
+        what = {"qq": "queries", "kk": "keys", "vv": "values"}[relation]
+        try:
+            x_t = relation_heads_split(x_t, heads, what=f"teacher {what}")
+            x_s = relation_heads_split(x_s, heads, what=f"student {what}")
+        except ValueError as err:
+            raise ValueError(f"StreamKL {label}, relation {relation!r}: {err} Set `relation_heads` (of the pair or "
+                             "the config) to a common divisor.") from None
+        return x_t, x_t, x_s, x_s
 
     def _causality(self, label: str, pair: LayerPair, t: CapturedAttention, s: CapturedAttention) -> bool:
         causal = pair.causal if pair.causal is not None else self.config.causal

@@ -11,28 +11,45 @@ weighs the same, whatever batch it came from), summed across processes under DDP
                                     {\sum_{\text{batches}} \#\{\text{counted rows}\}}
 
 KL is asymmetric: the pair's direction (forward KL(teacher‖student) or reverse) decides which one is tracked.
+
+The sums are float64 where the device has float64, and float32 on the devices that have none (Apple's MPS): the
+states' dtype follows the device they are moved to (:func:`state_dtype`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["AttentionKLDivergence"]
+__all__ = ["FLOAT32_DEVICES", "AttentionKLDivergence", "state_dtype"]
+
+#: Device types without float64, where the metric's sums are float32.
+FLOAT32_DEVICES = ("mps",)
 
 
-def _attention_kl_update(kl_sums: Tensor, rows: Tensor, num_pairs: int) -> tuple[Tensor, Tensor]:
-    """Check one batch's per-pair KL sums and row counts; return them as float64 ``[P]`` vectors."""
+def state_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of the metric's sums on ``device``: float64, or float32 on a device type without float64 (MPS).
+
+    Example:
+        >>> state_dtype("cpu"), state_dtype("mps"), state_dtype(torch.device("cuda", 1))
+        (torch.float64, torch.float32, torch.float64)
+    """
+    return torch.float32 if torch.device(device).type in FLOAT32_DEVICES else torch.float64
+
+
+def _attention_kl_update(kl_sums: Tensor, rows: Tensor, num_pairs: int,
+                         dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Check one batch's per-pair KL sums and row counts; return them as ``[P]`` vectors of ``dtype``."""
     kl_sums, rows = torch.as_tensor(kl_sums), torch.as_tensor(rows)
     for name, x in (("kl_sums", kl_sums), ("rows", rows)):
         if x.dim() != 1 or x.shape[0] != num_pairs:
             raise ValueError(f"Expected `{name}` to have shape ({num_pairs},) (one per pair), got {tuple(x.shape)}.")
     if bool((rows < 0).any()):
         raise ValueError(f"Expected `rows` to be >= 0, but got {rows.tolist()}.")
-    return kl_sums.detach().to(torch.float64), rows.detach().to(torch.float64)
+    return kl_sums.detach().to(dtype), rows.detach().to(dtype)
 
 
 def _attention_kl_compute(kl_sum: Tensor, rows: Tensor) -> Tensor:
@@ -94,12 +111,23 @@ class AttentionKLDivergence(Metric):
         self.pair_names = names
         self.weights = None if weights is None else [float(w) for w in weights]
         self.prefix = prefix
-        self.add_state("kl_sum", torch.zeros(len(names), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("rows", torch.zeros(len(names), dtype=torch.float64), dist_reduce_fx="sum")
+        dtype = state_dtype("cpu")
+        self.add_state("kl_sum", torch.zeros(len(names), dtype=dtype), dist_reduce_fx="sum")
+        self.add_state("rows", torch.zeros(len(names), dtype=dtype), dist_reduce_fx="sum")
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = "") -> AttentionKLDivergence:
+        """Move the states as :class:`torchmetrics.Metric` does, first casting them (and their defaults) to the
+        :func:`state_dtype` of the target device, where they still are (MPS cannot hold float64)."""
+        dtype = state_dtype(fn(torch.zeros(1)).device)
+        if self.kl_sum.dtype != dtype:
+            for key in ("kl_sum", "rows"):
+                setattr(self, key, getattr(self, key).to(dtype))
+                self._defaults[key] = self._defaults[key].to(dtype)
+        return super()._apply(fn, exclude_state)
 
     def update(self, kl_sums: Tensor, rows: Tensor) -> None:
         """Accumulate one batch's per-pair KL sums and row counts."""
-        kl_sums, rows = _attention_kl_update(kl_sums, rows, len(self.pair_names))
+        kl_sums, rows = _attention_kl_update(kl_sums, rows, len(self.pair_names), self.kl_sum.dtype)
         # out of place: under `ddp_spawn` on CPU the state tensors arrive in every process in shared memory (torch's
         # multiprocessing pickling; Lightning un-shares only parameters and buffers), so `+=` would sum all processes
         self.kl_sum = self.kl_sum + kl_sums.to(self.kl_sum.device)

@@ -24,6 +24,7 @@ from torch import nn
 from .adapter import check_strategy, load_metric_state, log_epoch, log_step, metric_state, place_teacher
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .engine import AttentionDistiller, DistillationMetrics
+from .teacher import AdaptersOff
 
 __all__ = ["AttentionDistillationMixin"]
 
@@ -91,7 +92,7 @@ class AttentionDistillationMixin:
 
     def configure_attention_distillation(
         self,
-        teacher: nn.Module | str,
+        teacher: nn.Module | str | AdaptersOff,
         pairs: Sequence[LayerPair | Mapping[str, Any] | Sequence[Any]] | None = None,
         *,
         config: StreamKLConfig | Mapping[str, Any] | str | None = None,
@@ -102,7 +103,8 @@ class AttentionDistillationMixin:
 
         Args:
             teacher: the teacher module, or a Hugging Face model name/path. It is frozen and kept out of the
-                module's submodules (so out of checkpoints and optimizers).
+                module's submodules (so out of checkpoints and optimizers). ``AdaptersOff()``: the module itself with
+                its adapters switched off (:class:`~lightning_streamkl.teacher.AdaptersOff`).
             pairs: the layer pairs (or put them in ``config``).
             config: a config, mapping or YAML path/text; ``pairs`` and ``options`` override its fields.
             teacher_forward: ``fn(teacher, batch)``; default as in the callback.

@@ -5,9 +5,10 @@ Frozen teacher
 Everything about running the teacher of a distillation, and nothing else: loading it by name
 (:func:`load_teacher`), freezing it, placing it (:class:`FrozenTeacher`: its own dtype unless told otherwise, on
 the student's device, where it is, on another device, or kept in host memory and borrowed onto the device for
-each pass, or sharded over the processes of a data-parallel group with FSDP2: :func:`shard_module`), stopping its
-forward pass once the paired layers have been captured (:func:`stop_after`), and feeding it the inputs a student
-submodule received (:class:`InputRecorder`, :func:`find_copy`).
+each pass, or sharded over the processes of a data-parallel group with FSDP2: :func:`shard_module`), the student
+itself with its adapters switched off as the teacher (:class:`AdaptersOff`, :class:`SelfTeacher`: no second copy in
+memory), stopping its forward pass once the paired layers have been captured (:func:`stop_after`), and feeding it the
+inputs a student submodule received (:class:`InputRecorder`, :func:`find_copy`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FrozenTeacher", "InputRecorder", "borrowed", "find_copy", "is_sharded", "load_teacher", "reshard",
-           "shard_count", "shard_module", "shard_units", "stop_after", "to_device"]
+__all__ = ["AdaptersOff", "FrozenTeacher", "InputRecorder", "SelfTeacher", "adapters_disabled", "borrowed",
+           "find_adapter_module", "find_copy", "is_sharded", "load_teacher", "reshard", "shard_count", "shard_module",
+           "shard_units", "stop_after", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -489,3 +491,183 @@ def _pin(module: nn.Module) -> None:
     for t in _tensors(module):
         if t.device.type == "cpu" and not t.is_pinned():
             t.data = t.data.pin_memory()
+
+
+# ------------------------------------------------------------------------------------------ the student as teacher
+class AdaptersOff:
+    """A teacher that is the student itself with its adapters (LoRA, ...) switched off: the base model, for free.
+
+    Pass it where a teacher goes (``StreamKLDistillation(AdaptersOff(), pairs=...)``,
+    ``AttentionDistiller(AdaptersOff(), config)``, the mixin). At each step the student's adapter-carrying
+    submodule runs once more, under ``no_grad``, in ``eval()`` mode, inside its ``disable_adapter()`` context (PEFT's
+    ``PeftModel``; ``disable_adapters()``/``enable_adapters()`` of a transformers model with adapters loaded also
+    work): no copy of the weights is made, and the student is left as it was (adapters on, training mode, gradients).
+    Importing this class never imports peft.
+
+    Args:
+        module: the path of the submodule of the student (the LightningModule, or the module given to the engine)
+            that carries the adapters; ``None`` finds it: the outermost submodule with a ``disable_adapter()``
+            context manager, else with ``disable_adapters()``/``enable_adapters()`` methods.
+
+    Example:
+        >>> AdaptersOff("model")
+        AdaptersOff(module='model')
+        >>> AdaptersOff(3)
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `module` to be a submodule path (str) or None, but got 3.
+    """
+
+    def __init__(self, module: str | None = None) -> None:
+        if module is not None and not isinstance(module, str):
+            raise TypeError(f"Expected `module` to be a submodule path (str) or None, but got {module!r}.")
+        self.module = module
+
+    def __repr__(self) -> str:
+        return f"AdaptersOff(module={self.module!r})"
+
+
+def _switchable(module: nn.Module) -> bool:
+    if callable(getattr(module, "disable_adapter", None)):
+        return True
+    if not getattr(module, "_hf_peft_config_loaded", True):  # a transformers model has the methods, maybe no adapter
+        return False
+    return callable(getattr(module, "disable_adapters", None)) and callable(getattr(module, "enable_adapters", None))
+
+
+def find_adapter_module(student: nn.Module, path: str | None = None) -> str:
+    """The path of the submodule of ``student`` whose adapters can be switched off (``""``: ``student`` itself).
+
+    Raises:
+        ValueError: ``path`` is not a submodule of ``student`` or cannot switch adapters off, or (``path=None``) no
+            submodule can.
+
+    Example:
+        >>> class Peft(nn.Module):                      # what PEFT's PeftModel offers
+        ...     def disable_adapter(self): ...
+        >>> find_adapter_module(nn.Sequential(nn.Linear(1, 1), Peft()))
+        '1'
+        >>> find_adapter_module(nn.Linear(1, 1))
+        Traceback (most recent call last):
+        ...
+        ValueError: AdaptersOff: no submodule of Linear can switch its adapters off (PEFT's `disable_adapter()`, or \
+`disable_adapters()`/`enable_adapters()`); wrap the model with peft.get_peft_model(...) first.
+    """
+    if path is not None:
+        try:
+            module = student.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"Expected AdaptersOff(module={path!r}) to name a submodule of {type(student).__name__}, "
+                             "but it has none of that name.") from None
+        if not _switchable(module):
+            raise ValueError(
+                f"Expected AdaptersOff(module={path!r}) to be a module whose adapters can be switched off (PEFT's "
+                f"`disable_adapter()`, or `disable_adapters()`/`enable_adapters()`), but {type(module).__name__} has "
+                "neither."
+            )
+        return path
+    for name, module in student.named_modules():
+        if _switchable(module):
+            return name
+    raise ValueError(
+        f"AdaptersOff: no submodule of {type(student).__name__} can switch its adapters off (PEFT's "
+        "`disable_adapter()`, or `disable_adapters()`/`enable_adapters()`); wrap the model with "
+        "peft.get_peft_model(...) first."
+    )
+
+
+@contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` with its adapters off inside the block (PEFT's ``disable_adapter()``, else
+    ``disable_adapters()``/``enable_adapters()``); they are back on afterwards, also when the block raises.
+
+    Example:
+        >>> class Toggle(nn.Module):
+        ...     on = True
+        ...     def disable_adapters(self): self.on = False
+        ...     def enable_adapters(self): self.on = True
+        >>> m = Toggle()
+        >>> with adapters_disabled(m):
+        ...     m.on
+        False
+        >>> m.on
+        True
+    """
+    disable = getattr(module, "disable_adapter", None)
+    if callable(disable):
+        with disable():
+            yield
+        return
+    module.disable_adapters()
+    try:
+        yield
+    finally:
+        module.enable_adapters()
+
+
+class SelfTeacher:
+    """The teacher of :class:`AdaptersOff`: a submodule of the student run with its adapters off; the same
+    interface as :class:`FrozenTeacher` (:meth:`prepare`, :meth:`placed`, :attr:`module`).
+
+    Nothing is frozen, copied, moved or cast: for each teacher pass (the engine runs it under ``no_grad``) the
+    module is put in ``eval()`` mode with its adapters off, and every submodule's training flag is restored
+    afterwards.
+
+    Args:
+        spec: the :class:`AdaptersOff` marker.
+
+    Example:
+        >>> class Toggle(nn.Linear):
+        ...     on = True
+        ...     def disable_adapters(self): self.on = False
+        ...     def enable_adapters(self): self.on = True
+        >>> student = nn.Sequential(Toggle(2, 2))
+        >>> teacher = SelfTeacher(AdaptersOff())
+        >>> teacher.bind(student)
+        '0'
+        >>> with teacher.placed(torch.device("cpu")):
+        ...     student[0].on, student[0].training
+        (False, False)
+        >>> student[0].on, student[0].training, student[0].weight.requires_grad
+        (True, True, True)
+    """
+
+    def __init__(self, spec: AdaptersOff) -> None:
+        self.spec = spec
+        self.path: str | None = None
+        self.module: nn.Module | None = None
+
+    def bind(self, student: nn.Module) -> str:
+        """Find the adapter-carrying submodule of ``student``; returns its path (``""``: the student itself)."""
+        self.path = find_adapter_module(student, self.spec.module)
+        self.module = student.get_submodule(self.path) if self.path else student
+        return self.path
+
+    def prepare(self) -> nn.Module:
+        """The bound module.
+
+        Raises:
+            RuntimeError: :meth:`bind` has not run (the student is not known yet).
+        """
+        if self.module is None:
+            raise RuntimeError("AdaptersOff: the teacher is the student with its adapters off, so it exists only once "
+                               "the student is known; call AttentionDistiller.setup(student) first.")
+        return self.module
+
+    @property
+    def spread(self) -> bool:
+        """Never moved (it is the student)."""
+        return True
+
+    @contextmanager
+    def placed(self, device: torch.device) -> Iterator[torch.device]:
+        """Adapters off and ``eval()`` inside the block; yields the device of the module's first tensor."""
+        module = self.prepare()
+        modes = [(m, m.training) for m in module.modules()]
+        module.eval()
+        try:
+            with adapters_disabled(module):
+                yield _input_device(module, device)
+        finally:
+            for m, mode in modes:
+                m.training = mode

@@ -64,10 +64,24 @@ def test_a_generated_table_edited_by_hand_fails(figures, pages):
     assert any("figures:quickstart-eval" in p for p in figures.check({**pages, page: edited}))
 
 
-def test_the_minilm_table_is_the_examples_output():
+@pytest.mark.parametrize(("results_file", "block", "recipes"), [
+    ("minilm_cpu.json", "minilm:results", ["with_kl", "without_kl"]),
+    ("minilm_relations_cpu.json", "minilm:relations", ["with_kl", "relations"]),
+])
+def test_the_minilm_tables_are_the_examples_output(results_file, block, recipes):
     example = _load(ROOT / "examples" / "minilm_attention_transfer.py", "minilm_example")
-    results = json.loads((ROOT / "benchmarks" / "results" / "minilm_cpu.json").read_text())
-    block = re.search(r"<!-- minilm:results:start -->\n(.*?)\n<!-- minilm:results:end -->",
+    results = json.loads((ROOT / "benchmarks" / "results" / results_file).read_text())
+    found = re.search(rf"<!-- {block}:start -->\n(.*?)\n<!-- {block}:end -->",
                       (ROOT / "docs" / "examples.md").read_text(), re.S).group(1)
-    assert block == example.markdown(results)
+    assert found == example.markdown(results)
     assert [r["seed"] for r in results["runs"]] == results["args"]["seeds"] == [0, 1, 2]
+    assert results["args"].get("recipes", ["with_kl", "without_kl"]) == recipes
+
+
+def test_the_lora_memory_table_is_the_scripts_output():
+    script = _load(ROOT / "benchmarks" / "lora_memory.py", "lora_memory")
+    results = json.loads((ROOT / "benchmarks" / "results" / "lora_self_distillation_cpu.json").read_text())
+    block = re.search(r"<!-- lora:memory:start -->\n(.*?)\n<!-- lora:memory:end -->",
+                      (ROOT / "docs" / "guides" / "recipes.md").read_text(), re.S).group(1)
+    assert block == script.markdown(results)
+    assert [r["mode"] for r in results["runs"]] == ["frozen_copy", "adapters_off"]

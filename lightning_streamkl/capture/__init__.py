@@ -45,7 +45,8 @@ def build_capture(model: nn.Module, kind: str = "auto", *, exclude: Iterable[nn.
             ``PreTrainedModel`` with attention-interface layers, else ``"mha"`` when it contains an
             ``nn.MultiheadAttention``, else ``"recorder"``. Every adapter also accepts :func:`record` calls.
         exclude: submodules to ignore.
-        capture_values: also record the value tensors (``CapturedAttention.v``); off by default.
+        capture_values: also record the value tensors (``CapturedAttention.v``), e.g. for MiniLM-v2's ``"vv"``
+            relation (the engine asks for them when a pair compares it); off by default.
 
     Example:
         >>> from torch import nn

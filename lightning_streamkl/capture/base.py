@@ -47,7 +47,8 @@ class CapturedAttention:
             the adapters of this package refuse the layer when it is recorded instead).
         note: why ``exact`` is False.
         layer_idx: the layer's ``layer_idx`` when the module has one (Hugging Face attention modules).
-        v: values ``[B, H_k, N_k, D_v]``, only when the capture was asked for them (``capture_values=True``).
+        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition), only when the capture was asked for them
+            (``capture_values=True``; MiniLM-v2's ``"vv"`` relation needs them).
         window: ``(left, right)`` sliding window (flash-attn convention, −1 unbounded), or ``None``.
         softcap: the logit soft-cap (Gemma 2), or ``None``.
         sinks: ``[H]`` sink logits (gpt-oss), or ``None``.
@@ -133,8 +134,8 @@ class AttentionCapture(ABC):
         model: the module whose attention layers are captured; layer paths are relative to it.
         exclude: submodules of ``model`` to ignore (e.g. a teacher stored inside the student's
             LightningModule), with everything below them.
-        capture_values: also record the value tensors (``CapturedAttention.v``), e.g. for value-relation
-            distillation; off by default, so only queries and keys are held.
+        capture_values: also record the value tensors (``CapturedAttention.v``), e.g. for MiniLM-v2's value
+            relation (``"vv"``); off by default, so only queries and keys are held.
 
     Attributes:
         records: ``{layer path: CapturedAttention}`` of the layers recorded since the last :meth:`pop`.

@@ -34,6 +34,12 @@ class MultiheadAttentionCapture(AttentionCapture):
     query and key) the padded positions' rows are not counted. Layers with ``add_bias_kv`` or ``add_zero_attn`` are
     rejected.
 
+    Args:
+        model: the model whose ``nn.MultiheadAttention`` layers are captured.
+        exclude: submodules to ignore.
+        capture_values: also record the values ``v [B, H, N_k, D]`` (a third ``linear``), which MiniLM-v2's value
+            relation (``"vv"``) needs. Default: ``False``.
+
     Example:
         >>> import torch
         >>> from torch import nn

@@ -42,7 +42,8 @@ def record(
         scale: the score scale; ``None`` means ``1 / sqrt(D)``.
         causal: whether the layer masks future keys; ``None`` leaves it to the distillation config.
         key_padding_mask: ``[B, N_k]`` bool, True for real keys; ``None`` uses the batch's padding mask.
-        v: values ``[B, H_k, N_k, D_v]``, kept by captures made with ``capture_values=True``.
+        v: values ``[B, H_k, N_k, D_v]`` (before GQA repetition), for MiniLM-v2's value relation (``"vv"``); kept
+            by captures made with ``capture_values=True`` (the engine's, when a pair compares ``"vv"``).
         window: ``(left, right)`` sliding window (flash-attn convention, −1 unbounded), if the layer has one.
         softcap: the layer's logit soft-cap, if any.
         sinks: ``[H]`` sink logits, if the layer has attention sinks.

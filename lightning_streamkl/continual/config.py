@@ -20,9 +20,11 @@ from ..capture import CAPTURE_KINDS
 from ..config import AttentionKLOptions
 from ..options import Check, Choice, Count, Flag, LayerRef, Number, Text, check_fields, option, read_mapping
 
-__all__ = ["SNAPSHOT_DEVICES", "ContinualConfig", "validate_continual_config"]
+__all__ = ["REFERENCES", "SNAPSHOT_DEVICES", "ContinualConfig", "validate_continual_config"]
 
 SNAPSHOT_DEVICES = ("same", "cpu")
+#: What the model is regularised toward: its own snapshots (copies), or itself with its adapters switched off.
+REFERENCES = ("snapshots", "adapters_off")
 
 
 class _Weights(Check):
@@ -101,6 +103,11 @@ class ContinualConfig(AttentionKLOptions):
             Default: ``True``.
         capture: how to capture both models: ``"auto"``, ``"hf"``, ``"mha"`` or ``"recorder"``. Default:
             ``"auto"``.
+        reference: what the model is regularised toward: ``"snapshots"``, the frozen copies taken at task
+            boundaries; ``"adapters_off"``, the model itself with its adapters (LoRA, ...) switched off, i.e. the
+            pretrained base of a fine-tune, from the first step on and without a copy in memory
+            (:class:`~lightning_streamkl.teacher.AdaptersOff`; ``module`` names the adapter-carrying submodule, found
+            when ``None``; no snapshots are taken). Default: ``"snapshots"``.
 
     Example:
         >>> ContinualConfig().name, ContinualConfig(keep=None).keep
@@ -118,6 +125,7 @@ class ContinualConfig(AttentionKLOptions):
     snapshot_trim: bool = option(True, Flag())
     snapshot_on_fit_end: bool = option(True, Flag())
     capture: str = option("auto", Choice(CAPTURE_KINDS))
+    reference: str = option("snapshots", Choice(REFERENCES))
 
 
 def validate_continual_config(config: ContinualConfig | Mapping[str, Any] | DictConfig | str) -> ContinualConfig:

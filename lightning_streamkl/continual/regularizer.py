@@ -35,6 +35,7 @@ from ..engine import AttentionDistiller, DistillationMetrics, default_teacher_fo
 from ..loss import weighted_sum
 from ..metrics import AttentionKLDivergence
 from ..options import signature_from_fields
+from ..teacher import AdaptersOff
 from .config import ContinualConfig, validate_continual_config
 from .layers import resolve_layers
 from .snapshots import Snapshot, Trimmer, frozen_copy, rebuild
@@ -119,6 +120,9 @@ class ContinualAttentionRegularizer(LossTermCallback):
 
         then ``for task in tasks: L.Trainer(callbacks=[regularizer], ...).fit(model, task)``.
 
+    ``reference="adapters_off"`` regularises toward the model itself with its adapters off (a LoRA fine-tune's
+    pretrained base, :class:`~lightning_streamkl.teacher.AdaptersOff`) from the first step, with no snapshot copy.
+
     .. tip:: The snapshots' weights and the callback's counters are saved in checkpoints under
         :attr:`state_key`; resuming a task with ``ckpt_path`` rebuilds the snapshots (a copy of the live module's
         structure, loaded with the saved weights) and continues the task's warm-up where it stopped. Each kept
@@ -145,6 +149,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             forward = self.snapshot_forward
         self._forward = forward
         self._snapshots: list[Snapshot] = []
+        self._base = Snapshot(task=-1) if config.reference == "adapters_off" else None
         self._task = 0
         self._task_start_step = 0
         self._train_batches = 0
@@ -261,7 +266,10 @@ class ContinualAttentionRegularizer(LossTermCallback):
 
         Raises:
             RuntimeError: called while a training step is recording attention, or the module cannot be copied.
+            ValueError: ``reference="adapters_off"`` (nothing to copy).
         """
+        if self._base is not None:
+            raise ValueError("reference='adapters_off' regularises toward the model with adapters off: no snapshot.")
         if is_recording():
             raise RuntimeError(
                 "ContinualAttentionRegularizer.snapshot() was called while attention is being captured (inside a "
@@ -319,7 +327,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release(pl_module)
-        if stage == "fit" and self.config.snapshot_on_fit_end:
+        if stage == "fit" and self.config.snapshot_on_fit_end and self._base is None:
             self.snapshot(pl_module)
 
     @override
@@ -374,7 +382,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             "student_capture": self._probe.kind, "teacher_inputs": feed,
         })
         self._state = DistillationMetrics(self.pair_names, [p.weight for p in self._pairs], cfg.name)
-        for snap in self._snapshots:
+        for snap in self._teachers():
             snap.release()
         self._resolved_for = pl_module
 
@@ -396,12 +404,16 @@ class ContinualAttentionRegularizer(LossTermCallback):
             snap.module = self._place(rebuild(snap, self._root_module(pl_module), pl_module, self.config.name))
             snap.pending = None
 
+    def _teachers(self) -> list[Snapshot]:  # the kept snapshots, or the model with its adapters off
+        return [self._base] if self._base is not None else self._snapshots
+
     def _distiller(self, snap: Snapshot, pl_module: LightningModule) -> AttentionDistiller:
         if snap.distiller is None:
-            assert snap.module is not None and self._attention is not None
-            snap.distiller = AttentionDistiller(snap.module, self._attention, teacher_forward=self._forward,
-                                                padding_mask=self.padding_mask,
-                                                offload=self.config.snapshot_device == "cpu")
+            assert (snap.module is not None or snap is self._base) and self._attention is not None
+            base = snap is self._base  # the model itself, adapters off: never offloaded
+            snap.distiller = AttentionDistiller(AdaptersOff(self._root) if base else snap.module, self._attention,
+                                                teacher_forward=self._forward, padding_mask=self.padding_mask,
+                                                offload=self.config.snapshot_device == "cpu" and not base)
             snap.distiller.setup(pl_module)
         return snap.distiller
 
@@ -415,7 +427,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
     def _release(self, pl_module: LightningModule) -> None:
         self._trimmer.close()
         self._unwrap_steps(pl_module)
-        for snap in self._snapshots:
+        for snap in self._teachers():
             if snap.distiller is not None:
                 snap.distiller.clear()
         if self._probe is not None:
@@ -432,13 +444,14 @@ class ContinualAttentionRegularizer(LossTermCallback):
         if not self._takes_part(stage):
             return False
         self._materialise(module)
-        if not self._snapshots:
+        if not self._teachers():
             # First task: nothing to regularise toward. Record the student once, so a layer that cannot be captured
             # fails now rather than after the first task.
             self._probing = stage == "train" and not self._probed
             return self._probing
-        for snap in self._snapshots:
-            self._trimmer.watch(snap)
+        for snap in self._teachers():
+            if snap is not self._base:
+                self._trimmer.watch(snap)
             self._distiller(snap, module).begin_step(batch)
         return True
 
@@ -447,7 +460,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             assert self._probe is not None
             return self._probe.recording()
         stack = ExitStack()
-        for snap in self._snapshots:
+        for snap in self._teachers():
             assert snap.distiller is not None
             stack.enter_context(snap.distiller.student_recording())
         return stack
@@ -460,7 +473,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             return output
         if output is None and stage == "train":
             return output  # the user skipped this batch
-        terms = [snap.distiller.end_step(batch) for snap in self._snapshots]  # type: ignore[union-attr]
+        terms = [snap.distiller.end_step(batch) for snap in self._teachers()]  # type: ignore[union-attr]
         self._trimmer.trim(self._snapshots)
         combined = weighted_sum(terms, self._alphas(len(terms)))
         if stage != "train":
@@ -492,6 +505,6 @@ class ContinualAttentionRegularizer(LossTermCallback):
         if self._probe is not None:
             self._probe.clear()
         self._probing = False
-        for snap in self._snapshots:
+        for snap in self._teachers():
             if snap.distiller is not None:
                 snap.distiller.clear()

@@ -137,8 +137,9 @@ class RunStats(Callback):
         self.step_times.append(dt)
         row = {"step": float(trainer.global_step), "time_s": dt, "elapsed_s": time.perf_counter() - self._start}
         for key, value in trainer.callback_metrics.items():
-            if key.startswith("train/") and isinstance(value, torch.Tensor) and value.numel() == 1:
-                row[key] = float(value)
+            if key.startswith("train/") and not key.endswith("_epoch") and isinstance(value, torch.Tensor) and \
+                    value.numel() == 1:
+                row[key.removesuffix("_step")] = float(value)  # the per-step values, under the history's keys
         self.history.append(row)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

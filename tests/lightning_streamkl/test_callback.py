@@ -59,18 +59,18 @@ def test_distillation_lowers_the_pair_kl_and_the_task_loss_still_trains():
     layer = "model.layers.0.self_attn"
     with torch.no_grad():
         _, kl_before = manual_kl(teacher, student.model, batch, layer, layer)
-    rec = Recorder("train/attn_kl/first", "train/attn_kl/total")
+    rec = Recorder("train/attn_kl/first_step", "train/attn_kl/total_step")
     cb = StreamKLDistillation(teacher, pairs=[{"teacher": 0, "student": 0, "name": "first"}], weight=10.0)
     trainer(max_steps=40, callbacks=[cb, rec], log_every_n_steps=1).fit(student, loader(16, 4))
     with torch.no_grad():
         _, kl_after = manual_kl(teacher, student.model, batch, layer, layer)
 
-    kls = rec.values["train/attn_kl/first"]
+    kls = rec.values["train/attn_kl/first_step"]
     assert kl_after < 0.4 * kl_before, (float(kl_before), float(kl_after))
     assert sum(kls[-4:]) < 0.4 * sum(kls[:4])
     assert student.task_losses[-1] < 0.2 * student.task_losses[0]
     # the loss that was backpropagated is the task loss plus weight · Σ w_p KL_p
-    for task, step, total in zip(student.task_losses, student.step_losses, rec.values["train/attn_kl/total"]):
+    for task, step, total in zip(student.task_losses, student.step_losses, rec.values["train/attn_kl/total_step"]):
         assert step == pytest.approx(task + 10.0 * total, rel=1e-5)
     # the teacher stayed frozen and the module's training_step was restored
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
@@ -102,11 +102,11 @@ def test_bf16_mixed_on_cpu():
     teacher = make_teacher()
     student = make_student(lr=0.1)
     before = [p.detach().clone() for p in student.parameters()]
-    rec = Recorder("train/attn_kl/last", "train/attn_kl/total")
+    rec = Recorder("train/attn_kl/last_step", "train/attn_kl/total_step")
     trainer(max_steps=3, precision="bf16-mixed", callbacks=[StreamKLDistillation(teacher, pairs=[LAST]), rec],
             log_every_n_steps=1).fit(student, loader(12, 4))
-    assert all(0 < v < 10 for v in rec.values["train/attn_kl/last"])
-    for task, step, total in zip(student.task_losses, student.step_losses, rec.values["train/attn_kl/total"]):
+    assert all(0 < v < 10 for v in rec.values["train/attn_kl/last_step"])
+    for task, step, total in zip(student.task_losses, student.step_losses, rec.values["train/attn_kl/total_step"]):
         assert step == pytest.approx(task + total, rel=1e-2)  # one loss, the sum (bf16 rounding of the task loss)
     assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
     assert next(teacher.parameters()).dtype == torch.float32  # follows the student's (fp32) parameters
@@ -121,12 +121,12 @@ def test_16_mixed_grad_scaler_sees_one_loss():
     scale = scaler.scale
     scaler.scale = lambda loss: scaled.append(float(loss.detach())) or scale(loss)
     student = make_student(lr=0.1)
-    rec = Recorder("train/attn_kl/total")
+    rec = Recorder("train/attn_kl/total_step")
     plugin = MixedPrecision(precision="16-mixed", device="cpu", scaler=scaler)
     trainer(max_steps=3, plugins=[plugin], callbacks=[StreamKLDistillation(make_teacher(), pairs=[LAST]), rec],
             log_every_n_steps=1).fit(student, loader(12, 4))
     assert len(scaled) == 3
-    for task, loss, total in zip(student.task_losses, scaled, rec.values["train/attn_kl/total"]):
+    for task, loss, total in zip(student.task_losses, scaled, rec.values["train/attn_kl/total_step"]):
         assert loss == pytest.approx(task + total, rel=1e-5)
     assert student.step_losses == pytest.approx([1024.0 * x for x in scaled], rel=1e-5)
 
@@ -160,13 +160,13 @@ def test_two_callbacks_coexist():
     a = StreamKLDistillation(t1, pairs=[LAST], name="kl_a")
     b = StreamKLDistillation(t2, pairs=[{"teacher": 0, "student": 0, "name": "first"}], weight=0.5, name="kl_b")
     assert a.state_key != b.state_key
-    rec = Recorder("train/kl_a/total", "train/kl_b/total", "train/kl_a/last", "train/kl_b/first")
+    rec = Recorder("train/kl_a/total_step", "train/kl_b/total_step", "train/kl_a/last_step", "train/kl_b/first_step")
     t = trainer(max_steps=3, callbacks=[a, b, rec], log_every_n_steps=1)
     t.fit(student, loader(12, 4))
     for i, (task, step) in enumerate(zip(student.task_losses, student.step_losses)):
-        expected = task + rec.values["train/kl_a/total"][i] + 0.5 * rec.values["train/kl_b/total"][i]
+        expected = task + rec.values["train/kl_a/total_step"][i] + 0.5 * rec.values["train/kl_b/total_step"][i]
         assert step == pytest.approx(expected, rel=1e-5)
-    assert {"train/kl_a/last", "train/kl_b/first"} <= set(t.callback_metrics)
+    assert {"train/kl_a/last_step", "train/kl_b/first_step", "train/kl_a/last_epoch"} <= set(t.callback_metrics)
     assert "training_step" not in student.__dict__
 
     clash = [StreamKLDistillation(t1, pairs=[LAST]), StreamKLDistillation(t2, pairs=[[0, 0]])]
@@ -181,7 +181,8 @@ def test_validation_logs_and_epoch_values_are_row_weighted():
     data = loader(8, 4)
     t = trainer(max_epochs=1, limit_val_batches=None, callbacks=[cb])
     t.fit(student, data, data)
-    assert {"val/attn_kl/last", "val/attn_kl/total", "train/attn_kl/last"} <= set(t.callback_metrics)
+    assert {"val/attn_kl/last", "val/attn_kl/total", "train/attn_kl/last_epoch"} <= set(t.callback_metrics)
+    assert not any(k.endswith("_step") for k in t.callback_metrics if "attn_kl" in k)  # log_on_step=False
     # the validation value is the row-weighted mean over the two validation batches, from the final weights
     sums, rows = 0.0, 0.0
     for batch in data:
@@ -211,11 +212,11 @@ def test_teacher_keeps_its_own_dtype_unless_told():
     """``teacher_dtype="auto"`` used to follow the student's parameters (under bf16-mixed: the fp32 master weights,
     so a bf16 teacher was upcast to fp32, doubling its memory); it now keeps the teacher's own dtype."""
     teacher = make_teacher(dtype=torch.bfloat16)
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     trainer(max_steps=2, precision="bf16-mixed", callbacks=[StreamKLDistillation(teacher, pairs=[LAST]), rec],
             log_every_n_steps=1).fit(make_student(), loader(8, 4))
     assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16} and all(v > 0 for v in rec.values[
-        "train/attn_kl/last"])
+        "train/attn_kl/last_step"])
     student = CausalLM(tiny_llama(hidden=16, heads=4, kv_heads=1, seed=1, dtype=torch.float64))
     trainer(max_steps=1, callbacks=[StreamKLDistillation(teacher, pairs=[LAST], teacher_dtype="auto")]).fit(
         student, loader(4, 4))
@@ -298,20 +299,20 @@ def test_plain_pytorch_models_with_tuple_batches():
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 6, 16), torch.randn(32, 6)),
                                        batch_size=8)
     student = Regressor("mha")
-    rec = Recorder("train/attn_kl/deep", "train/attn_kl/total")
+    rec = Recorder("train/attn_kl/deep_step", "train/attn_kl/total_step")
     cb = StreamKLDistillation(teacher, pairs=[{"teacher": "1", "student": "encoder.layers.1.self_attn", "name": "deep"}])
     trainer(max_steps=12, callbacks=[cb, rec], log_every_n_steps=1).fit(student, data)
     assert cb._distiller.teacher_capture.kind == "recorder" and cb._distiller.student_capture.kind == "mha"
-    for task, step, total in zip(student.task_losses, student.step_losses, rec.values["train/attn_kl/total"]):
+    for task, step, total in zip(student.task_losses, student.step_losses, rec.values["train/attn_kl/total_step"]):
         assert step == pytest.approx(task + total, rel=1e-5)
-    kls = rec.values["train/attn_kl/deep"]
+    kls = rec.values["train/attn_kl/deep_step"]
     assert kls[-1] < kls[0]
 
 
 def test_teacher_by_local_hugging_face_path(tmp_path):
     make_teacher().save_pretrained(tmp_path / "teacher")
     cb = StreamKLDistillation(str(tmp_path / "teacher"), pairs=[LAST])
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))
-    assert type(cb.teacher).__name__ == "LlamaModel" and rec.values["train/attn_kl/last"][0] > 0
+    assert type(cb.teacher).__name__ == "LlamaModel" and rec.values["train/attn_kl/last_step"][0] > 0
     assert cb._distiller.resolved == [("layers.1.self_attn", "model.model.layers.1.self_attn")]

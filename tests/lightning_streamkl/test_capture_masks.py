@@ -80,7 +80,7 @@ def test_a_packed_row_logs_the_per_document_kl(impl):
     teacher = tiny("llama", seed=0, hidden=64, kv_heads=2, impl=impl)
     student = tiny("llama", seed=1, hidden=32, kv_heads=1, impl=impl)
     batch, docs = packed_row(LENGTHS)
-    logged = Logged("train/attn_kl/last")
+    logged = Logged("train/attn_kl/last_step")
     loader = torch.utils.data.DataLoader([{k: v[0] for k, v in batch.items()}], batch_size=1)
     with cpu_flash(), float64_softmax():
         trainer(max_steps=1, callbacks=[StreamKLDistillation(teacher, pairs=[{"teacher": -1, "student": -1,

@@ -106,7 +106,30 @@ def test_from_config_and_defaults():
 def test_pair_helpers():
     assert [(p.teacher, p.student) for p in uniform_pairs(6, 3)] == [(1, 0), (3, 1), (5, 2)]
     assert sum(p.weight for p in uniform_pairs(7, 3, weight=2.0)) == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="Expected `num_student_layers` <= `num_teacher_layers`"):
+    with pytest.raises(ValueError, match="Expected the student's layers to be at most the teacher's, but got 4 > 2"):
         uniform_pairs(2, 4)
-    with pytest.raises(ValueError, match="Expected `num_teacher_layers` to be an int >= 1, but got 0"):
+    with pytest.raises(ValueError, match="Expected `teacher` to be a model or a number of layers >= 1, but got 0"):
         uniform_pairs(0, 1)
+
+
+def test_layer_mapping_helpers_count_the_layers_of_the_models_themselves():
+    from torch import nn
+
+    from lightning_streamkl import explicit_pairs, last_k_pairs, layer_count
+
+    from ._models import tiny_bert, tiny_llama
+
+    teacher, student = tiny_llama(layers=6), tiny_bert(layers=2)
+    assert layer_count(teacher) == 6 and layer_count(student) == 2  # found by the Hugging Face capture
+    assert [(p.teacher, p.student, p.weight) for p in uniform_pairs(teacher, student)] == [(2, 0, 0.5), (5, 1, 0.5)]
+    assert [(p.teacher, p.student, p.label) for p in last_k_pairs(2, teacher, student)] == [(-2, -2, "last-1"),
+                                                                                          (-1, -1, "last")]
+    with pytest.raises(ValueError, match="Expected `k` to be at most the student's 2 attention layers, but got 3"):
+        last_k_pairs(3, teacher, student)
+    pairs = explicit_pairs({0: 1, 1: "model.layers.5.self_attn"}, weight=2.0, temperature=2.0)
+    assert [(p.teacher, p.student, p.weight, p.temperature) for p in pairs] == [
+        (1, 0, 1.0, 2.0), ("model.layers.5.self_attn", 1, 1.0, 2.0)]
+    with pytest.raises(ValueError, match=r"Expected `student` \(Linear\) to have attention layers"):
+        uniform_pairs(teacher, nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="non-empty"):
+        explicit_pairs({})

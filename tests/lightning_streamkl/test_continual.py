@@ -28,14 +28,15 @@ def make_student(seed: int = 1, lr: float = 0.05, optimizer: str = "adam") -> Ca
 
 
 class Recorder(L.Callback):
-    """Collects the regulariser's logged values after every training batch."""
+    """Collects the regulariser's per-step values (``train/<name>/<key>_step``) after every training batch."""
 
     def __init__(self, name: str = "continual_kl") -> None:
         self.prefix, self.values = f"train/{name}/", []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.values.append({k[len(self.prefix):]: float(v) for k, v in trainer.callback_metrics.items()
-                            if k.startswith(self.prefix)})
+        self.values.append({k[len(self.prefix):].removesuffix("_step"): float(v)
+                            for k, v in trainer.callback_metrics.items()
+                            if k.startswith(self.prefix) and k.endswith("_step")})
 
 
 def fit(student, reg, data, *extra, **kwargs):
@@ -260,7 +261,8 @@ def test_validation_logs_the_divergence_from_the_snapshot():
     fit(student, reg, loader(8, 4), max_steps=2)
     t = trainer(max_steps=2, limit_val_batches=None, callbacks=[reg])
     t.fit(student, loader(8, 4, seed=1), loader(8, 4, seed=3))
-    assert {"val/continual_kl/layer0", "val/continual_kl/total", "train/continual_kl/total"} <= set(t.callback_metrics)
+    assert {"val/continual_kl/layer0", "val/continual_kl/total", "train/continual_kl/total_epoch"} <= \
+        set(t.callback_metrics)
     assert float(t.callback_metrics["val/continual_kl/total"]) > 0
     before = reg.task
     trainer(limit_val_batches=None, callbacks=[reg]).validate(student, loader(8, 4, seed=3), verbose=False)

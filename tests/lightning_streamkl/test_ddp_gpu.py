@@ -90,13 +90,13 @@ def test_ddp_on_two_gpus_matches_one_gpu(tmp_path, capsys):
 def test_a_teacher_partly_on_the_gpu_is_moved_whole(capsys):
     teacher = make_teacher()
     teacher.model.embed_tokens.to("cuda:0")  # the first parameter is already on the student's GPU, the rest not
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     gpu_trainer(max_steps=1, callbacks=[StreamKLDistillation(teacher, pairs=[LAST]), rec], log_every_n_steps=1).fit(
         make_student(), loader(4, 4))
     devices = {str(p.device) for p in teacher.parameters()}
-    assert devices == {"cuda:0"} and rec.values["train/attn_kl/last"][0] > 0
+    assert devices == {"cuda:0"} and rec.values["train/attn_kl/last_step"][0] > 0
     with capsys.disabled():
-        print(f"\nteacher partly on cuda:0 -> {sorted(devices)}, KL {rec.values['train/attn_kl/last'][0]:.4f}")
+        print(f"\nteacher partly on cuda:0 -> {sorted(devices)}, KL {rec.values['train/attn_kl/last_step'][0]:.4f}")
 
 
 class MemoryProbe(L.Callback):

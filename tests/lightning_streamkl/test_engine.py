@@ -56,11 +56,11 @@ def test_the_teacher_stops_after_the_deepest_paired_layer(pair):
     student = make_student(seed=1)
     values = {}
     for early_exit in (True, False):
-        rec = Recorder("train/attn_kl/total")
+        rec = Recorder("train/attn_kl/total_step")
         cb = StreamKLDistillation(teacher, pairs=[pair], teacher_early_exit=early_exit)
         calls.update(dict.fromkeys(calls, 0))
         trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(copy.deepcopy(student), loader(8, 4))
-        values[early_exit] = rec.values["train/attn_kl/total"]
+        values[early_exit] = rec.values["train/attn_kl/total_step"]
         if early_exit:
             assert calls[f"model.layers.{pair['teacher']}"] == 2  # the paired layer ran, once per step
             assert all(calls[name] == 0 for name in ["lm_head", "model.norm", *later]), calls
@@ -99,10 +99,10 @@ def test_a_teacher_by_name_takes_from_pretrained_options(tmp_path):
     make_teacher().save_pretrained(tmp_path / "teacher")
     cb = StreamKLDistillation(str(tmp_path / "teacher"), pairs=[LAST],
                               teacher_from_pretrained={"dtype": "bfloat16", "attn_implementation": "eager"})
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))
     assert {p.dtype for p in cb.teacher.parameters()} == {torch.bfloat16}  # kept: teacher_dtype="auto"
-    assert cb.teacher.config._attn_implementation == "eager" and rec.values["train/attn_kl/last"][0] > 0
+    assert cb.teacher.config._attn_implementation == "eager" and rec.values["train/attn_kl/last_step"][0] > 0
 
 
 class EmbeddedLM(CausalLM):
@@ -126,15 +126,15 @@ def test_a_teacher_that_is_a_copy_of_the_student_gets_its_inputs(teacher_inputs)
     (``teacher_inputs``, detected with "auto"), not the batch: at lr = 0 the KL is 0."""
     student = EmbeddedLM()
     teacher = copy.deepcopy(student.model.model)
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     cb = StreamKLDistillation(teacher, pairs=[LAST], teacher_inputs=teacher_inputs)
     trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(student, loader(8, 4))
     assert cb.distiller.inputs_from == "model.model"
-    assert max(rec.values["train/attn_kl/last"]) <= 1e-6
+    assert max(rec.values["train/attn_kl/last_step"]) <= 1e-6
     fed_the_batch = StreamKLDistillation(teacher, pairs=[LAST], teacher_inputs="batch")
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     trainer(max_steps=1, callbacks=[fed_the_batch, rec], log_every_n_steps=1).fit(EmbeddedLM(), loader(4, 4))
-    assert rec.values["train/attn_kl/last"][0] > 1e-3  # what the batch gives the teacher is not what the student saw
+    assert rec.values["train/attn_kl/last_step"][0] > 1e-3  # what the batch gives the teacher is not what the student saw
 
 
 def test_a_teacher_fed_a_submodule_that_did_not_run_fails_clearly():
@@ -153,7 +153,7 @@ class HeadlessLM(CausalLM):
 
 
 def test_default_pair_names_are_short_in_the_logs():
-    rec = Recorder("train/attn_kl/t1_s1", "train/attn_kl/t0_s0")
+    rec = Recorder("train/attn_kl/t1_s1_step", "train/attn_kl/t0_s0_step")
     cb = StreamKLDistillation(make_teacher(), pairs=[["model.layers.1.self_attn", "model.model.layers.1.self_attn"],
                                                      ["model.layers.0.self_attn", 0]])
     trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(4, 4))
@@ -199,3 +199,48 @@ def test_a_teacher_spread_with_device_map_is_never_moved(monkeypatch):
         else:
             with pytest.raises(AssertionError, match="moved"), frozen.placed(torch.device("meta")):
                 pass
+
+
+def test_from_pretrained_options_reach_the_loader_in_the_mixin_and_the_engine(tmp_path):
+    from lightning_streamkl import AttentionDistillationMixin, AttentionDistiller
+
+    make_teacher().save_pretrained(tmp_path / "teacher")
+    options = {"dtype": "float64", "attn_implementation": "eager", "local_files_only": True}
+    engine = AttentionDistiller(str(tmp_path / "teacher"), {"pairs": [LAST], "teacher_from_pretrained": options},
+                                student=make_student())
+
+    class Mixed(AttentionDistillationMixin, type(make_student())):
+        def __init__(self):
+            super().__init__(tiny_llama(hidden=16, heads=4, kv_heads=1, layers=2, seed=1))
+            self.configure_attention_distillation(str(tmp_path / "teacher"), pairs=[LAST],
+                                                  teacher_from_pretrained=options)
+
+    mixed = Mixed()
+    mixed._streamkl_ready()
+    for teacher in (engine.teacher_module, mixed._streamkl.teacher_module):
+        assert {p.dtype for p in teacher.parameters()} == {torch.float64}
+        assert teacher.config._attn_implementation == "eager"
+
+
+def test_default_forwards_pass_packed_keys_to_models_and_every_key_to_wrappers():
+    """A model whose forward takes **kwargs gets the packed-sequence keys besides its named ones; a wrapper
+    (forward(*args, **kwargs), PEFT's PeftModel) naming none of the keys gets every key; labels only to the student."""
+    from lightning_streamkl.engine import PACKED_SEQUENCE_KEYS, default_student_forward, default_teacher_forward
+
+    class Model(nn.Module):
+        def forward(self, input_ids, labels=None, use_cache=None, **kwargs):
+            return {"input_ids": input_ids, "labels": labels, "use_cache": use_cache, **kwargs}
+
+    class Wrapper(nn.Module):
+        def forward(self, *args, **kwargs):
+            return kwargs
+
+    batch = {"input_ids": 1, "labels": 2, "other": 3, **{k: 4 for k in PACKED_SEQUENCE_KEYS}}
+    teacher_seen = default_teacher_forward(Model(), batch)
+    assert teacher_seen["labels"] is None and teacher_seen["use_cache"] is False and "other" not in teacher_seen
+    assert all(teacher_seen[k] == 4 for k in PACKED_SEQUENCE_KEYS)
+    student_seen = default_student_forward(Model(), batch)
+    assert student_seen["labels"] == 2 and student_seen["use_cache"] is None
+    assert all(student_seen[k] == 4 for k in PACKED_SEQUENCE_KEYS)
+    assert default_teacher_forward(Wrapper(), batch) == {k: v for k, v in batch.items() if k != "labels"}
+    assert default_student_forward(Wrapper(), batch) == batch

@@ -1,5 +1,5 @@
-"""The three documented ways in (callback, mixin, LightningCLI YAML) run as shipped, and the code shown in the
-README and docs/guides/lightning.md is the code of those example files."""
+"""The documented ways in (callback, mixin, LightningCLI YAML; outside the Trainer: plain PyTorch, Fabric, a Hugging
+Face Trainer) run as shipped, and the code shown in the README and the guides is the code of those example files."""
 
 from __future__ import annotations
 
@@ -29,18 +29,41 @@ def test_callback_example():
     import lightning_callback
 
     metrics = lightning_callback.main(max_steps=6, limit_train_batches=3, limit_val_batches=1, **QUIET)
-    assert {"train/attn_kl/first", "train/attn_kl/last", "train/attn_kl/total", "val/attn_kl/first",
-            "val/attn_kl/total", "train/task_loss"} <= set(metrics)
+    assert {"train/attn_kl/first_step", "train/attn_kl/first_epoch", "train/attn_kl/last_epoch",
+            "train/attn_kl/total_epoch", "val/attn_kl/first", "val/attn_kl/total", "train/task_loss"} <= set(metrics)
     # both pairs have weight 1: the logged total is their sum, at every stage
-    assert metrics["train/attn_kl/total"] == pytest.approx(metrics["train/attn_kl/first"] + metrics["train/attn_kl/last"])
-    assert metrics["val/attn_kl/total"] == pytest.approx(metrics["val/attn_kl/first"] + metrics["val/attn_kl/last"])
+    for key in ("train/attn_kl/{}_step", "train/attn_kl/{}_epoch", "val/attn_kl/{}"):
+        total, first, last = (metrics[key.format(p)] for p in ("total", "first", "last"))
+        assert total == pytest.approx(first + last)
 
 
 def test_mixin_example():
     import lightning_mixin
 
     metrics = lightning_mixin.main(max_steps=6, limit_train_batches=3, limit_val_batches=1, **QUIET)
-    assert {"train/attn_kl/first", "val/attn_kl/first", "train/task_loss"} <= set(metrics)
+    assert {"train/attn_kl/first_step", "train/attn_kl/first_epoch", "val/attn_kl/first", "train/task_loss"} <= set(metrics)
+
+
+def test_plain_pytorch_example():
+    import plain_pytorch
+
+    out = plain_pytorch.main(max_steps=12)
+    assert out["steps"] == 12 and out["attn_kl_last"] < out["attn_kl_first"]  # the student's attention moved
+
+
+def test_fabric_example():
+    import fabric_loop
+
+    out = fabric_loop.main(max_steps=12)
+    assert out["weight"] == 5.0 and out["attn_kl_last"] < out["attn_kl_first"]  # the warm-up ended at step 10
+
+
+def test_hf_trainer_example(tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    import hf_trainer
+
+    out = hf_trainer.main(max_steps=12, output_dir=str(tmp_path))
+    assert out["steps"] == 12 and out["attn_kl_last"] < out["attn_kl_first"]
 
 
 def test_lightning_cli_yaml(tmp_path):
@@ -54,7 +77,7 @@ def test_lightning_cli_yaml(tmp_path):
     assert callback.config.weight == 5.0 and [p.label for p in callback.config.pairs] == ["first", "last"]
     assert callback.config.pairs[1].weight == 0.5
     assert type(callback.teacher).__name__ == "LlamaForCausalLM" and not callback.teacher.training
-    assert {"train/attn_kl/first", "train/attn_kl/last", "val/attn_kl/total"} <= set(cli.trainer.callback_metrics)
+    assert {"train/attn_kl/first_step", "train/attn_kl/last_epoch", "val/attn_kl/total"} <= set(cli.trainer.callback_metrics)
     assert (tmp_path / "config.yaml").exists()  # the CLI saved the resolved config, callback included
 
 
@@ -76,7 +99,7 @@ def _blocks(path: Path) -> list[tuple[str, list[str]]]:
     return [(f, code.strip("\n").splitlines()) for f, code in found]
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/guides/lightning.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/guides/lightning.md", "docs/guides/recipes.md"])
 def test_documented_code_is_the_example_code(doc):
     """Every line of a marked block is a line of the example file, in the same order (excerpts may skip lines)."""
     blocks = _blocks(ROOT / doc)

@@ -23,10 +23,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _kl(teacher_device: str, teacher: torch.nn.Module) -> list[float]:
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     cb = StreamKLDistillation(teacher, pairs=[LAST], teacher_device=teacher_device)
     gpu_trainer(max_steps=2, callbacks=[cb, rec], log_every_n_steps=1).fit(make_student(), loader(8, 4))
-    return rec.values["train/attn_kl/last"]
+    return rec.values["train/attn_kl/last_step"]
 
 
 @pytest.mark.timeout(300)

@@ -133,7 +133,7 @@ def test_the_callback_trains_the_indexers_and_leaves_the_main_model_to_its_own_l
     callback the indexers are trained, by the indexer loss alone."""
     plain, indexed = _indexed_lm(), _indexed_lm()
     trainer(max_steps=4).fit(plain, loader(16, 4))
-    rec = Recorder("train/indexer_kl/l0", "train/indexer_kl/total", "train/indexer_kl/sparse")
+    rec = Recorder("train/indexer_kl/l0_step", "train/indexer_kl/total_step", "train/indexer_kl/sparse_step")
     callback = IndexerDistillation(layers=[0, 1], topk=4, sparse_from_step=2, weight=1.0)
     trainer(max_steps=4, callbacks=[callback, rec], log_every_n_steps=1).fit(indexed, loader(16, 4))
 
@@ -142,9 +142,9 @@ def test_the_callback_trains_the_indexers_and_leaves_the_main_model_to_its_own_l
             assert not torch.equal(a, b), name  # trained by the indexer loss only
         else:
             assert torch.equal(a, b), name  # the indexer loss never reaches the main model
-    assert rec.values["train/indexer_kl/sparse"] == [0.0, 0.0, 1.0, 1.0]
+    assert rec.values["train/indexer_kl/sparse_step"] == [0.0, 0.0, 1.0, 1.0]
     # the step's loss is the task loss plus the logged total (weight 1)
-    for task, step, total in zip(indexed.task_losses, indexed.step_losses, rec.values["train/indexer_kl/total"]):
+    for task, step, total in zip(indexed.task_losses, indexed.step_losses, rec.values["train/indexer_kl/total_step"]):
         assert step == pytest.approx(task + total, rel=1e-5)
     assert callback.state_dict()["train_batches"] == 4
 
@@ -165,7 +165,9 @@ def test_the_callback_validates_and_logs_epoch_values():
     data = loader(4, 4)
     t = trainer(max_epochs=1, limit_val_batches=None, callbacks=[IndexerDistillation(layers=[-1], name="idx")])
     t.fit(model, data, data)
-    assert {"train/idx/l-1", "train/idx/total", "val/idx/l-1", "val/idx/total"} <= set(t.callback_metrics)
+    assert {"train/idx/l-1_step", "train/idx/l-1_epoch", "train/idx/total_step", "train/idx/total_epoch",
+            "train/idx/sparse_step", "val/idx/l-1", "val/idx/total"} <= set(t.callback_metrics)
+    assert "train/idx/l-1" not in t.callback_metrics  # one key, one meaning
     assert float(t.callback_metrics["val/idx/l-1"]) > 0
 
 
@@ -206,7 +208,8 @@ def test_the_mixin_matches_the_callback_step_for_step():
     data = loader(4, 4)
     t = trainer(max_epochs=1, limit_val_batches=None)
     t.fit(IndexedMixinLM(), data, data)
-    assert {"train/indexer_kl/l0", "val/indexer_kl/l1", "val/indexer_kl/total"} <= set(t.callback_metrics)
+    assert {"train/indexer_kl/l0_step", "train/indexer_kl/l0_epoch", "val/indexer_kl/l1",
+            "val/indexer_kl/total"} <= set(t.callback_metrics)
 
 
 def test_the_mixin_says_what_is_missing():

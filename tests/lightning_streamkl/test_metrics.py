@@ -104,3 +104,30 @@ def test_metric_syncs_across_two_processes_gloo():
     assert results[0]["attn_kl/deep"] == pytest.approx(float(expected[0]), rel=1e-6)
     assert results[0]["attn_kl/shallow"] == pytest.approx(float(expected[1]), rel=1e-6)
     assert results[0]["attn_kl/deep"] != pytest.approx(float((s0[0] / r0[0] + s1[0] / r1[0]) / 2), rel=1e-6)
+
+
+def test_states_are_float32_on_a_device_without_float64(monkeypatch):
+    """MPS has no float64: simulated by declaring the CPU such a device (the states' dtype follows the device type)."""
+    from lightning_streamkl import metrics as metrics_module
+    from lightning_streamkl.adapter import load_metric_state, metric_state
+    from lightning_streamkl.metrics import state_dtype
+
+    assert state_dtype("mps") == torch.float32 and state_dtype("cpu") == state_dtype("cuda:0") == torch.float64
+    metric = AttentionKLDivergence(["deep", "shallow"], weights=[1.0, 0.25])
+    assert metric.kl_sum.dtype == torch.float64
+    monkeypatch.setattr(metrics_module, "FLOAT32_DEVICES", ("cpu",))
+    metric.to("cpu")  # what the engine does at every step (DistillationMetrics.update)
+    assert metric.kl_sum.dtype == metric.rows.dtype == torch.float32
+    metric.update(torch.tensor([2.0, 1.0], dtype=torch.float64), torch.tensor([4.0, 4.0], dtype=torch.float64))
+    metric.update(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))
+    assert metric.kl_sum.dtype == torch.float32
+    out = {k: round(float(v), 6) for k, v in metric.compute().items()}
+    assert out == {"attn_kl/deep": 0.6, "attn_kl/shallow": 0.25, "attn_kl/total": 0.6625}
+    resumed = AttentionKLDivergence(["deep", "shallow"], weights=[1.0, 0.25]).to("cpu")
+    load_metric_state(resumed, metric_state(metric, None), None)  # a checkpoint written on "MPS" loads there
+    assert resumed.kl_sum.dtype == torch.float32 and resumed.compute()["attn_kl/deep"] == pytest.approx(0.6)
+    metric.reset()
+    assert metric.kl_sum.dtype == torch.float32 and metric.update_count == 0
+    monkeypatch.setattr(metrics_module, "FLOAT32_DEVICES", ("mps",))
+    metric.to("cpu")  # back on a device with float64: float64 again
+    assert metric.kl_sum.dtype == torch.float64

@@ -31,7 +31,7 @@ class DistilledLM(AttentionDistillationMixin, CausalLM):
 def test_mixin_matches_the_callback_step_for_step():
     teacher = make_teacher()
     mixed = DistilledLM(teacher, weight=0.5, temperature=2.0)
-    rec = Recorder("train/attn_kl/last", "train/attn_kl/total")
+    rec = Recorder("train/attn_kl/last_step", "train/attn_kl/total_step")
     trainer(max_steps=3, callbacks=[rec], log_every_n_steps=1).fit(mixed, loader(12, 4))
 
     plain = CausalLM(tiny_llama(hidden=16, heads=4, kv_heads=1, layers=2, seed=1), lr=0.05)
@@ -39,7 +39,7 @@ def test_mixin_matches_the_callback_step_for_step():
     trainer(max_steps=3, callbacks=[cb]).fit(plain, loader(12, 4))
 
     assert mixed.step_losses == pytest.approx(plain.step_losses, rel=1e-6)
-    for task, step, total in zip(mixed.task_losses, mixed.step_losses, rec.values["train/attn_kl/total"]):
+    for task, step, total in zip(mixed.task_losses, mixed.step_losses, rec.values["train/attn_kl/total_step"]):
         assert step == pytest.approx(task + 0.5 * total, rel=1e-6)
     # the teacher is frozen and not a submodule (not in the checkpoint, not in the optimizer)
     assert not any(k.startswith("_streamkl") for k in mixed.state_dict())
@@ -52,7 +52,7 @@ def test_mixin_validation_and_epoch_metrics():
     data = loader(8, 4)
     t = trainer(max_epochs=1, limit_val_batches=None)
     t.fit(model, data, data)
-    assert {"val/attn_kl/last", "val/attn_kl/total", "train/attn_kl/last", "val/kl"} <= set(t.callback_metrics)
+    assert {"val/attn_kl/last", "val/attn_kl/total", "train/attn_kl/last_epoch", "val/kl"} <= set(t.callback_metrics)
     assert float(t.callback_metrics["val/attn_kl/last"]) > 0
 
 

@@ -97,6 +97,8 @@ def test_every_field_goes_through_the_validator(cls, validate):
             raw[f.name] = [1.0, 0.5]  # one per layer of `layers`
         elif f.name == "module":
             raw[f.name] = "model"
+        elif f.name == "relations":
+            raw[f.name] = ["qq", "kk", "vv"]
         elif f.name != "keep":
             raw[f.name] = _other_value(check, default)
     cfg = validate(raw)

@@ -24,10 +24,10 @@ def test_a_teacher_partly_elsewhere_is_moved_whole():
     teacher = make_teacher()
     teacher.model.embed_tokens.to(torch.float64)  # the first parameter already has the requested dtype
     student = CausalLM(tiny_llama(hidden=16, heads=4, kv_heads=1, seed=1, dtype=torch.float64))
-    rec = Recorder("train/attn_kl/last")
+    rec = Recorder("train/attn_kl/last_step")
     cb = StreamKLDistillation(teacher, pairs=[LAST], teacher_dtype="float64")
     trainer(max_steps=1, callbacks=[cb, rec], log_every_n_steps=1).fit(student, loader(4, 4))
-    assert {p.dtype for p in teacher.parameters()} == {torch.float64} and rec.values["train/attn_kl/last"][0] > 0
+    assert {p.dtype for p in teacher.parameters()} == {torch.float64} and rec.values["train/attn_kl/last_step"][0] > 0
 
 
 def test_a_teacher_without_data_fails_in_setup():
