@@ -53,17 +53,28 @@ def test_a_teacher_on_the_second_gpu():
 @pytest.mark.timeout(300)
 def test_cpu_offload_keeps_the_snapshot_on_the_host_with_the_same_losses():
     """``snapshot_device="cpu"``: the snapshot stays in (pinned) host memory and its weights are borrowed onto the
-    GPU for each forward pass; the losses equal those of a snapshot kept on the GPU."""
+    GPU for each forward pass; the losses equal those of a snapshot kept on the GPU. Where the snapshot lives is
+    read while the second task trains (after ``fit`` Lightning moves the model, and with it a new snapshot, to the
+    host)."""
+    from lightning.pytorch import Callback
+
+    class Where(Callback):
+        def __init__(self, reg):
+            self.reg, self.seen = reg, []
+
+        def on_train_batch_end(self, *args):
+            snap = self.reg.snapshots[0]
+            self.seen.append([(t.device.type, t.is_pinned()) for t in snap.state_dict().values() if t.numel()])
+
     losses = {}
     for device in ("same", "cpu"):
         student = continual_student()
         reg = ContinualAttentionRegularizer(snapshot_device=device, weight=2.0)
         fit(student, reg, loader(8, 4, seed=0), max_steps=2, accelerator="gpu")
-        fit(student, reg, loader(8, 4, seed=1), max_steps=3, accelerator="gpu")
+        where = Where(reg)
+        fit(student, reg, loader(8, 4, seed=1), where, max_steps=3, accelerator="gpu")
         losses[device] = student.step_losses
-        tensors = list(reg.snapshots[0].state_dict().values())
-        if device == "cpu":
-            assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors if t.is_floating_point())
-        else:
-            assert all(t.device.type == "cuda" for t in tensors)
+        assert len(where.seen) == 3 and all(where.seen)
+        expected = ("cpu", True) if device == "cpu" else ("cuda", False)
+        assert all(place == expected for step in where.seen for place in step), (device, where.seen[0][:3])
     assert losses["cpu"] == pytest.approx(losses["same"], rel=1e-5)
