@@ -25,6 +25,11 @@ transformers or omegaconf. The teacher is sharded with the library's own FSDP2 l
    tokens split over the 2 GPUs (131072 each) against ``attention_kl`` on one GPU at N = 131072 (the same tokens
    per GPU) and at N = 262144 (the same problem): forward + backward time and peak memory, and the exactness of
    the sharded per-row KL and gradients against the one-GPU op at N = 262144.
+
+    python benchmarks/bench_sharding.py --docs benchmarks/results/sharding_nvidia-h200.json
+
+renders a committed run (no GPU needed) into ``docs/guides/sharding.md``, between its ``sharding-gpu`` and
+``sharding-gpu-context`` markers.
 """
 
 from __future__ import annotations
@@ -432,11 +437,146 @@ def _max(values) -> int | None:
     return max(values) if values else None
 
 
+# ---------------------------------------------------------------------------------------------- the guide's tables
+DOCS_PAGE = ROOT / "docs" / "guides" / "sharding.md"
+LAYOUT_NAMES = {"ddp": "DDP (a whole teacher on each GPU)", "fsdp": "FSDP2 (student and teacher sharded)",
+                "ddp+sharded-teacher": "DDP, teacher sharded (`teacher_sharding=\"shard\"`)"}
+
+
+def _gib_cell(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.1f} B"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}×"
+
+
+def _error(x: float) -> str:
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def kl_steps_rel_diff(result: dict, layout: str) -> float:
+    """The largest relative difference of ``layout``'s KL from DDP's, over every step (warm-up included) and GPU."""
+    pairs = zip(result["layouts"][layout]["per_gpu"], result["layouts"]["ddp"]["per_gpu"])
+    return max(abs(a - b) / max(abs(b), 1e-30) for run, ddp in pairs
+               for a, b in zip(run["kl_per_step"], ddp["kl_per_step"]))
+
+
+def layouts_block(result: dict, source: str) -> str:
+    """The guide's ``sharding-gpu`` block: the run, and DDP against FSDP2 and against DDP with a sharded teacher."""
+    s, lay = result["sizes"], result["layouts"]
+    ddp = lay["ddp"]
+    teacher = ddp["per_gpu"][0]["teacher_params"]
+    lines = [
+        f"`{source}`: {result['world']} × {result['device']} (one host, NCCL), torch {result['torch']}; one run of "
+        f"`bench_sharding.py` ({result['wall_s']:.1f} s in all). Teacher: {s['teacher_layers']} blocks of width "
+        f"{s['teacher_dim']} ({s['teacher_heads']} query and {s['teacher_kv_heads']} key/value heads, FFN "
+        f"{s['teacher_ffn']}), {_billions(teacher)} parameters ({result['teacher_gb_bf16']:.1f} GB in bf16), frozen; "
+        f"student: {s['student_layers']} blocks of width {s['student_dim']} (FFN {s['student_ffn']}), float32, AdamW; "
+        f"{s['batch']} × {s['seq']} tokens per GPU and step, the KL on the last layers' pair. Step time: the median of "
+        f"{s['timed_steps']} steps after {s['warmup_steps']} warm-up steps, on the slower GPU. Memory: "
+        "`torch.cuda.memory_allocated` before the timed steps (at rest) and `max_memory_allocated` over them (peak), "
+        "on the GPU that holds more. KL: the largest relative difference of a step's KL from DDP's on the same GPU "
+        "(0: bitwise equal).",
+        "",
+        "| layout | teacher parameters per GPU | memory at rest per GPU | peak memory per GPU | peak vs DDP "
+        "| step time | time vs DDP | KL vs DDP, first step "
+        f"| KL vs DDP, all {s['warmup_steps'] + s['timed_steps']} steps |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in lay.items():
+        local = max(g["teacher_params_on_this_gpu"] for g in entry["per_gpu"])
+        share = "all" if local == teacher else f"1/{round(teacher / local)}"
+        diffs = ("–", "–") if name == "ddp" else (_error(entry["first_step_kl_max_rel_diff_vs_ddp"]),
+                                                  _error(kl_steps_rel_diff(result, name)))
+        lines.append(
+            f"| {LAYOUT_NAMES.get(name, name)} | {_billions(local)} ({share}) | "
+            f"{_gib_cell(entry['memory_at_rest_bytes_max'])} | {_gib_cell(entry['peak_memory_bytes_max'])} | "
+            f"{_ratio(entry['peak_memory_bytes_max'], ddp['peak_memory_bytes_max'])} | "
+            f"{entry['step_time_s_max']:.3f} s | {_ratio(entry['step_time_s_max'], ddp['step_time_s_max'])} | "
+            f"{diffs[0]} | {diffs[1]} |")
+    return "\n".join(lines)
+
+
+def context_block(result: dict, source: str) -> str:
+    """The guide's ``sharding-gpu-context`` block: the sequence-sharded KL against one GPU, and its exactness."""
+    s, cp, world = result["sizes"], result["context_parallel"], result["world"]
+    n, half = cp["tokens"], cp["tokens_per_gpu"]
+    sharded = cp["sharded_2gpu"]
+    lengths = sorted(int(k.removeprefix("one_gpu_")) for k in cp if k.startswith("one_gpu_"))
+
+    def ratios(seconds: float) -> str:
+        return " | ".join(_ratio(seconds, cp[f"one_gpu_{m}"]["time_s"]) for m in lengths)
+
+    lines = [
+        f"`{source}` ({result['world']} × {result['device']}, the same run): causal, bf16, B = 1, {s['cp_heads']} "
+        f"query and {s['cp_kv_heads']} key/value heads, head dims {s['cp_dim_t']} (teacher) and {s['cp_dim_s']} "
+        f"(student); the forward and the backward (the student's gradients), the median of {s['cp_repeats']} runs "
+        "after one warm-up; the peak (`max_memory_allocated`) with only that run's inputs resident: for the sharded "
+        "run, one GPU's part of the sequence.",
+        "",
+        "| run | tokens per GPU | forward+backward | " + " | ".join(f"time vs one GPU at N = {m}" for m in lengths)
+        + " | peak memory per GPU |",
+        "|---|---|---|" + "---|" * len(lengths) + "---|",
+        f"| `context_parallel_attention_kl`, N = {n} over {world} GPUs | {half} | {sharded['time_s_max']:.3f} s "
+        f"(slower GPU) | {ratios(sharded['time_s_max'])} | "
+        + " / ".join(_gib_cell(g["peak_memory_bytes"]) for g in sharded["per_gpu"])
+        + f" (GPU {' / '.join(map(str, range(world)))}) |",
+    ]
+    for m in lengths:
+        one = cp[f"one_gpu_{m}"]
+        lines.append(f"| `attention_kl`, one GPU, N = {m} | {m} | {one['time_s']:.3f} s | {ratios(one['time_s'])} | "
+                     f"{_gib_cell(one['peak_memory_bytes'])} |")
+    lines += [
+        "",
+        f"Exactness of the {world}-GPU run against `attention_kl` on one GPU at N = {n} on the same bf16 inputs: the "
+        "relative L2 error over each GPU's part (the KL and the query gradient of its rows, the gradient of its keys; "
+        "0: bitwise equal).",
+        "",
+        "| GPU | tokens | per-row KL | student query gradient | student key gradient |",
+        "|---|---|---|---|---|",
+    ]
+    for rank, e in enumerate(cp["exactness_per_gpu"]):
+        lines.append(f"| {rank} | {rank * half} to {(rank + 1) * half - 1} | {_error(e['kl_rel_error'])} | "
+                     f"{_error(e['dq_s_rel_error'])} | {_error(e['dk_s_rel_error'])} |")
+    return "\n".join(lines)
+
+
+DOCS_BLOCKS = {"sharding-gpu": layouts_block, "sharding-gpu-context": context_block}
+
+
+def write_docs(path: str, page: Path = DOCS_PAGE) -> dict[str, str]:
+    """Replace each block of :data:`DOCS_BLOCKS` in ``page`` (between its ``<!-- name:start -->`` and
+    ``<!-- name:end -->`` markers) with its rendering of the result file ``path``."""
+    result = json.loads(Path(path).read_text())
+    source = os.path.relpath(os.path.abspath(path), ROOT)
+    text = page.read_text()
+    blocks = {}
+    for name, render in DOCS_BLOCKS.items():
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if start not in text or end not in text:
+            raise SystemExit(f"{page} has no {start} ... {end} markers")
+        head, rest = text.split(start, 1)
+        blocks[name] = render(result, source)
+        text = head + start + "\n" + blocks[name] + "\n" + end + rest.split(end, 1)[1]
+    page.write_text(text)
+    return blocks
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny sizes: the script runs")
     parser.add_argument("--results", default=str(RESULTS), help="folder of the committed results")
+    parser.add_argument("--docs", metavar="RESULT_JSON", default=None,
+                        help="render a committed run into docs/guides/sharding.md and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.docs:
+        print("\n\n".join(write_docs(args.docs).values()))
+        return json.loads(Path(args.docs).read_text())
     if not args.smoke and torch.cuda.device_count() < WORLD:
         sys.exit(f"needs {WORLD} CUDA devices (found {torch.cuda.device_count()}); --smoke runs on the CPU")
     with socket.socket() as s:

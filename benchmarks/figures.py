@@ -71,6 +71,7 @@ GENERATED = {
     "figures:readme-long-context": "benchmarks/long_context/tables.py",
     "figures:v4-first": "benchmarks/figures.py", "figures:v4-final": "benchmarks/figures.py",
     "indexer-gpu": "benchmarks/bench_indexer.py", "indexer-example": "examples/sparse_indexer.py",
+    "sharding-gpu": "benchmarks/bench_sharding.py", "sharding-gpu-context": "benchmarks/bench_sharding.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -301,6 +302,20 @@ class Results:
     @cached_property
     def indexer_example(self) -> dict:
         return _json("indexer_example_cpu.json")
+
+    @cached_property
+    def sharding(self) -> dict:
+        """bench_sharding.py's run on two H200s."""
+        return _json("sharding_nvidia-h200.json")
+
+    @cached_property
+    def sharding_gpu_tests(self) -> dict[str, dict[str, float]]:
+        """The 2-GPU context-parallel test's relative errors against one GPU, by dtype, from its committed log."""
+        with open(os.path.join(RESULTS, "sharding_nvidia-h200-2gpu-tests.log")) as f:
+            log = f.read()
+        assert re.search(r"^=+ 2 passed", log, re.M), "the 2-GPU test log does not say 2 passed"
+        return {m.group(1): {k: v for k, v in re.findall(r"(\w+) (\d\.\d+e[-+]\d+)", m.group(2))}
+                for m in re.finditer(r"context parallel, 2 GPUs vs 1, torch\.(\w+): (.*)$", log, re.M)}
 
     @cached_property
     def plateau(self) -> dict:
@@ -721,7 +736,69 @@ def claims(r: Results) -> list[Claim]:
         f"  pairs, and a window {ratios['window / dense-full (same pairs)']:.1f}×")
 
     out += indexer_claims(r)
-    # --- reliability: nothing measured on two GPUs is quoted (no result file was committed)
+    out += sharding_claims(r)
+    return out
+
+
+def sharding_claims(r: Results) -> list[Claim]:
+    """The sharding guide's prose about bench_sharding.py's run on two H200s (its tables are the script's blocks) and
+    the 2-GPU context-parallel test's log."""
+    page, src = "docs/guides/sharding.md", "benchmarks/results/sharding_nvidia-h200.json"
+    res = r.sharding
+    lay, cp = res["layouts"], res["context_parallel"]
+    ddp, fsdp, ddp_sh = lay["ddp"], lay["fsdp"], lay["ddp+sharded-teacher"]
+    teacher_bytes = 2 * ddp["per_gpu"][0]["teacher_params"]  # bf16
+
+    def peak(entry: dict) -> str:
+        return f"{_gib(entry['peak_memory_bytes_max'])} GiB"
+
+    def rest(entry: dict) -> str:
+        return f"{_gib(entry['memory_at_rest_bytes_max'])} GiB"
+
+    def ratio(entry: dict, key: str) -> str:
+        return f"{entry[key] / ddp[key]:.2f}×"
+
+    saved = ddp["memory_at_rest_bytes_max"] - ddp_sh["memory_at_rest_bytes_max"]
+    share = "half of" if saved == teacher_bytes // 2 else f"{saved / teacher_bytes:.2f} of"
+    card = 80e9  # an H100's 80 GB
+    fits = ("DDP's peak is above the 80 GB of an H100 and the sharded layouts' peaks are below it"
+            if ddp["peak_memory_bytes_max"] > card > max(fsdp["peak_memory_bytes_max"], ddp_sh["peak_memory_bytes_max"])
+            else "(the comparison with an 80 GB card no longer holds)")
+    bitwise = all(e["first_step_kl_max_rel_diff_vs_ddp"] == 0 for e in (fsdp, ddp_sh))
+    out = [Claim(page, text, src) for text in (
+        f"FSDP2 peaks at {peak(fsdp)} per GPU against DDP's {peak(ddp)} ({ratio(fsdp, 'peak_memory_bytes_max')}), "
+        f"and DDP with only the teacher sharded at {peak(ddp_sh)} ({ratio(ddp_sh, 'peak_memory_bytes_max')})",
+        f"lowers the memory held at rest from {rest(ddp)} to {rest(ddp_sh)} per GPU, by {share} the teacher's weights "
+        f"in bf16; sharding the student too (FSDP2) takes it to {rest(fsdp)}",
+        fits,
+        f"A step takes {fsdp['step_time_s_max']:.3f} s under FSDP2 and {ddp_sh['step_time_s_max']:.3f} s with the "
+        f"teacher sharded under DDP, against {ddp['step_time_s_max']:.3f} s under DDP "
+        f"({ratio(fsdp, 'step_time_s_max')} and {ratio(ddp_sh, 'step_time_s_max')})",
+        "the first step's KL equals DDP's bitwise on both GPUs" if bitwise else "(the first step's KL is not bitwise)",
+    )]
+
+    n, whole, half = cp["tokens"], cp[f"one_gpu_{cp['tokens']}"], cp[f"one_gpu_{cp['tokens_per_gpu']}"]
+    sharded = cp["sharded_2gpu"]
+    peaks = [g["peak_memory_bytes"] for g in sharded["per_gpu"]]
+    above = "above" if min(peaks) > whole["peak_memory_bytes"] else "(not above)"
+    gpu0 = cp["exactness_per_gpu"][0]
+    exact0 = gpu0["kl_rel_error"] == gpu0["dq_s_rel_error"] == 0
+    worst = cp["exactness_vs_one_gpu"]
+    tests = r.sharding_gpu_tests
+    out += [Claim(page, text, src) for text in (
+        f"the KL of the whole sequence (N = {n}) takes {sharded['time_s_max']:.3f} s, against {whole['time_s']:.3f} s "
+        f"on one GPU ({sharded['time_s_max'] / whole['time_s']:.2f}×), and "
+        f"{sharded['time_s_max'] / half['time_s']:.2f}× one GPU's time on half the sequence",
+        f"The sharded run peaks at {_gib(peaks[1])} GiB on GPU 1 and {_gib(peaks[0])} GiB on GPU 0, {above} the "
+        f"{_gib(whole['peak_memory_bytes'])} GiB of one GPU computing the whole sequence",
+        "their KL and query gradient are bitwise those of one GPU" if exact0 else "(GPU 0's rows are not bitwise)",
+        f"the per-row KL differs from one GPU's by {worst['kl_rel_error']:.1e} relative and the gradients by at most "
+        f"{max(worst['dq_s_rel_error'], worst['dk_s_rel_error']):.1e}, in bf16",
+    )]
+    out.append(Claim(page, f"largest relative error against one GPU at "
+                           f"{max(tests['float32'].values(), key=float)} in float32 and "
+                           f"{max(tests['bfloat16'].values(), key=float)} in bfloat16",
+                     "benchmarks/results/sharding_nvidia-h200-2gpu-tests.log"))
     return out
 
 

@@ -225,3 +225,20 @@ def test_the_sharding_benchmark_runs_on_two_cpu_processes(tmp_path, monkeypatch)
         assert shares == pytest.approx([1.0, 1.0] if name == "ddp" else [0.5, 0.5], abs=0.05), (name, shares)
     exact = result["context_parallel"]["exactness_vs_one_gpu"]
     assert max(exact.values()) < 1e-5, exact
+    for render in bench.DOCS_BLOCKS.values():  # the guide's tables render any run, memory or not (CPU: n/a)
+        assert render(result, "sharding_cpu-smoke.json").count("\n| ") >= 3
+
+
+def test_the_sharding_guide_shows_the_committed_h200_run():
+    """docs/guides/sharding.md's ``sharding-gpu`` and ``sharding-gpu-context`` blocks are bench_sharding.py's
+    rendering of the committed 2-GPU run (``--docs`` writes them); the prose figures are traced by
+    benchmarks/figures.py."""
+    bench = _load(ROOT / "benchmarks" / "bench_sharding.py", "bench_sharding")
+    path = ROOT / "benchmarks" / "results" / "sharding_nvidia-h200.json"
+    result = json.loads(path.read_text())
+    assert result["device"] == "nvidia-h200" and result["world"] == 2
+    guide = (ROOT / "docs" / "guides" / "sharding.md").read_text()
+    for name, render in bench.DOCS_BLOCKS.items():
+        found = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", guide, re.S)
+        assert found, f"docs/guides/sharding.md has no {name} block"
+        assert found.group(1) == render(result, str(path.relative_to(ROOT))), f"{name}: run bench_sharding.py --docs"
