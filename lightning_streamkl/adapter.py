@@ -31,6 +31,7 @@ from .config import AttentionKLOptions
 from .engine import AttentionDistiller, DistillationMetrics
 from .loss import LossOutput
 from .metrics import AttentionKLDivergence
+from .teacher import SelfTeacher
 
 __all__ = ["EPOCH_SUFFIX", "STEP_SUFFIX", "EngineCallback", "LossTermCallback", "add_to_loss", "check_strategy",
            "check_trainer", "load_metric_state", "log_epoch", "log_step", "metric_state", "place_teacher"]
@@ -109,6 +110,8 @@ def place_teacher(trainer: Trainer, pl_module: LightningModule, distiller: Atten
         >>> distiller.teacher.shards
         1
     """
+    if isinstance(distiller.teacher, SelfTeacher):
+        return  # the student itself (AdaptersOff): the strategy lays it out
     mode = distiller.config.teacher_sharding
     kinds = _strategy_kinds(trainer)
     if mode == "replicate" or trainer.world_size <= 1 or (mode == "auto" and not kinds & set(SHARDED_STRATEGIES)):

@@ -632,6 +632,9 @@ class SelfTeacher:
         (True, True, True)
     """
 
+    #: Never sharded on its own: it is the student, laid out by the strategy.
+    shards = 1
+
     def __init__(self, spec: AdaptersOff) -> None:
         self.spec = spec
         self.path: str | None = None

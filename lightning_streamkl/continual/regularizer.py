@@ -238,17 +238,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             >>> ContinualAttentionRegularizer(weight=lambda task, step: 2.0 * task, warmup_steps=2).weight_at(3, 1)
             3.0
         """
-        if self._schedule is not None:
-            value = self._schedule(task, step)
-            if isinstance(value, torch.Tensor):
-                value = float(value)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"Expected `weight({task}, {step})` to return a finite number >= 0, but got {value!r}."
-                )
-            weight = float(value)
-        else:
-            weight = self.config.weight
+        weight = self.config.weight if self._schedule is None else _scheduled(self._schedule, task, step)
         if self.config.warmup_steps > 0:
             weight *= min(1.0, max(step, 0) / self.config.warmup_steps)
         return weight
@@ -417,13 +407,6 @@ class ContinualAttentionRegularizer(LossTermCallback):
             snap.distiller.setup(pl_module)
         return snap.distiller
 
-    def _alphas(self, count: int) -> list[float]:
-        """The snapshot weights, oldest first (``snapshot_weights`` lists them newest first)."""
-        weights = self.config.snapshot_weights
-        if weights is None:
-            return [1.0 / count] * count
-        return list(reversed(weights[:count]))
-
     def _release(self, pl_module: LightningModule) -> None:
         self._trimmer.close()
         self._unwrap_steps(pl_module)
@@ -475,7 +458,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             return output  # the user skipped this batch
         terms = [snap.distiller.end_step(batch) for snap in self._teachers()]  # type: ignore[union-attr]
         self._trimmer.trim(self._snapshots)
-        combined = weighted_sum(terms, self._alphas(len(terms)))
+        combined = weighted_sum(terms, _alphas(self.config.snapshot_weights, len(terms)))
         if stage != "train":
             log_step(module, self._state, stage, combined, log_on_step=False, prog_bar=False)
             return output
@@ -508,3 +491,18 @@ class ContinualAttentionRegularizer(LossTermCallback):
         for snap in self._teachers():
             if snap.distiller is not None:
                 snap.distiller.clear()
+
+
+def _scheduled(schedule: WeightSchedule, task: int, step: int) -> float:
+    """``schedule(task, step)``, checked to be a finite number >= 0."""
+    value = schedule(task, step)
+    if isinstance(value, torch.Tensor):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"Expected `weight({task}, {step})` to return a finite number >= 0, but got {value!r}.")
+    return float(value)
+
+
+def _alphas(weights: list[float] | None, count: int) -> list[float]:
+    """The snapshot weights, oldest first (``snapshot_weights`` lists them newest first; ``None``: equal)."""
+    return [1.0 / count] * count if weights is None else list(reversed(weights[:count]))

@@ -134,8 +134,9 @@ def test_layer_weights_weigh_the_layers_and_a_zero_weight_layer_is_not_regularis
             self.logged = []
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.logged.append({k.split("/")[-1]: float(v) for k, v in self.trainer.callback_metrics.items()
-                                if k.startswith("train/continual_kl/")})
+            self.logged.append({k.split("/")[-1].removesuffix("_step"): float(v)
+                                for k, v in self.trainer.callback_metrics.items()
+                                if k.startswith("train/continual_kl/") and k.endswith("_step")})
 
     model = Logged()
     reg = ContinualAttentionRegularizer(layer_weights=[1.0, 3.0], weight=2.0)
