@@ -8,8 +8,15 @@ copy bandwidth) in the same run and derives the exp-bound and matmul-bound times
 memory of each forward+backward (``"OOM"`` when it does not fit).
 
     python benchmarks/bench_attention_kl.py                 # full grid -> benchmarks/results/<gpu>.json
-    python benchmarks/bench_attention_kl.py --quick         # a few shapes
+    python benchmarks/bench_attention_kl.py --quick         # a few shapes -> benchmarks/results/runs/<gpu>-quick.json
+    python benchmarks/bench_attention_kl.py --max-n 4096    # re-measure the short rows, merged into <gpu>.json
+    python benchmarks/bench_attention_kl.py --merge RUN --note "..."  # fold RUN's records into <gpu>.json
     python benchmarks/report.py                             # tables + plots under docs/
+
+Only a full run replaces the grid ``benchmarks/results/<gpu>.json``; a partial run never does: ``--quick`` writes a
+run file of its own (fold it in with ``--merge``) and ``--max-n`` merges its records into the grid, keeping every row
+it did not re-measure. While a run measures, its records go to ``<out>.partial`` (the output is only written at the
+end, atomically); an interrupted run leaves the output untouched, and ``--merge <out>.partial`` keeps what it measured.
 
 Run it from an installed checkout (``pip install -e .``) or with ``PYTHONPATH=kernels``.
 
@@ -255,8 +262,11 @@ def memory_grid(quick: bool, max_n: int | None = None) -> list[Shape]:
     return shapes
 
 
-def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None, max_n: int | None = None,
-        merge: dict | None = None) -> dict:
+def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = None,
+        max_n: int | None = None) -> dict:
+    """Measure the grid (``quick``: the headline rows; ``max_n``: the H=16 rows up to that N) and return this run's
+    results file (its metadata and its records only). After every shape the records so far are written to
+    ``progress``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     ceilings = measure_ceilings()
     print(f"ceilings: exp2 {ceilings['exp2_per_s']:.3e}/s, bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} "
@@ -270,16 +280,12 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None, m
         "ceilings": ceilings,
     }
 
-    def merged() -> dict:
-        new = [asdict(r) for r in records]
-        if merge is None:
-            return {**meta, "records": new}
-        return merge_records(merge, new, f"{len(new)} records re-measured with --max-n {max_n} on {meta['torch']}")
+    def result() -> dict:
+        return {**meta, "records": [asdict(r) for r in records]}
 
-    def save():  # after every shape, so an interrupted run keeps what it measured
-        if out:
-            with open(out, "w") as f:
-                json.dump(merged(), f, indent=1)
+    def save():  # after every shape, so an interrupted run keeps what it measured (never in the output itself)
+        if progress:
+            write_json(progress, result())
 
     for shape in memory_grid(quick, max_n):
         def make_streamkl(shape=shape):
@@ -321,7 +327,7 @@ def run(quick: bool, naive_max_n: int, compile_n: int, out: str | None = None, m
         summary = {f"{r.provider}/{r.mode}": (round(r.ms, 3) if r.ms is not None else r.status) for r in recs}
         print(f"{shape}: {summary} ({time.time() - t0:.0f}s)", flush=True)
         save()
-    return merged()
+    return result()
 
 
 def merge_records(previous: dict, new: list[dict], note: str) -> dict:
@@ -336,46 +342,101 @@ def merge_records(previous: dict, new: list[dict], note: str) -> dict:
     return {**{k: v for k, v in previous.items() if k != "records"}, "notes": notes, "records": kept + new}
 
 
+# -------------------------------------------------------------------------------------------------- files
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def gpu_tag(device: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"`` (the name of the device's results file)."""
+    return "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+
+
+def default_out(device: str, quick: bool = False) -> str:
+    """Where a run of ``device`` writes without ``--out``: its grid ``results/<gpu>.json`` (a full run replaces it,
+    ``--max-n`` and ``--merge`` merge into it), or for ``--quick`` a run file of its own,
+    ``results/runs/<gpu>-quick.json``: a few rows are not a grid to replace the merged one with."""
+    if quick:
+        return os.path.join(RESULTS, "runs", f"{gpu_tag(device)}-quick.json")
+    return os.path.join(RESULTS, f"{gpu_tag(device)}.json")
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically (a crash mid-write leaves the previous file whole)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def read_grid(path: str, why: str) -> dict:
+    """The results file at ``path``, which ``why`` (an option) merges into; it must exist and hold records."""
+    if not os.path.exists(path):
+        raise SystemExit(f"{why} merges into an existing results file, and {path} does not exist (pass --out).")
+    with open(path) as f:
+        previous = json.load(f)
+    if not isinstance(previous, dict) or "records" not in previous:
+        raise SystemExit(f"{path} is not a results file of this script (it has no 'records').")
+    return previous
+
+
+def merge_into(out: str, run_: dict, note: str, why: str) -> dict:
+    """Merge the records of ``run_`` (a results file's content) into the results file ``out`` and write it back."""
+    merged = merge_records(read_grid(out, why), run_["records"], note)
+    write_json(out, merged)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few shapes only, written to their own run file (default "
+                             "benchmarks/results/runs/<gpu>-quick.json; fold them into the grid with --merge)")
     parser.add_argument("--max-n", type=int, default=None,
-                        help="only the H=16 rows with N <= this, merged into an existing --out file")
-    parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/<gpu>.json)")
+                        help="only the H=16 rows with N <= this, merged into the existing --out file")
+    parser.add_argument("--out", default=None,
+                        help="JSON output (default: the device's grid benchmarks/results/<gpu>.json; for --quick, "
+                             "benchmarks/results/runs/<gpu>-quick.json)")
     parser.add_argument("--naive-max-n", type=int, default=8192, help="largest N for the eager naive loss")
     parser.add_argument("--compile-n", type=int, default=8192,
                         help="the N at which the torch.compile'd naive loss is timed (compiling costs ~1 min a shape)")
     parser.add_argument("--merge", default=None, metavar="RUN",
                         help="measure nothing: merge the records of RUN (a results file of this script, e.g. a "
-                             "--quick run after a kernel change) into --out, with --note")
-    parser.add_argument("--note", default="", help="the note --merge appends to the results file")
+                             "--quick run after a kernel change) into --out (default: the grid of RUN's device), "
+                             "with --note")
+    parser.add_argument("--note", default="", help="the note --merge and --max-n append to the results file")
     args = parser.parse_args(argv)
+    if args.quick and args.max_n is not None:
+        parser.error("--quick and --max-n choose different rows; pass one of them")
     if args.merge:
-        with open(args.out) as f:
-            previous = json.load(f)
+        if args.quick or args.max_n is not None:
+            parser.error("--merge measures nothing; it takes no --quick or --max-n")
         with open(args.merge) as f:
             run_ = json.load(f)
-        merged = merge_records(previous, run_["records"], args.note or f"records of {os.path.basename(args.merge)} "
-                               f"({run_.get('torch')}, triton {run_.get('triton')}) merged")
-        with open(args.out, "w") as f:
-            json.dump(merged, f, indent=1)
-        print(f"merged {len(run_['records'])} records of {args.merge} into {args.out}")
+        out = args.out or default_out(run_["device"])
+        merge_into(out, run_, args.note or f"records of {os.path.basename(args.merge)} ({run_.get('torch')}, "
+                   f"triton {run_.get('triton')}) merged", "--merge")
+        print(f"merged {len(run_['records'])} records of {args.merge} into {out}")
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention_kl.py needs a CUDA GPU.")
-    gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{gpu}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    merge = None
+    out = args.out or default_out(torch.cuda.get_device_name(), args.quick)
     if args.max_n is not None:
-        if not os.path.exists(out):
-            raise SystemExit(f"--max-n re-measures rows of an existing results file, and {out} does not exist.")
-        with open(out) as f:
-            merge = json.load(f)
-    result = run(args.quick, args.naive_max_n, args.compile_n, out, args.max_n, merge)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+        read_grid(out, "--max-n")  # fail before measuring
+    progress = f"{out}.partial"
+    print(f"records are saved to {progress} as they are measured; if the run stops, merge them with "
+          f"--merge {progress} --out {out}", flush=True)
+    result = run(args.quick, args.naive_max_n, args.compile_n, progress, args.max_n)
+    if args.max_n is None:
+        write_json(out, result)
+        print(f"wrote {out}")
+    else:
+        note = args.note or (f"{len(result['records'])} records re-measured with --max-n {args.max_n} on "
+                             f"{result['torch']}")
+        merge_into(out, result, note, "--max-n")
+        print(f"merged {len(result['records'])} re-measured records into {out}")
+    if os.path.exists(progress):
+        os.remove(progress)
 
 
 if __name__ == "__main__":
