@@ -134,66 +134,170 @@ def test_report_reads_only_benchmark_grids(report):
 
 
 def test_report_without_arguments_regenerates_the_committed_pages(report, tmp_path, monkeypatch):
-    """`python benchmarks/report.py` (no argument) once crashed on the ablation results; it must skip the files
-    that are not grids and write exactly the committed pages."""
+    """`python benchmarks/report.py` with no argument (plots included) once crashed on the ablation results; it must
+    skip the files that are not grids and write exactly the committed pages."""
+    pytest.importorskip("matplotlib")
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "perf-notes.md").write_text((ROOT / "docs" / "perf-notes.md").read_text())
     monkeypatch.setattr(report, "DOCS", str(docs))
     monkeypatch.setattr(report, "PERF_NOTES", str(docs / "perf-notes.md"))
-    report.main(["--no-plots"])
+    monkeypatch.setattr(report, "IMG", str(docs / "img"))
+    report.main([])
     for page in ("benchmarks.md", "perf-notes.md"):
         assert (docs / page).read_text() == (ROOT / "docs" / page).read_text(), f"docs/{page} is not the report's"
+    images = sorted(p.name for p in (docs / "img").iterdir())
+    assert images == sorted(Path(p).name for p in report.plot_files("nvidia-h100-80gb-hbm3"))
+    for image in images:  # every plot the page links is committed
+        assert f"](img/{image})" in (docs / "benchmarks.md").read_text() or image == "readme_memory_time.png"
+        assert (ROOT / "docs" / "img" / image).exists()
+
+
+def test_a_grid_of_another_card_leaves_the_perf_notes_alone(report, tmp_path, monkeypatch):
+    """The perf notes' tables come from the named H100 runs, not from the last grid passed or found."""
+    other = json.loads((RESULTS / "nvidia-h100-80gb-hbm3.json").read_text())
+    other["device"] = "Other GPU"
+    other["ceilings"] = {k: 2 * v for k, v in other["ceilings"].items()}
+    path = tmp_path / "zz-other-gpu.json"
+    path.write_text(json.dumps(other))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "perf-notes.md").write_text((ROOT / "docs" / "perf-notes.md").read_text())
+    monkeypatch.setattr(report, "DOCS", str(docs))
+    monkeypatch.setattr(report, "PERF_NOTES", str(docs / "perf-notes.md"))
+    report.main(["--no-plots", str(path)])
+    assert "## Other GPU" in (docs / "benchmarks.md").read_text()
+    assert (docs / "perf-notes.md").read_text() == (ROOT / "docs" / "perf-notes.md").read_text()
 
 
 def test_perf_notes_tables_are_the_committed_json(report):
     text = (ROOT / "docs" / "perf-notes.md").read_text()
     for name in ("bounds", *report.TUNING_BLOCKS):
         assert f"<!-- {name}:start -->" in text
-    grid, tuning = report.find_results(report.is_grid)[0], report.find_results(report.is_tuning)[0]
+    grid, tuning = report.PERF_NOTES_GRID, report.PERF_NOTES_TUNING
     assert report.perf_notes(text, grid, tuning) == text
     edited = text.replace("| 64 | forward | 64×64, 4 warps, 3 stages | 0.958 |", "| 64 | forward | 64×64, 4 warps, 3 stages | 0.982 |")
     assert edited != text and report.perf_notes(edited, grid, tuning) == text
 
 
-def test_max_n_merges_into_the_existing_results_file(tmp_path, monkeypatch):
-    """`--max-n` re-measures the short rows of an existing results file: the rows it did not re-measure, and the
-    first run's metadata, must survive (it once overwrote the file with the new records only)."""
+def test_perf_notes_conclusions_hold_in_the_tuning_json(report):
+    """The tuning section's sentences without a number (figures.py checks the numbers) against the committed sweep."""
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "perf-notes.md").read_text())
+    tuning = json.loads(Path(report.PERF_NOTES_TUNING).read_text())
+    assert "the atomic-free two-pass backward is faster than the one-pass atomic one at both head dims" in text
+    for d in (64, 128):
+        for causal in ("false", "true"):
+            two_pass = min(tuning[f"bwd-det-{p}/D{d}/best"][causal]["ms"] for p in ("dk", "dq"))
+            assert two_pass < tuning[f"bwd-atomic/D{d}/best"][causal]["ms"], (d, causal)
+    assert "slower in every configuration of the sweep that has a plain twin" in text
+    ratios = [float(row.split("|")[5].strip().rstrip("×")) for row in report.tuning_pipeline(tuning).splitlines()[2:]]
+    assert ratios and min(ratios) > 1.0
+
+
+# ------------------------------------------------------------------------------- bench_attention_kl.py's files
+def _record(provider, mode, n, ms):
+    shape = {"b": 1, "h": 16, "n": n, "d": 64, "causal": False, "dtype": "bfloat16", "h_kt": None, "d_s": None,
+             "teacher_grad": False}
+    return {"provider": provider, "mode": mode, "shape": shape, "ms": ms, "peak_bytes": None, "status": "ok",
+            "extra": {}}
+
+
+_PREVIOUS = {"device": "first GPU", "torch": "1st", "triton": "t", "host": "h",
+             "ceilings": {"exp2_per_s": 1.0, "bf16_matmul_flops": 1.0, "copy_bytes_per_s": 1.0},
+             "records": [_record("streamkl", "fwd", n, 9.0) for n in (1024, 2048, 8192, 16384, 32768)]}
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    """bench_attention_kl.py on the CPU: every measurement is faked (1 ms, 1 byte) on a "second GPU", and the default
+    output folder is ``tmp_path``."""
     import torch
 
     bench = _load(ROOT / "benchmarks" / "bench_attention_kl.py", "bench_grid")
-
-    def record(provider, mode, n, ms):
-        shape = {"b": 1, "h": 16, "n": n, "d": 64, "causal": False, "dtype": "bfloat16", "h_kt": None, "d_s": None,
-                 "teacher_grad": False}
-        return {"provider": provider, "mode": mode, "shape": shape, "ms": ms, "peak_bytes": None, "status": "ok",
-                "extra": {}}
-
-    previous = {"device": "first GPU", "torch": "1st", "triton": "t", "host": "h",
-                "ceilings": {"exp2_per_s": 1.0, "bf16_matmul_flops": 1.0, "copy_bytes_per_s": 1.0},
-                "records": [record("streamkl", "fwd", 1024, 9.0), record("streamkl", "fwd", 16384, 5.0)]}
-    out = tmp_path / "grid.json"
-    out.write_text(json.dumps(previous))
+    monkeypatch.setattr(bench, "RESULTS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "second GPU")
-    monkeypatch.setattr(bench, "measure_ceilings", lambda: previous["ceilings"])
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: _PREVIOUS["ceilings"])
     monkeypatch.setattr(bench, "make_inputs", lambda shape: tuple(torch.zeros(1) for _ in range(4)))
     monkeypatch.setattr(bench, "sdpa_fn", lambda shape, backend: (None, ()))
     monkeypatch.setattr(bench, "naive_fn", lambda *args: None)
     monkeypatch.setattr(bench, "time_fwd_bwd", lambda provider, shape, fn, targets: [
         bench.Record(provider, mode, bench.asdict(shape), ms=1.0) for mode in ("fwd", "bwd")])
+    monkeypatch.setattr(bench, "peak_memory", lambda provider, shape, make: bench.Record(
+        provider, "mem", bench.asdict(shape), peak_bytes=1))
+    return bench
+
+
+def test_max_n_merges_into_the_existing_results_file(bench, tmp_path):
+    """`--max-n` re-measures the short rows of an existing results file: the rows it did not re-measure, and the
+    first run's metadata, must survive (it once overwrote the file with the new records only)."""
+    out = tmp_path / "grid.json"
+    out.write_text(json.dumps(_PREVIOUS))
     bench.main(["--max-n", "1024", "--out", str(out)])
     merged = json.loads(out.read_text())
     assert merged["device"] == "first GPU" and merged["torch"] == "1st"
     assert merged["notes"] and "--max-n 1024" in merged["notes"][-1]
     by_key = {(r["provider"], r["mode"], r["shape"]["n"], r["shape"]["d"], r["shape"]["causal"]): r["ms"]
               for r in merged["records"]}
-    assert by_key[("streamkl", "fwd", 16384, 64, False)] == 5.0  # not re-measured: kept
     assert by_key[("streamkl", "fwd", 1024, 64, False)] == 1.0  # re-measured: replaced, once
     assert sum(1 for r in merged["records"] if r["shape"]["n"] == 1024 and r["shape"]["d"] == 64
                and not r["shape"]["causal"] and r["provider"] == "streamkl" and r["mode"] == "fwd") == 1
-    assert {r["shape"]["n"] for r in merged["records"]} == {1024, 16384}
+    assert {r["shape"]["n"] for r in merged["records"]} == {1024, 2048, 8192, 16384, 32768}
+    assert all(r["ms"] == 9.0 for r in merged["records"] if r["shape"]["n"] > 1024)  # not re-measured: kept
     assert all(r["ms"] == 1.0 for r in merged["records"] if r["shape"]["n"] == 1024)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.json"]  # no progress file left
+
+
+def test_a_quick_run_never_replaces_the_grid_and_merges_like_max_n(bench, tmp_path):
+    """`--quick` once wrote its few rows over the merged grid `results/<gpu>.json` (its default output): it writes a
+    run file of its own, and `--merge` (whose output defaults to the grid of the run's device) folds it in."""
+    grid = tmp_path / "second-gpu.json"
+    grid.write_text(json.dumps({**_PREVIOUS, "device": "second GPU"}))
+    bench.main(["--quick"])
+    assert json.loads(grid.read_text()) == {**_PREVIOUS, "device": "second GPU"}
+    quick = tmp_path / "runs" / "second-gpu-quick.json"
+    run_ = json.loads(quick.read_text())
+    assert run_["device"] == "second GPU" and {r["shape"]["n"] for r in run_["records"]} == {8192, 16384}
+    bench.main(["--merge", str(quick), "--note", "the quick rows of a kernel change"])
+    merged = json.loads(grid.read_text())
+    assert merged["notes"] == ["the quick rows of a kernel change"]
+    assert len(merged["records"]) == len(run_["records"]) + 4  # the 8192 row replaced, the four others kept
+    assert {r["shape"]["n"]: r["ms"] for r in merged["records"] if r["mode"] == "fwd" and r["provider"] == "streamkl"
+            and r["shape"]["d"] == 64 and not r["shape"]["causal"]} == {1024: 9.0, 2048: 9.0, 8192: 1.0,
+                                                                         16384: 9.0, 32768: 9.0}
+
+
+def test_an_interrupted_run_leaves_its_output_alone(bench, tmp_path, monkeypatch):
+    """While measuring, records go to `<out>.partial`, never into the output; `--merge` folds the partial run in."""
+    out = tmp_path / "grid.json"
+    out.write_text(json.dumps(_PREVIOUS))
+    def time_fwd_bwd(provider, shape, fn, targets):
+        if shape.n > 1024:
+            raise RuntimeError("the run stops here")
+        return [bench.Record(provider, mode, bench.asdict(shape), ms=1.0) for mode in ("fwd", "bwd")]
+
+    monkeypatch.setattr(bench, "time_fwd_bwd", time_fwd_bwd)
+    with pytest.raises(RuntimeError, match="stops"):
+        bench.main(["--max-n", "2048", "--out", str(out)])
+    assert json.loads(out.read_text()) == _PREVIOUS
+    partial = tmp_path / "grid.json.partial"
+    assert {r["shape"]["n"] for r in json.loads(partial.read_text())["records"]} == {1024}
+    bench.main(["--merge", str(partial), "--out", str(out)])
+    assert {r["shape"]["n"]: r["ms"] for r in json.loads(out.read_text())["records"]
+            if r["shape"]["d"] == 64 and not r["shape"]["causal"] and r["provider"] == "streamkl"
+            and r["mode"] == "fwd"}[1024] == 1.0
+
+
+def test_merging_needs_an_existing_results_file(bench, tmp_path):
+    run_ = tmp_path / "run.json"
+    run_.write_text(json.dumps(_PREVIOUS))
+    with pytest.raises(SystemExit, match="does not exist"):
+        bench.main(["--merge", str(run_)])  # the grid of "first GPU" is not there
+    with pytest.raises(SystemExit, match="does not exist"):
+        bench.main(["--max-n", "1024", "--out", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--max-n", "1024"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
 
 
 def test_every_teacher_plateau_check_is_a_valid_job_command_line(capsys):
