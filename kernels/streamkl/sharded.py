@@ -577,7 +577,9 @@ def sharded_attention_kl(
     these rows of a larger problem), without concatenating them: each shard is computed on its own
     (:func:`attention_kl_partial`), the partials are merged (:func:`merge_partials`), and the backward runs every
     shard's backward with the merged statistics (:func:`attention_kl_partial_backward`). Shards may live on
-    different storage; each keeps its own gradient.
+    different storage; each keeps its own gradient. The options ``causal``, ``window``, ``scale_t``, ``scale_s``,
+    ``temperature``, ``direction``, ``softcap_t``, ``softcap_s``, ``layout``, ``backend``, ``allow_tf32`` and
+    ``deterministic`` mean what they mean in :func:`streamkl.attention_kl`.
 
     Args:
         q_t, q_s: the queries ``[B, H, N_q, D]``: rows ``query_start .. query_start + N_q - 1`` of the problem.
@@ -591,8 +593,6 @@ def sharded_attention_kl(
         reduction: ``"none"`` (per row ``[B, H, N_q]``), ``"sum"`` or ``"mean"`` over these rows (counted as in
             :func:`streamkl.attention_kl`). Default: ``"mean"``.
         sinks_t, sinks_s: sink logits ``[H]``, folded in once after the merge. Default: None.
-        causal, window, scale_t, scale_s, temperature, direction, softcap_t, softcap_s, layout, backend,
-            allow_tf32, deterministic: as in :func:`streamkl.attention_kl`.
 
     Returns:
         The KL like :func:`streamkl.attention_kl` (float32, float64 for float64 inputs).
