@@ -25,6 +25,10 @@ except ImportError:  # Triton < 3.4: no knobs; every launch goes through Triton
     knobs = None
 
 
+#: Launch-cache entries per kernel (one per distinct geometry); the cache is emptied when full.
+MAX_ENTRIES = 1024
+
+
 class KernelLauncher:
     """Launch ``fn`` (a ``@triton.jit`` kernel whose parameters are: tensors, then scalars, then constexprs).
 
@@ -54,6 +58,8 @@ class KernelLauncher:
             if kernel is not None and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
                 named = dict(meta)
                 tail = tuple(named[name] for name in fn.arg_names[len(tensors) + len(scalars):])
+                if len(self._kernels) >= MAX_ENTRIES:  # shapes that change every call (packed batches): stay bounded
+                    self._kernels.clear()
                 self._kernels[key] = (kernel, tail)
             return
         kernel, tail = entry
