@@ -292,7 +292,10 @@ def prepare_problem(
     elif layout == "bnhd":  # (B, N, H, D) -> (B, H, N, D) strided view, no copy
         q_t, k_t, q_s, k_s = (x.transpose(1, 2) for x in (q_t, k_t, q_s, k_s))
     fmt = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)", "thd": "(total, H, D)"}[layout]
-    shapes = ", ".join(f"{n}={tuple(x.shape)}" for n, x in tensors.items())
+
+    def shapes() -> str:  # for error messages only: built when one is raised
+        return ", ".join(f"{n}={tuple(x.shape)}" for n, x in tensors.items())
+
     n_name = "total tokens" if packed else "N"
 
     batch, heads, n_q, _ = q_t.shape
@@ -302,32 +305,32 @@ def prepare_problem(
         if q.shape[-1] != k.shape[-1]:
             raise ValueError(
                 f"Expected `q_{side}` and `k_{side}` to share the head dim D_{side}, "
-                f"but got q_{side}: {q.shape[-1]} and k_{side}: {k.shape[-1]} (layout {layout} = {fmt}; {shapes})."
+                f"but got q_{side}: {q.shape[-1]} and k_{side}: {k.shape[-1]} (layout {layout} = {fmt}; {shapes()})."
             )
         if q.shape[-1] == 0:
-            raise ValueError(f"Expected a head dim D_{side} >= 1, but got 0 ({shapes}).")
+            raise ValueError(f"Expected a head dim D_{side} >= 1, but got 0 ({shapes()}).")
         if q.shape[0] != batch or k.shape[0] != batch:
-            raise ValueError(f"Expected the same batch size B for all inputs, but got {shapes} (layout {fmt}).")
+            raise ValueError(f"Expected the same batch size B for all inputs, but got {shapes()} (layout {fmt}).")
         if q.shape[1] != heads:
             raise ValueError(
-                f"Expected `q_t` and `q_s` to have the same number of query heads H, but got {shapes} "
+                f"Expected `q_t` and `q_s` to have the same number of query heads H, but got {shapes()} "
                 f"(layout {fmt})."
             )
         if q.shape[2] != n_q:
             raise ValueError(
-                f"Expected `q_t` and `q_s` to have the same number of queries ({n_name}), but got {shapes} "
+                f"Expected `q_t` and `q_s` to have the same number of queries ({n_name}), but got {shapes()} "
                 f"(layout {fmt})."
             )
         if k.shape[2] != n_k:
             raise ValueError(
-                f"Expected `k_t` and `k_s` to have the same number of keys ({n_name}), but got {shapes} "
+                f"Expected `k_t` and `k_s` to have the same number of keys ({n_name}), but got {shapes()} "
                 f"(layout {fmt})."
             )
         h_k = k.shape[1]
         if h_k == 0 or heads % h_k != 0:
             raise ValueError(
                 f"Expected the query heads H={heads} to be divisible by the key heads of `k_{side}` "
-                f"(H_k={h_k}) for grouped-query attention, but got {shapes} (layout {fmt})."
+                f"(H_k={h_k}) for grouped-query attention, but got {shapes()} (layout {fmt})."
             )
     for side in ("t", "s"):
         q, k = tensors[f"q_{side}"], tensors[f"k_{side}"]

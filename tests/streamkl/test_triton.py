@@ -140,13 +140,19 @@ def test_triton_rejects_float64_and_huge_heads():
         attention_kl(big, big, big, big, backend="triton")
 
 
-def test_wide_offset_path_matches_oracle(monkeypatch):
+def test_wide_offset_path_matches_oracle(monkeypatch, request):
     """Regression: in-slice offsets ``row * stride`` overflowed int32 once a (batch, head) slice held more
     than 2^31 elements (illegal address on an H100). The 64-bit path is forced here on small inputs."""
     from streamkl._triton import backward, forward
 
-    monkeypatch.setattr(forward, "needs_wide_offsets", lambda *x: True)
-    monkeypatch.setattr(backward, "needs_wide_offsets", lambda *x: True)
+    def clear_plans():  # launch plans are cached per geometry; WIDE is part of them
+        forward._forward_plan.cache_clear()
+        backward._backward_plan.cache_clear()
+
+    monkeypatch.setattr(forward, "wide_offsets", lambda *x: True)
+    monkeypatch.setattr(backward, "wide_offsets", lambda *x: True)
+    clear_plans()
+    request.addfinalizer(clear_plans)
     case = replace(BASE, n_q=37, n_k=29, causal=True, key_mask="random", teacher_grad=True)
     check_against_oracle(case, torch.float32, "triton", DEVICE, reduction_checks=False)
     check_against_oracle(replace(case, layout="bnhd", direction="reverse"), torch.float32, "triton", DEVICE,
@@ -172,3 +178,66 @@ def test_fp16_gradient_tiles_do_not_underflow_before_the_products():
     assert_close(k_s.grad, ref_k.grad, 1e-2, "dk_s")
     # dQ_s (~3e-9 per element) is below fp16's range: the best fp16 answer is the oracle rounded, i.e. 0
     torch.testing.assert_close(q_s.grad.double(), ref_q.grad.to(torch.float16).double(), atol=6e-8, rtol=1e-2)
+
+
+def test_cached_launch_passes_exactly_what_triton_passes():
+    """The launch cache (``_triton/_launch.py``) calls a compiled kernel's launcher directly once Triton has
+    launched that specialisation: it must pass the same grid, stream and arguments as Triton's own path, and a
+    new specialisation (another dtype, an unaligned pointer, a scalar equal to 1) must go back through Triton.
+    A fake driver and a stand-in compiled kernel record the launches (no GPU, no compilation)."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from streamkl._triton._launch import KernelLauncher
+
+    def kernel(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):  # tensors, scalars, then constexprs
+        pass
+
+    fn = JITFunction(kernel)  # the compiled-kernel path (the decorator gives the interpreter's under TRITON_INTERPRET)
+    launches, compiles = [], []
+
+    class FakeDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 7
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            launches.append(args)
+
+    def _do_compile(key, signature, device, constexprs, options, attrs, warmup):
+        compiles.append(key)
+        fn.device_caches[device][0][key] = compiled = Compiled()
+        return compiled
+
+    fn._do_compile = _do_compile
+    previous = driver._active  # None until something asked for it (and no GPU driver is active on CPU)
+    driver.set_active(FakeDriver())
+    try:
+        launch = KernelLauncher(fn)
+        x, y = torch.zeros(64), torch.zeros(64)
+        meta = (("BLOCK", 16), ("FLAG", True), ("num_warps", 4), ("num_stages", 2))
+        launch((3, 2), (x, y), (48, 0.5), meta)  # through Triton: compiles
+        launch((3, 2), (x, y), (48, 0.5), meta)  # cached: direct
+        assert len(compiles) == 1 and len(launches) == 2
+        assert launches[0][:4] == launches[1][:4] == (3, 2, 1, 7)
+        assert launches[0][4:] == launches[1][4:]  # function, metadata, hooks, every argument (constexprs too)
+        assert launches[1][-6:] == (x, y, 48, 0.5, 16, True)
+        launch((3, 2), (x, y), (1, 0.5), meta)  # n == 1 is a new specialisation
+        launch((3, 2), (x[1:], y), (48, 0.5), meta)  # an unaligned pointer too
+        launch((3, 2), (x.double(), y), (48, 0.5), meta)  # and another dtype
+        assert len(compiles) == 4
+    finally:
+        driver._active = previous

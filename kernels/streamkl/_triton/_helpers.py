@@ -145,8 +145,13 @@ def _offset(index, stride, WIDE: tl.constexpr):
 
 def needs_wide_offsets(*tensors: torch.Tensor) -> bool:
     """True when an in-slice offset ``row * stride_n`` of some ``(B, H, N, D)`` input can overflow int32."""
+    return wide_offsets(*((x.shape, x.stride()) for x in tensors))
+
+
+def wide_offsets(*geometries: tuple) -> bool:
+    """:func:`needs_wide_offsets` from ``(shape, strides)`` pairs (the cached launch plans' keys)."""
     return any(
-        x.shape[2] * max(abs(x.stride(2)), x.shape[3]) + x.shape[3] * abs(x.stride(3)) >= 2**31 for x in tensors
+        shape[2] * max(abs(stride[2]), shape[3]) + shape[3] * abs(stride[3]) >= 2**31 for shape, stride in geometries
     )
 
 
@@ -165,7 +170,14 @@ def attn_mask_view(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, tupl
     if mask is None:
         return None, (0, 0, 0, 0)
     view = mask.view(torch.uint8)
-    return view, tuple(0 if size == 1 else stride for size, stride in zip(view.shape, view.stride()))
+    return view, broadcast_strides((view.shape, view.stride()))
+
+
+def broadcast_strides(geometry: tuple | None) -> tuple[int, ...]:
+    """The strides of an ``attn_mask`` given as ``(shape, strides)``, 0 on its broadcast (size-1) dims."""
+    if geometry is None:
+        return (0, 0, 0, 0)
+    return tuple(0 if size == 1 else stride for size, stride in zip(*geometry))
 
 
 def side_scales(scale: float, softcap: float) -> tuple[float, float]:

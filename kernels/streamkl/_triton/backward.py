@@ -34,6 +34,8 @@ reach a gradient of an allowed entry; a row that does see one has NaN ``lse`` an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,11 +53,12 @@ from ._helpers import (
     _pre_exponent,
     _sequence,
     as_uint8_mask,
-    attn_mask_view,
+    broadcast_strides,
     dot_precision,
-    needs_wide_offsets,
     side_scales,
+    wide_offsets,
 )
+from ._launch import KernelLauncher, tensor_geometry
 from .configs import LaunchConfig, dk_config, dq_config, interpreting, padded_head_dim
 
 
@@ -583,6 +586,55 @@ def _attention_kl_bwd_dq_kernel(
         )
 
 
+@functools.lru_cache(maxsize=512)
+def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, sequences: int, allow_tf32: bool,
+                   dk_launch: LaunchConfig | None, dq_launch: LaunchConfig | None):
+    """Everything of one backward that depends only on shapes, strides, dtypes and options: the two grids, the
+    scalar arguments and the constexprs of each pass. Computed once per problem geometry."""
+    qa_g, ka_g, qb_g, kb_g, km_g, am_g = geometry
+    need_grad_a, need_grad_b, deterministic, has_query_mask, varlen = flags
+    (_, heads, n_q, d_a), d_b = qa_g[0], qb_g[0][-1]
+    h_ka, n_k = ka_g[0][1], ka_g[0][2]
+    h_kb = kb_g[0][1]
+    dtype_a, dtype_b = dtypes
+    esize = max(dtype_a.itemsize, dtype_b.itemsize)
+    atomic = not deterministic
+    masked = spec.banded or am_g is not None
+    cfg = dk_launch or dk_config(d_a, d_b, masked, esize, atomic_dq=atomic)
+    cfg_q = dq_launch or dq_config(d_a, d_b, masked, esize)
+    km_strides = km_g[1] if km_g is not None else (0, 0)
+    h_kg = h_kb if need_grad_b else h_ka
+    dk_a_per_head = need_grad_a and h_ka != h_kg
+    (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
+    scalars = (*broadcast_strides(am_g), *qa_g[1], *ka_g[1], *qb_g[1], *kb_g[1], *km_strides, heads, n_q, n_k,
+               heads // h_ka, heads // h_kb)
+    scales = (qk_a, qk_b, cap_a, cap_b, spec.grad_scale("a"), spec.grad_scale("b"), spec.window_left,
+              spec.window_right)
+    common = dict(
+        D_A=d_a, D_B=d_b, BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
+        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km_g is not None,
+        HAS_ATTN_MASK=am_g is not None, IS_VARLEN=varlen, NEED_A=need_grad_a, NEED_B=need_grad_b,
+        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
+        FP16_A=dtype_a == torch.float16, FP16_B=dtype_b == torch.float16,
+        DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
+        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
+    )
+    max_k = spec.max_seqlen_k if varlen else n_k
+    max_q = spec.max_seqlen_q if varlen else n_q
+    dk_grid = (max(triton.cdiv(max_k, cfg.block_n), 1), sequences * h_kg)
+    dk_meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DK_A_PER_HEAD=dk_a_per_head, ATOMIC_DQ=atomic,
+                   HAS_QUERY_MASK=has_query_mask, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dq_grid = (max(triton.cdiv(max_q, cfg_q.block_m), 1), sequences * heads)
+    dq_meta = dict(BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BANDED=spec.banded, **common,
+                   num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages)
+    return (dk_grid, (*scalars, h_kg, *scales), tuple(dk_meta.items()), dq_grid, (*scalars, *scales),
+            tuple(dq_meta.items()), dk_a_per_head)
+
+
+_launch_dk = KernelLauncher(_attention_kl_bwd_dk_kernel)
+_launch_dq = KernelLauncher(_attention_kl_bwd_dq_kernel)
+
+
 def attention_kl_bwd(
     grad_kl: torch.Tensor,
     inputs: KLInputs,
@@ -602,30 +654,28 @@ def attention_kl_bwd(
     ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script).
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
-    batch, heads, n_q, d_a = q_a.shape
-    d_b = q_b.shape[-1]
-    h_ka, n_k = k_a.shape[1], k_a.shape[2]
-    h_kb = k_b.shape[1]
-    device = q_a.device
     if not (need_grad_a or need_grad_b):
         return None, None, None, None
-    varlen = inputs.cu_seqlens_q is not None
+    batch, heads, n_q, _ = q_a.shape
+    n_k = k_a.shape[2]
+    device = q_a.device
+    cu_q = inputs.cu_seqlens_q
+    varlen = cu_q is not None
     if batch * heads * n_q * n_k == 0:
         zeros = lambda x, need: torch.zeros_like(x, memory_format=torch.contiguous_format) if need else None
         return zeros(q_a, need_grad_a), zeros(k_a, need_grad_a), zeros(q_b, need_grad_b), zeros(k_b, need_grad_b)
 
-    grad_kl = grad_kl.to(torch.float32).contiguous()
-    esize = max(q_a.element_size(), q_b.element_size())
-    atomic = not deterministic
-    masked = spec.banded or inputs.attn_mask is not None
-    cfg = dk_launch or dk_config(d_a, d_b, masked, esize, atomic_dq=atomic)
-    cfg_q = dq_launch or dq_config(d_a, d_b, masked, esize)
+    if grad_kl.dtype != torch.float32:
+        grad_kl = grad_kl.to(torch.float32)
+    grad_kl = grad_kl.contiguous()
     km = as_uint8_mask(inputs.key_padding_mask)
-    km_strides = km.stride() if km is not None else (0, 0)
-    am, am_strides = attn_mask_view(inputs.attn_mask)
-    h_kg = h_kb if need_grad_b else h_ka
-    dk_a_per_head = need_grad_a and h_ka != h_kg
-    sequences = inputs.cu_seqlens_q.numel() - 1 if varlen else batch
+    am = None if inputs.attn_mask is None else inputs.attn_mask.view(torch.uint8)
+    geometry = tensor_geometry(q_a, k_a, q_b, k_b, km, am)
+    flags = (need_grad_a, need_grad_b, deterministic, inputs.query_mask is not None, varlen)
+    sequences = cu_q.shape[0] - 1 if varlen else batch
+    dk_grid, dk_scalars, dk_meta, dq_grid, dq_scalars, dq_meta, dk_a_per_head = _backward_plan(
+        geometry, (q_a.dtype, q_b.dtype), spec, flags, sequences, allow_tf32, dk_launch, dq_launch)
+    atomic = not deterministic
     # packed tokens outside every sequence (none when the offsets are valid) get zero gradients
     alloc = torch.zeros if varlen else torch.empty
 
@@ -640,40 +690,18 @@ def attention_kl_bwd(
     dk_b = dk_buffer(k_b, need_grad_b, False)
     dq_acc_a = torch.zeros(q_a.shape, dtype=torch.float32, device=device) if need_grad_a and atomic else None
     dq_acc_b = torch.zeros(q_b.shape, dtype=torch.float32, device=device) if need_grad_b and atomic else None
-    strides = (*q_a.stride(), *k_a.stride(), *q_b.stride(), *k_b.stride(), *km_strides)
-    (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
-    scales = (qk_a, qk_b, cap_a, cap_b, spec.grad_scale("a"), spec.grad_scale("b"), spec.window_left,
-              spec.window_right)
-    common = dict(
-        D_A=d_a, D_B=d_b, BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
-        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km is not None,
-        HAS_ATTN_MASK=am is not None, IS_VARLEN=varlen, NEED_A=need_grad_a, NEED_B=need_grad_b,
-        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
-        FP16_A=q_a.dtype == torch.float16, FP16_B=q_b.dtype == torch.float16,
-        DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
-        INTERPRET=interpreting(), WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
-    )
-    max_k = spec.max_seqlen_k if varlen else n_k
-    max_q = spec.max_seqlen_q if varlen else n_q
-    _attention_kl_bwd_dk_kernel[(max(triton.cdiv(max_k, cfg.block_n), 1), sequences * h_kg)](
-        q_a, k_a, q_b, k_b, km, inputs.cu_seqlens_q, inputs.cu_seqlens_k, grad_kl, kl, lse_a, lse_b,
-        dk_a, dk_b, dq_acc_a, dq_acc_b, am, *am_strides, *strides, heads, n_q, n_k, heads // h_ka, heads // h_kb, h_kg, *scales,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DK_A_PER_HEAD=dk_a_per_head, ATOMIC_DQ=atomic,
-        HAS_QUERY_MASK=inputs.query_mask is not None, **common,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    cu_k = inputs.cu_seqlens_k
+    _launch_dk(dk_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a,
+                         dq_acc_b, am), dk_scalars, dk_meta)
     if atomic:
         dq_a = dq_acc_a.to(q_a.dtype) if need_grad_a else None
         dq_b = dq_acc_b.to(q_b.dtype) if need_grad_b else None
     else:
         dq_a = alloc(q_a.shape, dtype=q_a.dtype, device=device) if need_grad_a else None
         dq_b = alloc(q_b.shape, dtype=q_b.dtype, device=device) if need_grad_b else None
-        _attention_kl_bwd_dq_kernel[(max(triton.cdiv(max_q, cfg_q.block_m), 1), sequences * heads)](
-            q_a, k_a, q_b, k_b, km, inputs.cu_seqlens_q, inputs.cu_seqlens_k, grad_kl, kl, lse_a, lse_b, dq_a, dq_b,
-            am, *am_strides, *strides, heads, n_q, n_k, heads // h_ka, heads // h_kb, *scales,
-            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BANDED=spec.banded, **common,
-            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
-        )
+        _launch_dq(dq_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dq_a, dq_b, am),
+                   dq_scalars, dq_meta)
     if dk_a_per_head:
+        h_ka, d_a = k_a.shape[1], q_a.shape[-1]
         dk_a = dk_a.view(batch, h_ka, heads // h_ka, n_k, d_a).sum(2).to(k_a.dtype)
     return dq_a, dk_a, dq_b, dk_b

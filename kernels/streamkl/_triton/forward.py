@@ -11,6 +11,8 @@ state the backward needs. No ``N_q × N_k`` tile leaves the chip.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,11 +29,12 @@ from ._helpers import (
     _pre_exponent,
     _sequence,
     as_uint8_mask,
-    attn_mask_view,
+    broadcast_strides,
     dot_precision,
-    needs_wide_offsets,
     side_scales,
+    wide_offsets,
 )
+from ._launch import KernelLauncher, tensor_geometry
 from .configs import LaunchConfig, forward_config, interpreting, padded_head_dim
 
 
@@ -273,6 +276,43 @@ def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.contiguous()
 
 
+@functools.lru_cache(maxsize=512)
+def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple, sequences: int, allow_tf32: bool,
+                  config: LaunchConfig | None):
+    """``(grid, scalars, meta)`` of one forward launch: everything that depends only on shapes, strides, dtypes
+    and options, computed once per problem geometry (the per-call work is then allocation and the launch)."""
+    (qa_g, ka_g, qb_g, kb_g, km_g, qm_g, am_g) = geometry
+    (_, heads, n_q, d_a), d_b, n_k = qa_g[0], qb_g[0][-1], ka_g[0][2]
+    has_sinks, varlen = optional
+    dtype_a, dtype_b = dtypes
+    esize = max(dtype_a.itemsize, dtype_b.itemsize)
+    cfg = config or forward_config(d_a, d_b, spec.banded or am_g is not None, esize)
+    km_strides = km_g[1] if km_g is not None else (0, 0)
+    qm_strides = qm_g[1] if qm_g is not None else (0, 0)
+    am_strides = broadcast_strides(am_g)
+    grid = (max(triton.cdiv(spec.max_seqlen_q if varlen else n_q, cfg.block_m), 1), sequences * heads)
+    (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
+    scalars = (
+        *qa_g[1], *ka_g[1], *qb_g[1], *kb_g[1], *km_strides, *qm_strides, *am_strides,
+        heads, n_q, n_k, heads // ka_g[0][1], heads // kb_g[0][1], qk_a, qk_b, cap_a, cap_b,
+        spec.window_left, spec.window_right,
+    )
+    meta = dict(
+        D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
+        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km_g is not None,
+        HAS_QUERY_MASK=qm_g is not None, HAS_SINKS=has_sinks, IS_VARLEN=varlen,
+        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b), HAS_ATTN_MASK=am_g is not None,
+        DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
+        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return grid, scalars, tuple(meta.items())
+
+
+_launch_forward = KernelLauncher(_attention_kl_fwd_kernel)
+
+
 def attention_kl_fwd(
     inputs: KLInputs, spec: KLSpec, allow_tf32: bool = False, config: LaunchConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,40 +323,25 @@ def attention_kl_fwd(
     ``config`` overrides the tile heuristic (used by the tuning script).
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
-    batch, heads, n_q, d_a = q_a.shape
-    d_b = q_b.shape[-1]
-    n_k = k_a.shape[2]
+    batch, heads, n_q, _ = q_a.shape
     kl = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q_a.device)
     lse_a = torch.empty_like(kl)
     lse_b = torch.empty_like(kl)
     if kl.numel() == 0:
         return kl, lse_a, lse_b
-    varlen = inputs.cu_seqlens_q is not None
+    cu_q = inputs.cu_seqlens_q
+    varlen = cu_q is not None
     if varlen:
         kl.zero_()  # rows outside every sequence (none when the offsets are valid) read as empty rows
         lse_a.fill_(float("inf"))
         lse_b.fill_(float("inf"))
-    cfg = config or forward_config(d_a, d_b, spec.banded or inputs.attn_mask is not None, max(q_a.element_size(), q_b.element_size()))
     km, qm = as_uint8_mask(inputs.key_padding_mask), as_uint8_mask(inputs.query_mask)
-    km_strides = km.stride() if km is not None else (0, 0)
-    qm_strides = qm.stride() if qm is not None else (0, 0)
-    am, am_strides = attn_mask_view(inputs.attn_mask)
-    sequences = inputs.cu_seqlens_q.numel() - 1 if varlen else batch
-    grid = (max(triton.cdiv(spec.max_seqlen_q if varlen else n_q, cfg.block_m), 1), sequences * heads)
-    (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
-    _attention_kl_fwd_kernel[grid](
-        q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, inputs.cu_seqlens_q,
-        inputs.cu_seqlens_k, am, kl, lse_a, lse_b,
-        *q_a.stride(), *k_a.stride(), *q_b.stride(), *k_b.stride(), *km_strides, *qm_strides, *am_strides,
-        heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b, cap_a, cap_b,
-        spec.window_left, spec.window_right,
-        D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_DA=padded_head_dim(d_a), BLOCK_DB=padded_head_dim(d_b),
-        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0, HAS_KEY_MASK=km is not None,
-        HAS_QUERY_MASK=qm is not None, HAS_SINKS=inputs.sink_a is not None, IS_VARLEN=varlen,
-        SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b), HAS_ATTN_MASK=am is not None,
-        DOT_PRECISION_A=dot_precision(q_a.dtype, allow_tf32), DOT_PRECISION_B=dot_precision(q_b.dtype, allow_tf32),
-        INTERPRET=interpreting(), WIDE=needs_wide_offsets(q_a, k_a, q_b, k_b),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    am = None if inputs.attn_mask is None else inputs.attn_mask.view(torch.uint8)
+    geometry = tensor_geometry(q_a, k_a, q_b, k_b, km, qm, am)
+    sequences = cu_q.shape[0] - 1 if varlen else batch
+    grid, scalars, meta = _forward_plan(geometry, (q_a.dtype, q_b.dtype), spec, (inputs.sink_a is not None, varlen),
+                                        sequences, allow_tf32, config)
+    tensors = (q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, cu_q,
+               inputs.cu_seqlens_k, am, kl, lse_a, lse_b)
+    _launch_forward(grid, tensors, scalars, meta)
     return kl, lse_a, lse_b
