@@ -99,7 +99,6 @@ def _backward_from_ctx(ctx, grad_kl, backward_fn) -> tuple:
     n_inputs = len(need)
     if grad_kl is None or not any(need[:6]):
         return (None,) * n_inputs
-    grad_kl = grad_kl.contiguous()
     dq_a, dk_a, dq_b, dk_b, ds_a, ds_b = backward_fn(grad_kl, inputs, ctx.spec, kl, lse_a, lse_b, need_a, need_b,
                                                      bool(need[4]), bool(need[5]), *ctx.options)
     side_a = (dq_a, dk_a) if need_a else (None, None)

@@ -128,6 +128,7 @@ def _attention_kl_bwd_dk_queries(
     ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr,
 ):
     """Fold the query tiles of ``[lo, hi)`` into this key tile's ``dK`` accumulators, computed transposed
     ([keys, queries]); with ``ATOMIC_DQ`` also add their ``dQ``."""
@@ -139,7 +140,10 @@ def _attention_kl_bwd_dk_queries(
         rows = row_base + offs_m
         lse2_a = tl.load(LSE_A + rows, mask=row_in, other=float("inf")) * LOG2E_C
         lse2_b = tl.load(LSE_B + rows, mask=row_in, other=float("inf")) * LOG2E_C
-        g = tl.load(GRAD + rows, mask=row_in, other=0.0)
+        if SCALAR_GRAD:  # reduction="mean"/"sum": one upstream gradient for every row, read in place (stride 0)
+            g = tl.load(GRAD + rows * 0, mask=row_in, other=0.0)
+        else:
+            g = tl.load(GRAD + rows, mask=row_in, other=0.0)
         if NEED_A:
             kl = tl.load(KL + rows, mask=row_in, other=0.0)[None, :]
         else:
@@ -205,6 +209,7 @@ def _attention_kl_bwd_dk_keys(
     NEED_A: tl.constexpr, NEED_B: tl.constexpr, DK_A_PER_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr,
 ):
     """One key tile: sweep the query tiles of every head that shares its key head, then write its dK."""
     hg64 = hg.to(tl.int64)
@@ -261,7 +266,7 @@ def _attention_kl_bwd_dk_keys(
                 D_A, D_B, BLOCK_M, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_QUERY_MASK,
                 HAS_ATTN_MASK,
                 NEED_A, NEED_B, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B,
-                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
             )
         dk_a, dk_b = _attention_kl_bwd_dk_queries(
             b_full, c_full, shift, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
@@ -271,7 +276,7 @@ def _attention_kl_bwd_dk_keys(
             D_A, D_B, BLOCK_M, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, HAS_QUERY_MASK,
                 HAS_ATTN_MASK,
             NEED_A, NEED_B, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B,
-            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
         )
         if HAS_LEFT:  # rows below the full tiles exist only with a left window bound
             dk_a, dk_b = _attention_kl_bwd_dk_queries(
@@ -282,7 +287,7 @@ def _attention_kl_bwd_dk_keys(
                 D_A, D_B, BLOCK_M, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_QUERY_MASK,
                 HAS_ATTN_MASK,
                 NEED_A, NEED_B, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B,
-                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
             )
         if NEED_A and DK_A_PER_HEAD:  # side a groups its key heads differently: write per query head
             ptrs = DK_A + ((b64 * H + h64) * N_K + keys64[:, None]) * D_A + offs_da[None, :]
@@ -302,7 +307,7 @@ def _attention_kl_bwd_dk_kernel(
     Q_A, K_A, Q_B, K_B,  # [B, H, N_Q, D_A], [B, H_KA, N_K, D_A], [B, H, N_Q, D_B], [B, H_KB, N_K, D_B]; any strides
     KEY_MASK,  # [B, N_K] uint8 or None
     CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None
-    GRAD, KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous: upstream gradient, saved KL and lse (nats)
+    GRAD, KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous: upstream gradient (one number if SCALAR_GRAD), saved KL and lse (nats)
     DK_A, DK_B,  # [B, H_KA, N_K, D_A] / [B, H_KB, N_K, D_B] contiguous, or [B, H, N_K, D_A] fp32 when DK_A_PER_HEAD
     DQ_A, DQ_B,  # [B, H, N_Q, D_*] fp32 contiguous accumulators (ATOMIC_DQ), else None
     ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
@@ -324,6 +329,7 @@ def _attention_kl_bwd_dk_kernel(
     DK_A_PER_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -355,7 +361,7 @@ def _attention_kl_bwd_dk_kernel(
                 offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
                 grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT,
                 HAS_KEY_MASK, HAS_QUERY_MASK, HAS_ATTN_MASK, NEED_A, NEED_B, DK_A_PER_HEAD, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A,
-                FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+                FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
             )
     else:
         _attention_kl_bwd_dk_keys(
@@ -367,7 +373,7 @@ def _attention_kl_bwd_dk_kernel(
             offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
             grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT,
             HAS_KEY_MASK, HAS_QUERY_MASK, HAS_ATTN_MASK, NEED_A, NEED_B, DK_A_PER_HEAD, ATOMIC_DQ, SOFTCAP_A, SOFTCAP_B, FP16_A,
-            FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+            FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
         )
 
 
@@ -449,6 +455,7 @@ def _attention_kl_bwd_dq_rows(
     NEED_B: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr,
 ):
     """One tile of ``BLOCK_M`` query rows: stream its key band and write its dQ."""
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -457,7 +464,10 @@ def _attention_kl_bwd_dq_rows(
     lse2_a = tl.load(LSE_A + rows, mask=row_in, other=float("inf")) * LOG2E_C
     lse2_b = tl.load(LSE_B + rows, mask=row_in, other=float("inf")) * LOG2E_C
     kl = tl.load(KL + rows, mask=row_in, other=0.0)[:, None]
-    g = tl.load(GRAD + rows, mask=row_in, other=0.0)[:, None]
+    if SCALAR_GRAD:  # reduction="mean"/"sum": one upstream gradient for every row, read in place (stride 0)
+        g = tl.load(GRAD + rows * 0, mask=row_in, other=0.0)[:, None]
+    else:
+        g = tl.load(GRAD + rows, mask=row_in, other=0.0)[:, None]
     row_ok = row_in & (lse2_a != float("inf"))  # excluded rows never meet their (possibly non-finite) queries
     q_rows = (q_start + offs_m).to(tl.int64)[:, None]
     q_a = tl.load(qa_base + q_rows * stride_qa_n, mask=row_ok[:, None] & da_in[None, :], other=0.0)
@@ -507,7 +517,7 @@ def _attention_kl_bwd_dq_kernel(
     Q_A, K_A, Q_B, K_B,  # as in the dK kernel
     KEY_MASK,  # [B, N_K] uint8 or None
     CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None
-    GRAD, KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous
+    GRAD, KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous (GRAD: one number if SCALAR_GRAD)
     DQ_A, DQ_B,  # [B, H, N_Q, D_*] contiguous, input dtype (None when not needed)
     ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
     stride_am_b, stride_am_h, stride_am_q, stride_am_k,
@@ -526,6 +536,7 @@ def _attention_kl_bwd_dq_kernel(
     HAS_ATTN_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -571,7 +582,7 @@ def _attention_kl_bwd_dq_kernel(
                 offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
                 grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK,
                 BANDED, HAS_ATTN_MASK, NEED_A,
-                NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+                NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
             )
     else:
         _attention_kl_bwd_dq_rows(
@@ -582,7 +593,7 @@ def _attention_kl_bwd_dq_kernel(
             offs_da, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a,
             grad_scale_b, left, right, D_A, D_B, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK,
             BANDED, HAS_ATTN_MASK, NEED_A,
-            NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+            NEED_B, SOFTCAP_A, SOFTCAP_B, FP16_A, FP16_B, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
         )
 
 
@@ -592,7 +603,7 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
     """Everything of one backward that depends only on shapes, strides, dtypes and options: the two grids, the
     scalar arguments and the constexprs of each pass. Computed once per problem geometry."""
     qa_g, ka_g, qb_g, kb_g, km_g, am_g = geometry
-    need_grad_a, need_grad_b, deterministic, has_query_mask, varlen = flags
+    need_grad_a, need_grad_b, deterministic, has_query_mask, varlen, scalar_grad = flags
     (_, heads, n_q, d_a), d_b = qa_g[0], qb_g[0][-1]
     h_ka, n_k = ka_g[0][1], ka_g[0][2]
     h_kb = kb_g[0][1]
@@ -617,7 +628,7 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
         FP16_A=dtype_a == torch.float16, FP16_B=dtype_b == torch.float16,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
-        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
+        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g), SCALAR_GRAD=scalar_grad,
     )
     max_k = spec.max_seqlen_k if varlen else n_k
     max_q = spec.max_seqlen_q if varlen else n_q
@@ -665,13 +676,19 @@ def attention_kl_bwd(
         zeros = lambda x, need: torch.zeros_like(x, memory_format=torch.contiguous_format) if need else None
         return zeros(q_a, need_grad_a), zeros(k_a, need_grad_a), zeros(q_b, need_grad_b), zeros(k_b, need_grad_b)
 
+    # the upstream gradient of reduction="mean"/"sum" is one number expanded over every row (stride 0): the
+    # kernels read that number in place instead of a copied [B, H, N_Q] tensor
+    scalar_grad = not any(grad_kl.stride())
+    if scalar_grad:
+        grad_kl = grad_kl.as_strided((1,), (1,))
     if grad_kl.dtype != torch.float32:
         grad_kl = grad_kl.to(torch.float32)
-    grad_kl = grad_kl.contiguous()
+    if not scalar_grad:
+        grad_kl = grad_kl.contiguous()
     km = as_uint8_mask(inputs.key_padding_mask)
     am = None if inputs.attn_mask is None else inputs.attn_mask.view(torch.uint8)
     geometry = tensor_geometry(q_a, k_a, q_b, k_b, km, am)
-    flags = (need_grad_a, need_grad_b, deterministic, inputs.query_mask is not None, varlen)
+    flags = (need_grad_a, need_grad_b, deterministic, inputs.query_mask is not None, varlen, scalar_grad)
     sequences = cu_q.shape[0] - 1 if varlen else batch
     dk_grid, dk_scalars, dk_meta, dq_grid, dq_scalars, dq_meta, dk_a_per_head = _backward_plan(
         geometry, (q_a.dtype, q_b.dtype), spec, flags, sequences, allow_tf32, dk_launch, dq_launch)
