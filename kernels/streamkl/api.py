@@ -6,7 +6,6 @@ import os
 
 import torch
 
-from ._reduction import reduce_per_row_kl
 from ._validation import prepare_problem
 from .autograd import attention_kl_per_row
 
@@ -245,11 +244,12 @@ def attention_kl(
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
     inputs, spec = problem.kernel_problem()
-    kl, lse_a, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic)
+    rows = None
     if problem.reduction == "mean" and problem.every_row_counts():
         # no row can be empty: the count is known on the host (saves four small kernels per call)
-        return kl.sum() / max(kl.numel(), 1)
-    result = reduce_per_row_kl(kl, ~torch.isposinf(lse_a), problem.reduction)
+        rows = max(inputs.q_a.shape[0] * inputs.q_a.shape[1] * inputs.q_a.shape[2], 1)
+    # "sum"/"mean" are reduced inside the op (one autograd node, the upstream gradient read without a copy)
+    result, _, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, problem.reduction, rows)
     if problem.reduction == "none" and problem.packed:
         return result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
     return result

@@ -25,6 +25,7 @@ import torch
 
 from . import reference
 from ._problem import KLInputs, KLSpec
+from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
 
 _EMPTY_SHAPE = (0,)
@@ -119,8 +120,9 @@ def _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, nee
 
 class AttentionKLFunction(torch.autograd.Function):
     """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask,
-    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic) -> (kl, lse_a, lse_b)``; only
-    ``kl`` is differentiable.
+    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic[, reduction, rows]) -> (kl, lse_a,
+    lse_b)``; only ``kl`` is differentiable. With ``reduction`` "sum" or "mean" (default "none") the first output is
+    the reduced loss instead of the per-row KL (see :func:`attention_kl_per_row`).
 
     Example:
         >>> q = torch.randn(1, 2, 5, 8, requires_grad=True)
@@ -134,17 +136,40 @@ class AttentionKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                attn_mask, spec, backend, allow_tf32, deterministic):
+                attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
                           cu_seqlens_k, attn_mask)
         kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32)
         _save(ctx, inputs, kl, lse_a, lse_b, spec, (backend, allow_tf32, deterministic))
-        return kl, lse_a, lse_b
+        ctx.reduction, ctx.rows_shape = reduction, kl.shape
+        if reduction == "none":
+            return kl, lse_a, lse_b
+        loss, ctx.divisor = _reduce(kl, lse_a, reduction, rows)
+        return loss, lse_a, lse_b
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
+        if ctx.reduction != "none" and grad_kl is not None:
+            # the gradient of the reduction, as SumBackward/DivBackward would form it: one number for every row
+            # (expanded, stride 0), which the kernels read in place
+            if ctx.reduction == "mean":
+                grad_kl = grad_kl / ctx.divisor
+            grad_kl = grad_kl.expand(ctx.rows_shape)
         return _backward_from_ctx(ctx, grad_kl, _eager_backward)
+
+
+def _reduce(kl, lse_a, reduction: str, rows: int | None):
+    """``(loss, divisor)``: ``reduction`` ("sum" | "mean") of the per-row KL, computed exactly as the separate torch
+    ops of :func:`reduce_per_row_kl` do (bitwise the same value). ``rows`` is the number of counted rows when the
+    host knows it (no row can be empty), else None: the count is then taken on the device (no synchronisation).
+    ``divisor`` is what the mean divided by (None for "sum")."""
+    if reduction == "sum":
+        return kl.sum(), None
+    if rows is not None:
+        return kl.sum() / rows, rows
+    divisor = (~torch.isposinf(lse_a)).sum().clamp_min(1).to(kl.dtype)
+    return kl.sum() / divisor, divisor
 
 
 # ------------------------------------------------------------------------------ torch.library custom ops
@@ -265,8 +290,22 @@ def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
 attention_kl_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool):
-    """Dispatch: the custom op while ``torch.compile`` traces, the autograd Function in eager mode."""
+def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
+                         reduction: str = "none", rows: int | None = None):
+    """Dispatch: the custom op while ``torch.compile`` traces, the autograd Function in eager mode.
+
+    Returns ``(loss, lse_a, lse_b)``: ``loss`` is the per-row KL for ``reduction="none"``, else its sum or mean
+    (over counted rows; ``rows`` is their number when the host knows it). In eager mode the Function reduces
+    inside its forward and its backward hands the one upstream gradient straight to the kernels (no separate
+    autograd nodes for the reduction); under ``torch.compile`` the reduction is traced as torch ops around the
+    custom op (the compiler fuses them), with the same value.
+    """
     if torch.compiler.is_compiling():
-        return attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32, deterministic)
-    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic)
+        kl, lse_a, lse_b = attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32,
+                                               deterministic)
+        if reduction == "none":
+            return kl, lse_a, lse_b
+        if reduction == "mean" and rows is not None:
+            return kl.sum() / rows, lse_a, lse_b
+        return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), reduction), lse_a, lse_b
+    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows)

@@ -103,3 +103,41 @@ def test_torch_compile_inductor_fullgraph_reference():
     (g,) = torch.autograd.grad(out, w)
     assert_close(out, expected, 1e-5, "loss")
     assert_close(g, g_expected, 1e-4, "grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reduction_inside_the_function_equals_the_separate_ops(backend, reduction, dtype):
+    """``reduction="mean"``/``"sum"`` is reduced inside the autograd Function (one node; its backward hands the one
+    upstream gradient to the kernels, which read it with stride 0): loss and every gradient are bitwise those of the
+    per-row op followed by the torch reduction with a contiguous upstream gradient, as before the fusion. Masks empty
+    a whole batch row and exclude queries, so the mean's count is taken on the device."""
+    from streamkl._reduction import reduce_per_row_kl
+
+    if backend == "reference" and dtype == torch.float16:
+        pytest.skip("fp16 is for the kernels' power-of-two dS scaling; the reference path is covered in fp32")
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2, 2, 21, 8, generator=g).to(DEVICE, dtype) for _ in range(4)]
+    key_mask = torch.rand(2, 21, generator=g) > 0.3
+    key_mask[1] = False
+    query_mask = (torch.rand(2, 21, generator=g) > 0.2).to(DEVICE)
+    for masks in ({}, {"key_padding_mask": key_mask.to(DEVICE), "query_mask": query_mask}):
+        fused = [x.clone().requires_grad_(True) for x in xs]
+        loss = attention_kl(*fused, causal=True, reduction=reduction, backend=backend, **masks)
+        assert type(loss.grad_fn).__name__ == "AttentionKLFunctionBackward"
+        loss.backward()
+        split = [x.clone().requires_grad_(True) for x in xs]
+        per_row = attention_kl(*split, causal=True, reduction="none", backend=backend, **masks)
+        if masks:  # counted rows: a causal row sees a real key at or before it, and query_mask keeps it
+            counted = (key_mask.to(DEVICE).cumsum(1) > 0) & query_mask
+            expected = reduce_per_row_kl(per_row, counted[:, None, :].expand_as(per_row), reduction)
+        elif reduction == "mean":  # no row can be empty: the host divides by the number of rows
+            expected = per_row.sum() / per_row.numel()
+        else:
+            expected = per_row.sum()
+        (upstream,) = torch.autograd.grad(expected, per_row, retain_graph=True)
+        per_row.backward(upstream.contiguous())
+        assert torch.equal(loss, expected)
+        for a, b in zip(fused, split):
+            assert torch.equal(a.grad, b.grad)
