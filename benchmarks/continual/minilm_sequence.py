@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import os
 import re
@@ -49,7 +48,7 @@ ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 
 from run import _quiet, mean_std  # noqa: E402
-from split_digits import append, wait_for  # noqa: E402
+from runs_file import append, fingerprint, load_runs, run_key, unique, wait_for  # noqa: E402
 from stats import compute as paired_compute  # noqa: E402
 from stats import markdown as paired_markdown  # noqa: E402
 from text_tasks import HELDOUT_MODULES, docstring_paragraphs, make_tasks  # noqa: E402
@@ -262,33 +261,9 @@ def learned_by_task(names: list[str], runs: list[dict[str, Any]]) -> dict[str, f
 
 # ---------------------------------------------------------------------------------------------- the runs file
 def config_key(cfg: dict[str, Any]) -> str:
-    keep = {k: cfg[k] for k in ("tasks", "orders", "train_examples", "test_examples", "heldout_paragraphs",
-                                "max_length", "batch_size", "steps_per_task", "lr", "head_lr")}
-    return hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def run_key(run: dict[str, Any]) -> str:
-    opts = ",".join(f"{k}={v}" for k, v in sorted(run["options"].items()))
-    return f"{'tune' if run['validation'] else 'eval'}|{run['method']}|{opts}|{run['seed']}|{run['order']}"
-
-
-def unique(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The first run of each configuration and key (a run repeated by two processes counts once)."""
-    seen: set[tuple[Any, str]] = set()
-    out = []
-    for run in runs:
-        key = (run.get("config"), run_key(run))
-        if key not in seen:
-            seen.add(key)
-            out.append(run)
-    return out
-
-
-def load_runs(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A fingerprint of everything that changes a run's outcome (not the seeds, orders, methods or grid lists)."""
+    return fingerprint(cfg, ("tasks", "orders", "train_examples", "test_examples", "heldout_paragraphs",
+                             "max_length", "batch_size", "steps_per_task", "lr", "head_lr"))
 
 
 def execute(cfg: dict[str, Any], jobs: list[tuple[str, int, int, dict[str, Any], bool]], path: str,

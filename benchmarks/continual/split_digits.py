@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ sys.path.insert(0, HERE)
 
 from digits import SplitLearner, TinyViT, split_tasks  # noqa: E402
 from run import _quiet, mean_std  # noqa: E402
+from runs_file import append, fingerprint, load_runs, run_key, unique, wait_for  # noqa: E402
 from stats import compute as paired_compute  # noqa: E402
 from stats import markdown as paired_markdown  # noqa: E402
 
@@ -166,58 +166,8 @@ def run_one(cfg: dict[str, Any], setting: str, method: str, seed: int, order: in
 # ---------------------------------------------------------------------------------------------- the runs file
 def config_key(cfg: dict[str, Any]) -> str:
     """A fingerprint of everything that changes a run's outcome (not the seeds, orders, methods or grid lists)."""
-    keep = {k: cfg[k] for k in ("model", "test_fraction", "tasks", "steps_per_task", "batch_size", "lr",
-                                "lwf_temperature", "replay", "orders", "attention_options")}
-    return hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def run_key(run: dict[str, Any]) -> str:
-    opts = ",".join(f"{k}={v}" for k, v in sorted(run["options"].items()))
-    return f"{'tune' if run['validation'] else 'eval'}|{run['setting']}|{run['method']}|{opts}|{run['seed']}|" \
-           f"{run['order']}"
-
-
-def unique(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The first run of each configuration and key (a run repeated by two processes counts once)."""
-    seen: set[tuple[Any, str]] = set()
-    out = []
-    for run in runs:
-        key = (run.get("config"), run_key(run))
-        if key not in seen:
-            seen.add(key)
-            out.append(run)
-    return out
-
-
-def load_runs(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def append(path: str, run: dict[str, Any]) -> None:
-    """Append one run as a line of ``path``, under an exclusive lock (shards share the file)."""
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(run) + "\n")
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def wait_for(fn: Any, timeout: float = 3 * 3600, every: float = 30.0) -> Any:
-    """``fn()`` once it stops raising ``ValueError`` (runs of other shards still missing), polling every ``every``
-    seconds for at most ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return fn()
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(every)
+    return fingerprint(cfg, ("model", "test_fraction", "tasks", "steps_per_task", "batch_size", "lr",
+                             "lwf_temperature", "replay", "orders", "attention_options"))
 
 
 def execute(cfg: dict[str, Any], jobs: list[tuple[str, str, int, int, dict[str, Any], bool]], path: str,
