@@ -167,6 +167,15 @@ def _p(p: float) -> str:
     return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
 
+def profile_row(text: str, where: str) -> tuple[int, float, float]:
+    """(ncalls, tottime, cumtime) of the cProfile row of ``text`` whose location contains ``where``."""
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and where in line and parts[0].isdigit():
+            return int(parts[0]), float(parts[1]), float(parts[3])
+    raise KeyError(where)
+
+
 class Results:
     """The committed result files, loaded on first use."""
 
@@ -196,12 +205,8 @@ class Results:
         return int(re.search(rf"^{re.escape(name)}: (\d+) us per call", self.overhead, re.M).group(1))
 
     def profile(self, where: str) -> tuple[int, float, float]:
-        """(ncalls, tottime, cumtime) of the profile row whose location contains ``where``."""
-        for line in self.overhead.splitlines():
-            parts = line.split()
-            if len(parts) >= 6 and where in line and parts[0].isdigit():
-                return int(parts[0]), float(parts[1]), float(parts[3])
-        raise KeyError(where)
+        """(ncalls, tottime, cumtime) of the v3 profile row whose location contains ``where``."""
+        return profile_row(self.overhead, where)
 
     @cached_property
     def job(self) -> dict:
@@ -738,17 +743,9 @@ def claims(r: Results) -> list[Claim]:
     v5 = _json("nvidia-h100-80gb-hbm3-overhead.json")
     host, bert = v5["host"], v5["bert_fwd_bwd_ms"]
 
-    def v5_profile(where: str) -> tuple[int, float]:
-        """(ncalls, cumtime) of a row of the v5 profile."""
-        for line in v5["profile_fwd_bwd"].splitlines():
-            parts = line.split()
-            if len(parts) >= 6 and where in line and parts[0].isdigit():
-                return int(parts[0]), float(parts[3])
-        raise KeyError(where)
-
     compile_verdict = "met" if bert["naive_compile_over_streamkl"] >= 3 else "not\n  met"
-    engine_calls, engine_cum = v5_profile("run_backward")
-    launch_calls, launch_cum = v5_profile("_launch.py")
+    engine_calls, _, engine_cum = profile_row(v5["profile_fwd_bwd"], "run_backward")
+    launch_calls, _, launch_cum = profile_row(v5["profile_fwd_bwd"], "_launch.py")
     add("docs/perf-notes.md", v5_file,
         f"{host['streamkl_fwd_us']:.0f} µs per forward and {host['streamkl_fwd_bwd_us']:.0f} µs per\n  "
         f"forward+backward at B=1 H=4 N=128 (v3: {r.per_call_us('streamkl fwd')} and "
