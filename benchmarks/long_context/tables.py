@@ -301,6 +301,11 @@ def findings(results: dict[str, Any] | None) -> str:
         c = s["time_matched"][longest]
         out.append(f"- At N = {longest}, {int(longest) / int(n_train):g}× the students' training length, same "
                    f"wall-clock: {_pct(c['mean_kl'])} against {_pct(c['mean_base'])} ({_verdict(c)}).")
+        arm = s.get("extra_arms", {}).get("kl_all")
+        if arm is not None and n_train in arm["versus_kl"]:
+            c = arm["versus_kl"][n_train]
+            out.append(f"- Attention KL over every row instead of the query rows, at N = {n_train} after the same "
+                       f"steps: {100 * c['mean_diff']:+.1f} points ({_verdict(c)}).")
         out.append(f"- {s['n']} seeds are few: the exact sign-flip test cannot go below p = {0.5 ** (s['n'] - 1):.2f} "
                    "with them, and the t-test on so few differences assumes they are roughly normal. A difference "
                    "called significant here is consistent across the seeds; one called noise may still be real.")
