@@ -116,7 +116,9 @@ def check_options(
     check_softcap("softcap_s", softcap_s)
 
 
-def _check_tensor(name: str, x: object, rank: int, layout: str) -> torch.Tensor:
+def check_float_tensor(name: str, x: object, rank: int, shape_doc: str) -> torch.Tensor:
+    """Return ``x`` if it is a floating-point tensor of ``rank`` dimensions, else raise a TypeError/ValueError naming
+    ``name`` (``shape_doc`` describes the expected shape in the message)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"Expected argument `{name}` to be a torch.Tensor, but got {type(x).__name__}.")
     if x.dtype not in FLOAT_DTYPES:
@@ -126,8 +128,8 @@ def _check_tensor(name: str, x: object, rank: int, layout: str) -> torch.Tensor:
         )
     if x.dim() != rank:
         raise ValueError(
-            f"Expected argument `{name}` to be a {rank}-D tensor (layout {layout!r}), but got shape "
-            f"{tuple(x.shape)} ({x.dim()}-D)."
+            f"Expected argument `{name}` to be a {rank}-D tensor {shape_doc}, but got shape {tuple(x.shape)} "
+            f"({x.dim()}-D)."
         )
     return x
 
@@ -280,7 +282,7 @@ def prepare_problem(
     packed = layout == "thd"
     tensors = {"q_t": q_t, "k_t": k_t, "q_s": q_s, "k_s": k_s}
     for name, x in tensors.items():
-        _check_tensor(name, x, 3 if packed else 4, layout)
+        check_float_tensor(name, x, 3 if packed else 4, f"(layout {layout!r})")
     device = q_t.device
     for name, x in tensors.items():
         if x.device != device:

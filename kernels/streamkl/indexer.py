@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from ._constants import BACKENDS, REDUCTIONS
+from ._validation import FLOAT_DTYPES, check_choice, check_float_tensor
 
 #: The layouts of :func:`indexer_kl` (the packed "thd" layout of attention_kl is not one of them).
 INDEXER_LAYOUTS: tuple[str, ...] = ("bhnd", "bnhd")
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 #: Largest head dim (``D`` and ``D_I``) and indexer head count the Triton kernels take.
 MAX_TRITON_HEAD_DIM = 256
@@ -69,28 +69,6 @@ class IndexerKLProblem:
         return torch.float64 if any(x.dtype == torch.float64 for x in floats) else torch.float32
 
 
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"Expected argument `{name}` to be one of {list(allowed)}, but got {value!r}.")
-    return value
-
-
-def _check_float_tensor(name: str, x: object, rank: int, shape_doc: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"Expected argument `{name}` to be a torch.Tensor, but got {type(x).__name__}.")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"Expected argument `{name}` to have a floating dtype (float16, bfloat16, float32 or float64), "
-            f"but got {x.dtype}."
-        )
-    if x.dim() != rank:
-        raise ValueError(
-            f"Expected argument `{name}` to be a {rank}-D tensor {shape_doc}, but got shape {tuple(x.shape)} "
-            f"({x.dim()}-D)."
-        )
-    return x
-
-
 def _check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], doc: str, shapes: str) -> None:
     if tuple(x.shape) != expected:
         raise ValueError(
@@ -135,9 +113,9 @@ def check_indexer_options(*, causal: object, scale: object, reduction: object, l
     """Check every non-tensor option; returns ``scale`` as a float (None for the default)."""
     if not isinstance(causal, bool):
         raise TypeError(f"Expected argument `causal` to be a bool, but got {type(causal).__name__}.")
-    _check_choice("reduction", reduction, REDUCTIONS)
-    _check_choice("layout", layout, INDEXER_LAYOUTS)
-    _check_choice("backend", backend, BACKENDS)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_choice("layout", layout, INDEXER_LAYOUTS)
+    check_choice("backend", backend, BACKENDS)
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -170,11 +148,11 @@ def prepare_indexer_problem(
         raise TypeError(f"Expected argument `check_indices` to be a bool, but got {type(check_indices).__name__}.")
     bnhd = layout == "bnhd"
     fmt4 = "[B, N, H, D]" if bnhd else "[B, H, N, D]"
-    _check_float_tensor("q", q, 4, fmt4)
-    _check_float_tensor("k", k, 4, fmt4.replace("H", "H_kv"))
-    _check_float_tensor("q_idx", q_idx, 4, fmt4.replace("H", "H_I").replace("D", "D_I"))
-    _check_float_tensor("k_idx", k_idx, 3, "[B, N_k, D_I]")
-    _check_float_tensor("w_idx", w_idx, 3, "[B, N_q, H_I]")
+    check_float_tensor("q", q, 4, fmt4)
+    check_float_tensor("k", k, 4, fmt4.replace("H", "H_kv"))
+    check_float_tensor("q_idx", q_idx, 4, fmt4.replace("H", "H_I").replace("D", "D_I"))
+    check_float_tensor("k_idx", k_idx, 3, "[B, N_k, D_I]")
+    check_float_tensor("w_idx", w_idx, 3, "[B, N_q, H_I]")
     tensors = {"q": q, "k": k, "q_idx": q_idx, "k_idx": k_idx, "w_idx": w_idx}
     device = q.device
     for name, x in tensors.items():
