@@ -433,8 +433,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
             self._probing = stage == "train" and not self._probed
             return self._probing
         for snap in self._teachers():
-            if snap is not self._base:
-                self._trimmer.watch(snap)
+            self._trimmer.watch(snap)  # a no-op for the adapters-off reference (no module of its own)
             self._distiller(snap, module).begin_step(batch)
         return True
 
