@@ -100,14 +100,19 @@ def _flags(causal: bool, dtype: str) -> dict:
     """The constexpr flags of a dense problem without masks, sinks or soft-caps."""
     return dict(WIDE=False, HAS_LEFT=False, HAS_RIGHT=causal, HAS_KEY_MASK=False, HAS_QUERY_MASK=False,
                 IS_VARLEN=False, SOFTCAP_A=False, SOFTCAP_B=False, DOT_PRECISION_A="tf32", DOT_PRECISION_B="tf32",
-                INTERPRET=False, CU_Q=None, CU_K=None)
+                INTERPRET=False, CU_Q=None, CU_K=None, HAS_ATTN_MASK=False, ATTN_MASK=None)
 
 
 def forward_resources(d: int, block_m: int, block_n: int, warps: int, stages: int, causal: bool = False,
-                      dtype: str = "bf16") -> dict:
-    ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B"], ["KL", "LSE_A", "LSE_B"], ["KEY_MASK", "QUERY_MASK"])
+                      dtype: str = "bf16", fused_dq: bool = False) -> dict:
+    """``fused_dq``: the forward that also accumulates side b's query gradient."""
+    ptrs = _pointers(dtype, ["Q_A", "K_A", "Q_B", "K_B"], ["KL", "LSE_A", "LSE_B", "DQ_B"],
+                     ["KEY_MASK", "QUERY_MASK"])
     cx = dict(_flags(causal, dtype), D_A=d, D_B=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=d, BLOCK_DB=d,
-              HAS_SINKS=False, SINK_A=None, SINK_B=None)
+              HAS_SINKS=False, SINK_A=None, SINK_B=None, FUSED_DQ=fused_dq, FP16_B=dtype == "fp16")
+    if not fused_dq:
+        ptrs.pop("DQ_B")
+        cx["DQ_B"] = None
     return resources(compile_kernel(_attention_kl_fwd_kernel, ptrs, cx, warps, stages))
 
 
@@ -128,16 +133,24 @@ def backward_resources(d: int, block_m: int, block_n: int, warps: int, stages: i
     return {"dk": dk, "dq": dq}
 
 
+#: Forward tiles worth compiling (block_m, block_n, warps, stages); the tuning script times the spill-free ones.
+FORWARD_CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2),
+                      (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+                      (256, 64, 8, 2)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep-forward", action="store_true")
     parser.add_argument("--sweep-backward", action="store_true")
+    parser.add_argument("--fused-dq", action="store_true", help="with --sweep-forward: the forward that also "
+                        "accumulates side b's query gradient")
     args = parser.parse_args()
     if args.sweep_forward:
         for d in (64, 128):
-            for bm, bn, w, s in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
-                                 (64, 128, 4, 3), (128, 32, 4, 3), (256, 64, 8, 2)]:
-                print(f"fwd D={d} BM={bm} BN={bn} warps={w} stages={s}:", forward_resources(d, bm, bn, w, s))
+            for bm, bn, w, s in FORWARD_CANDIDATES:
+                res = forward_resources(d, bm, bn, w, s, fused_dq=args.fused_dq)
+                print(f"fwd D={d} BM={bm} BN={bn} warps={w} stages={s}:", res)
         return
     if args.sweep_backward:
         for d in (64, 128):

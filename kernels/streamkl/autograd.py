@@ -37,19 +37,34 @@ def _triton_kernels():
     return forward, backward
 
 
-def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool):
-    """``(kl, lse_a, lse_b)`` from the selected backend."""
+def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
+    """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, a buffer from
+    :func:`new_dq_b_buffer`) the same pass also fills side b's query gradient per unit upstream gradient."""
     if backend == "triton":
-        return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32)
+        return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32, dq_b=dq_b)
     return reference.chunked_attention_kl_fwd(inputs, spec)
 
 
+def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> bool:
+    """Whether the forward should accumulate side b's query gradient: the Triton backend, with side a frozen (the
+    default ``direction="forward"`` with a teacher that takes no gradient) and side b's queries trainable. The
+    backward then runs only its key pass (about a third less work per forward+backward)."""
+    return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
+
+
+def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
+    """The fp32 buffer the fused forward fills (see :func:`streamkl._triton.forward.new_dq_b_buffer`)."""
+    return _triton_kernels()[0].new_dq_b_buffer(inputs)
+
+
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
-                  need_grad_b: bool, backend: str, allow_tf32: bool, deterministic: bool):
-    """``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes, None where not requested."""
+                  need_grad_b: bool, backend: str, allow_tf32: bool, deterministic: bool,
+                  dq_b: torch.Tensor | None = None):
+    """``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes, None where not requested; ``dq_b``: the forward's fused
+    query gradient of side b (Triton only)."""
     if backend == "triton":
         grads = _triton_kernels()[1].attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
-                                                       need_grad_b, allow_tf32, deterministic)
+                                                       need_grad_b, allow_tf32, deterministic, dq_b=dq_b)
     else:
         grads = reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b)
     return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, inputs[:4]))
@@ -83,9 +98,10 @@ def sink_gradients(grad_kl, kl, lse_a, lse_b, sink_a, sink_b, need_a: bool, need
     return d_a, d_b
 
 
-def _save(ctx, inputs: KLInputs, kl, lse_a, lse_b, spec: KLSpec, options) -> None:
-    """Save the inputs and the three per-row statistics (the only state kept for the backward)."""
-    ctx.save_for_backward(*inputs, kl, lse_a, lse_b)
+def _save(ctx, inputs: KLInputs, kl, lse_a, lse_b, spec: KLSpec, options, dq_b=None) -> None:
+    """Save the inputs, the three per-row statistics and, when the forward fused it, side b's query gradient per
+    unit upstream gradient (the only state kept for the backward)."""
+    ctx.save_for_backward(*inputs, kl, lse_a, lse_b, dq_b)
     ctx.spec = spec
     ctx.options = options  # (backend, allow_tf32, deterministic)
     ctx.mark_non_differentiable(lse_a, lse_b)
@@ -93,7 +109,7 @@ def _save(ctx, inputs: KLInputs, kl, lse_a, lse_b, spec: KLSpec, options) -> Non
 
 def _backward_from_ctx(ctx, grad_kl, backward_fn) -> tuple:
     """The input gradients (None for non-tensors and for what nobody asked for) via ``backward_fn``."""
-    *saved, kl, lse_a, lse_b = ctx.saved_tensors
+    *saved, kl, lse_a, lse_b, dq_b = ctx.saved_tensors
     inputs = KLInputs(*saved)
     need = ctx.needs_input_grad
     need_a, need_b = bool(need[0] or need[1]), bool(need[2] or need[3])
@@ -101,7 +117,7 @@ def _backward_from_ctx(ctx, grad_kl, backward_fn) -> tuple:
     if grad_kl is None or not any(need[:6]):
         return (None,) * n_inputs
     dq_a, dk_a, dq_b, dk_b, ds_a, ds_b = backward_fn(grad_kl, inputs, ctx.spec, kl, lse_a, lse_b, need_a, need_b,
-                                                     bool(need[4]), bool(need[5]), *ctx.options)
+                                                     bool(need[4]), bool(need[5]), *ctx.options, dq_b)
     side_a = (dq_a, dk_a) if need_a else (None, None)
     side_b = (dq_b, dk_b) if need_b else (None, None)
     sinks = (ds_a if need[4] else None, ds_b if need[5] else None)
@@ -109,20 +125,22 @@ def _backward_from_ctx(ctx, grad_kl, backward_fn) -> tuple:
 
 
 def _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
-                    allow_tf32, deterministic):
+                    allow_tf32, deterministic, dq_b=None):
     grads = (None,) * 4
     if need_a or need_b:
         grads = backward_impl(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, backend, allow_tf32,
-                              deterministic)
+                              deterministic, dq_b)
     sinks = sink_gradients(grad_kl, kl, lse_a, lse_b, inputs.sink_a, inputs.sink_b, need_sink_a, need_sink_b)
     return (*grads, *sinks)
 
 
 class AttentionKLFunction(torch.autograd.Function):
     """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask,
-    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic[, reduction, rows]) -> (kl, lse_a,
-    lse_b)``; only ``kl`` is differentiable. With ``reduction`` "sum" or "mean" (default "none") the first output is
-    the reduced loss instead of the per-row KL (see :func:`attention_kl_per_row`).
+    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic[, reduction, rows, fuse_dq_b]) ->
+    (kl, lse_a, lse_b)``; only ``kl`` is differentiable. With ``reduction`` "sum" or "mean" (default "none") the first
+    output is the reduced loss instead of the per-row KL (see :func:`attention_kl_per_row`). ``fuse_dq_b`` (see
+    :func:`fuses_dq_b`; decided by the caller, since grad mode is always off inside ``forward``) makes the forward
+    accumulate side b's query gradient, which is then saved for the backward.
 
     Example:
         >>> q = torch.randn(1, 2, 5, 8, requires_grad=True)
@@ -136,11 +154,12 @@ class AttentionKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None):
+                attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None, fuse_dq_b=False):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
                           cu_seqlens_k, attn_mask)
-        kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32)
-        _save(ctx, inputs, kl, lse_a, lse_b, spec, (backend, allow_tf32, deterministic))
+        dq_b = new_dq_b_buffer(inputs) if fuse_dq_b else None
+        kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32, dq_b)
+        _save(ctx, inputs, kl, lse_a, lse_b, spec, (backend, allow_tf32, deterministic), dq_b)
         ctx.reduction, ctx.rows_shape = reduction, kl.shape
         if reduction == "none":
             return kl, lse_a, lse_b
@@ -197,19 +216,25 @@ def attention_kl_fwd_op(
     backend: str,
     allow_tf32: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` (see the module docstring)."""
+    fuse_dq_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` and, with ``fuse_dq_b``, side b's query gradient per unit
+    upstream gradient (else an empty tensor; see the module docstring)."""
     inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
                       attn_mask)
     spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    return forward_impl(inputs, spec, backend, allow_tf32)
+    if fuse_dq_b and backend != "triton":
+        raise ValueError(f"Expected `backend='triton'` with `fuse_dq_b=True`, but got backend={backend!r}.")
+    dq_b = new_dq_b_buffer(inputs) if fuse_dq_b else q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return (*forward_impl(inputs, spec, backend, allow_tf32, dq_b if fuse_dq_b else None), dq_b)
 
 
 @attention_kl_fwd_op.register_fake
 def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, *args):
     shape = q_a.shape[:3]
     dtype = result_dtype(q_a, k_a, q_b, k_b)
-    return tuple(q_a.new_empty(shape, dtype=dtype) for _ in range(3))
+    dq_shape = q_b.shape if args[-1] else _EMPTY_SHAPE
+    return (*(q_a.new_empty(shape, dtype=dtype) for _ in range(3)), q_b.new_empty(dq_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("streamkl::attention_kl_bwd", mutates_args=())
@@ -244,14 +269,15 @@ def attention_kl_bwd_op(
     backend: str,
     allow_tf32: bool,
     deterministic: bool,
+    dq_b: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``Σ grad_kl · KL``; a gradient that was not asked for is an empty tensor (custom ops
-    cannot return None)."""
+    cannot return None). ``dq_b``: the forward's fused query gradient of side b, or None."""
     inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
                       attn_mask)
     spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
     grads = _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b, need_sink_a,
-                            need_sink_b, backend, allow_tf32, deterministic)
+                            need_sink_b, backend, allow_tf32, deterministic, dq_b)
     like = (q_a, k_a, q_b, k_b, kl, kl)
     return tuple(x.new_empty(_EMPTY_SHAPE) if g is None else g for g, x in zip(grads, like))
 
@@ -273,17 +299,18 @@ def _attention_kl_bwd_fake(grad_kl, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padd
 def _setup_context(ctx, inputs, output) -> None:
     tensors = KLInputs(*inputs[:11])
     spec = KLSpec(*inputs[11:19])
-    kl, lse_a, lse_b = output
-    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(inputs[19:]))
+    kl, lse_a, lse_b, dq_b = output
+    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(inputs[19:22]), dq_b if inputs[22] else None)
+    ctx.mark_non_differentiable(dq_b)
 
 
 def _compiled_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
-                       allow_tf32, deterministic):
+                       allow_tf32, deterministic, dq_b=None):
     return attention_kl_bwd_op(grad_kl, *inputs, kl, lse_a, lse_b, *dataclasses.astuple(spec),
-                               need_a, need_b, need_sink_a, need_sink_b, backend, allow_tf32, deterministic)
+                               need_a, need_b, need_sink_a, need_sink_b, backend, allow_tf32, deterministic, dq_b)
 
 
-def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
+def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b, _grad_dq_b=None):
     return _backward_from_ctx(ctx, grad_kl, _compiled_backward)
 
 
@@ -300,12 +327,14 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
     autograd nodes for the reduction); under ``torch.compile`` the reduction is traced as torch ops around the
     custom op (the compiler fuses them), with the same value.
     """
+    grad = torch.is_grad_enabled()  # (inside the Function's forward it is always off)
+    fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
     if torch.compiler.is_compiling():
-        kl, lse_a, lse_b = attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32,
-                                               deterministic)
+        kl, lse_a, lse_b, _ = attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32,
+                                                  deterministic, fuse)
         if reduction == "none":
             return kl, lse_a, lse_b
         if reduction == "mean" and rows is not None:
             return kl.sum() / rows, lse_a, lse_b
         return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), reduction), lse_a, lse_b
-    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows)
+    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse)

@@ -10,7 +10,7 @@ import torch
 
 from streamkl import attention_kl
 from streamkl._problem import KLSpec
-from streamkl.autograd import AttentionKLFunction, attention_kl_fwd_op
+from streamkl.autograd import AttentionKLFunction, attention_kl_fwd_op, fuses_dq_b
 from tests._helpers import assert_close
 
 BACKENDS = ["reference", "triton"]  # triton runs under the CPU interpreter without a GPU
@@ -33,29 +33,70 @@ def _sinks(grad=True):
     return [torch.randn(4, device=DEVICE).requires_grad_(grad) for _ in range(2)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_custom_op_and_function_agree(backend):
+@pytest.mark.parametrize("backend, teacher_grad", [("reference", True), ("triton", True), ("triton", False)])
+def test_custom_op_and_function_agree(backend, teacher_grad):
+    """Same values and gradients from both autograd paths; ("triton", False) is the frozen side a, where the forward
+    accumulates side b's query gradient (``fuse_dq_b``) and the backward runs only the key pass."""
     torch.manual_seed(3)
     sinks_f = _sinks()
     torch.manual_seed(3)
     sinks_o = _sinks()
-    a = _inputs(True) + sinks_f
-    kl_f, lse_f, _ = AttentionKLFunction.apply(*a, None, None, None, None, None, SPEC, backend, False, True)
+    a = _inputs(teacher_grad) + sinks_f
+    fuse = fuses_dq_b(backend, teacher_grad, teacher_grad, True)
+    assert fuse == (not teacher_grad)
+    kl_f, lse_f, _ = AttentionKLFunction.apply(*a, None, None, None, None, None, SPEC, backend, False, True, "none",
+                                               None, fuse)
     (kl_f * torch.arange(kl_f.numel(), device=DEVICE).view_as(kl_f)).sum().backward()
-    b = _inputs(True) + sinks_o
-    kl_o, lse_o, _ = attention_kl_fwd_op(*b, None, None, None, None, None, *dataclasses.astuple(SPEC), backend, False, True)
+    b = _inputs(teacher_grad) + sinks_o
+    kl_o, lse_o, _, dq_o = attention_kl_fwd_op(*b, None, None, None, None, None, *dataclasses.astuple(SPEC), backend,
+                                               False, True, fuse)
+    assert dq_o.shape == (b[2].shape if fuse else (0,))
     (kl_o * torch.arange(kl_o.numel(), device=DEVICE).view_as(kl_o)).sum().backward()
     assert torch.equal(kl_f, kl_o) and torch.equal(lse_f, lse_o)
     for x, y in zip(a, b):
-        assert torch.equal(x.grad, y.grad)
+        assert (x.grad is None) == (y.grad is None) and (x.grad is None or torch.equal(x.grad, y.grad))
 
 
-def test_custom_op_passes_opcheck():
-    """torch.library.opcheck: schema, fake tensor and autograd registration are consistent."""
+@pytest.mark.parametrize("backend, fuse", [("reference", False), ("triton", True)])
+def test_custom_op_passes_opcheck(backend, fuse):
+    """torch.library.opcheck: schema, fake tensor and autograd registration are consistent (also for the forward
+    that returns side b's fused query gradient)."""
     xs = [x.detach().requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
     sinks = [s.detach().requires_grad_(i == 1) for i, s in enumerate(_sinks())]
     torch.library.opcheck(attention_kl_fwd_op, (*xs, *sinks, None, None, None, None, None, *dataclasses.astuple(SPEC),
-                                                "reference", False, True))
+                                                backend, False, True, fuse))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_forward_accumulates_the_query_gradient_only_when_a_backward_will_use_it(monkeypatch, compiled):
+    """Fused only with side a frozen, side b's queries trainable and grad mode on: a metric under ``no_grad`` (or a
+    trainable teacher) must get the plain forward (no extra products, no saved buffer)."""
+    import streamkl.autograd as autograd_mod
+
+    calls = []
+    original = autograd_mod.new_dq_b_buffer
+    monkeypatch.setattr(autograd_mod, "new_dq_b_buffer", lambda inputs: calls.append(1) or original(inputs))
+    torch._dynamo.reset()
+    q_t, k_t, q_s, k_s = _inputs()
+    loss = torch.compile(attention_kl, fullgraph=True) if compiled else attention_kl
+
+    def count(*args, grad=True):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            loss(*args, backend="triton")
+        return len(calls)
+
+    assert count(q_t, k_t, q_s, k_s) == 1
+    assert count(q_t, k_t, q_s, k_s, grad=False) == 0
+    assert count(q_t.detach().requires_grad_(True), k_t, q_s, k_s) == 0
+    assert count(q_t, k_t, q_s.detach(), k_s) == 0
+
+
+def test_custom_op_refuses_a_fused_query_gradient_without_triton():
+    xs = _inputs()
+    with pytest.raises(ValueError, match="fuse_dq_b=True"):
+        attention_kl_fwd_op(*xs, None, None, None, None, None, None, None, *dataclasses.astuple(SPEC), "reference",
+                            False, True, True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

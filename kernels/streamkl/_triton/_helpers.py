@@ -134,6 +134,18 @@ def _pow2_scale(ds):
 
 
 @triton.jit
+def _as_operand(ds, dtype: tl.constexpr, FP16: tl.constexpr):
+    """``(tile, inv)``: ``ds`` cast to the tensor cores' operand dtype, and the factor its fp32 products must be
+    multiplied by. fp16 tiles are scaled by a power of two first (``inv`` undoes it) so that small gradients do not
+    flush to zero; otherwise ``inv`` is 1 and the caller skips the multiplication."""
+    if FP16:
+        s, inv = _pow2_scale(ds)
+        return (ds * s).to(dtype), inv
+    else:
+        return ds.to(dtype), 1.0
+
+
+@triton.jit
 def _offset(index, stride, WIDE: tl.constexpr):
     """``index * stride`` inside one (batch, head) slice; 64-bit only when the slice can exceed 2^31
     elements (decided on the host by :func:`needs_wide_offsets`), 32-bit otherwise (fewer registers)."""

@@ -45,11 +45,11 @@ from ._helpers import (
     LN2_C,
     LOG2E_C,
     _allowed,
+    _as_operand,
     _band,
     _dot,
     _finite,
     _offset,
-    _pow2_scale,
     _pre_exponent,
     _sequence,
     as_uint8_mask,
@@ -93,18 +93,6 @@ def _attention_kl_bwd_ds(
     else:
         ds_a = ds_b
     return ds_a, ds_b
-
-
-@triton.jit
-def _as_operand(ds, dtype: tl.constexpr, FP16: tl.constexpr):
-    """``(tile, inv)``: ``ds`` cast to the tensor cores' operand dtype, and the factor its fp32 products must be
-    multiplied by. fp16 tiles are scaled by a power of two first (``inv`` undoes it) so that small gradients do not
-    flush to zero; otherwise ``inv`` is 1 and the caller skips the multiplication."""
-    if FP16:
-        s, inv = _pow2_scale(ds)
-        return (ds * s).to(dtype), inv
-    else:
-        return ds.to(dtype), 1.0
 
 
 @triton.jit
@@ -659,11 +647,17 @@ def attention_kl_bwd(
     deterministic: bool = True,
     dk_launch: LaunchConfig | None = None,
     dq_launch: LaunchConfig | None = None,
+    dq_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed).
 
-    ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script).
+    ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script). ``dq_b`` is
+    the query gradient per unit upstream gradient that the forward accumulated (``attention_kl_fwd(dq_b=...)``,
+    only with ``need_grad_a=False``): then only the key pass runs (no atomics, deterministic) and side b's query
+    gradient is that buffer times the upstream gradient.
     """
+    if dq_b is not None and need_grad_a:
+        raise ValueError("Expected `need_grad_a=False` with a forward-accumulated `dq_b`, but got need_grad_a=True.")
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     if not (need_grad_a or need_grad_b):
         return None, None, None, None
@@ -688,6 +682,8 @@ def attention_kl_bwd(
     km = as_uint8_mask(inputs.key_padding_mask)
     am = None if inputs.attn_mask is None else inputs.attn_mask.view(torch.uint8)
     geometry = tensor_geometry(q_a, k_a, q_b, k_b, km, am)
+    fused = dq_b is not None
+    deterministic = deterministic or fused  # the key pass alone needs no atomics
     flags = (need_grad_a, need_grad_b, deterministic, inputs.query_mask is not None, varlen, scalar_grad)
     sequences = cu_q.shape[0] - 1 if varlen else batch
     dk_grid, dk_scalars, dk_meta, dq_grid, dq_scalars, dq_meta, dk_a_per_head = _backward_plan(
@@ -710,7 +706,11 @@ def attention_kl_bwd(
     cu_k = inputs.cu_seqlens_k
     _launch_dk(dk_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a,
                          dq_acc_b, am), dk_scalars, dk_meta)
-    if atomic:
+    if fused:  # one elementwise kernel: upstream gradient (a scalar or one per row) times the forward's dQ_b
+        g = grad_kl if scalar_grad else grad_kl.unsqueeze(-1)
+        dq_b = torch.mul(dq_b, g, out=torch.empty_like(dq_b, dtype=q_b.dtype))  # never in place: retain_graph
+        dq_a = None
+    elif atomic:
         dq_a = dq_acc_a.to(q_a.dtype) if need_grad_a else None
         dq_b = dq_acc_b.to(q_b.dtype) if need_grad_b else None
     else:

@@ -49,16 +49,30 @@ def _width(d_a: int, d_b: int, element_size: int) -> int:
 # use the smallest spill-free shapes.
 
 
-def forward_config(d_a: int, d_b: int, banded: bool, element_size: int = 2) -> LaunchConfig:
-    """Tiles for the forward kernel (query tile x key tile)."""
+def forward_config(d_a: int, d_b: int, banded: bool, element_size: int = 2, fused_dq: bool = False) -> LaunchConfig:
+    """Tiles for the forward kernel (query tile x key tile); ``fused_dq``: the forward that also accumulates
+    side b's query gradient (two more products and two ``[BLOCK_M, D_b]`` fp32 accumulators)."""
     if interpreting():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
+    if fused_dq:
+        return _fused_forward_config(w, element_size)
     if w <= 64:
         return LaunchConfig(64, 64, 4, 3)
     if w <= 128:
         return LaunchConfig(128, 128, 8, 2) if element_size == 2 else LaunchConfig(128, 64, 8, 2)
     if w <= 256:
+        return LaunchConfig(64, 32, 4, 2)
+    return LaunchConfig(32, 32, 4, 1)
+
+
+def _fused_forward_config(w: int, element_size: int) -> LaunchConfig:
+    """Fastest tiles of benchmarks/bench_fused_dq.py --tune (bf16, H100, N=8192); wider tiles: the smallest."""
+    if w <= 64:
+        return LaunchConfig(64, 64, 4, 3)
+    if w <= 128 and element_size == 2:
+        return LaunchConfig(128, 64, 8, 3)
+    if w <= 128:
         return LaunchConfig(64, 32, 4, 2)
     return LaunchConfig(32, 32, 4, 1)
 

@@ -23,8 +23,10 @@ from ._helpers import (
     LOG2E_C,
     NEG_BIG,
     _allowed,
+    _as_operand,
     _band,
     _dot,
+    _finite,
     _offset,
     _pre_exponent,
     _sequence,
@@ -39,6 +41,40 @@ from .configs import LaunchConfig, forward_config, interpreting, padded_head_dim
 
 
 @triton.jit
+def _fused_dq_update(
+    u, w,  # [BLOCK_M, BLOCK_DB] fp32 accumulators
+    p_a, p_b,  # [BLOCK_M, BLOCK_N] unnormalised probabilities of the tile (times 1 − tanh² on a soft-capped b)
+    k_t,  # [BLOCK_N, BLOCK_DB] side b's key tile (input dtype)
+    z_a, z_a_new, z_b, z_b_new, alpha_a, alpha_b,  # [BLOCK_M] running sums before/after this step, rescalings
+    HAS_TILE: tl.constexpr, FP16: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Fold one key tile (without ``HAS_TILE``: only a rescaling, e.g. by a sink) into the running ``dQ_b``.
+
+    ``dQ_b ∝ Σ_j (P_b − P_a)_ij k_j``, and each side has its own running max and sum, so the difference is not one
+    PV-style accumulator. Accumulating ``E_Pb[k]`` and ``E_Pa[k]`` apart would lose the gradient to cancellation
+    once the student is close to the teacher (each product rounds its P tile to the operand dtype). Instead, in
+    side a's unnormalised frame (divided by ``z_a`` at the end), with ``r = z_a / z_b`` of the running sums:
+    ``u = Σ p_a k`` and ``w = Σ (p_b·r − p_a) k``. When the maxima and sums move, ``u ← u·α_a`` and the b part
+    ``w + u ← (w + u)·γ`` with ``γ = α_b·r'/r``, i.e. ``w ← w·γ + u·(γ − α_a)``; then the tile's products are added.
+    The tile of ``w`` is the *difference* ``p_b·r' − p_a``, formed in fp32 and rounded once (fp16: scaled by a
+    power of two), so its rounding error is relative to the gradient, as in the two-pass backward.
+    """
+    seen = z_a > 0.0  # both sums are 0 until the row meets its first allowed key (the sides share the mask)
+    r_new = z_a_new / tl.where(z_b_new > 0.0, z_b_new, 1.0)
+    gamma = tl.where(seen, alpha_b * (z_a_new * z_b) / tl.where(seen, z_b_new * z_a, 1.0), 0.0)
+    w = w * gamma[:, None] + u * (gamma - alpha_a)[:, None]
+    u = u * alpha_a[:, None]
+    if HAS_TILE:
+        u += _dot(p_a.to(k_t.dtype), k_t, DOT_PRECISION, INTERPRET)
+        d, inv = _as_operand(p_b * r_new[:, None] - p_a, k_t.dtype, FP16)
+        if FP16:
+            w += _dot(d, k_t, DOT_PRECISION, INTERPRET) * inv
+        else:
+            w += _dot(d, k_t, DOT_PRECISION, INTERPRET)
+    return u, w
+
+
+@triton.jit
 def _attention_kl_fwd_keys(
     lo, hi,  # key range [lo, hi) of this sweep, lo a multiple of BLOCK_N
     q_a, q_b,  # [BLOCK_M, BLOCK_DA], [BLOCK_M, BLOCK_DB] query tiles (input dtype)
@@ -47,12 +83,13 @@ def _attention_kl_fwd_keys(
     am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     offs_m, offs_n, da_in, db_in,  # local query rows [BLOCK_M]; key offsets [BLOCK_N]; head-dim masks
     m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state: maxima of the pre-exponents, sums, coupled accumulator
+    u, w,  # [BLOCK_M, BLOCK_DB] fp32 dQ_b accumulators (FUSED_DQ, see _fused_dq_update), else placeholders
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
     n_q, n_k, left, right,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FUSED_DQ: tl.constexpr, FP16_B: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Fold the key tiles of ``[lo, hi)`` into the running state of both distributions.
 
@@ -79,6 +116,9 @@ def _attention_kl_fwd_keys(
         x = _pre_exponent(_dot(q_a, k_a, DOT_PRECISION_A, INTERPRET), cap_scale_a, SOFTCAP_A)
         y = _pre_exponent(_dot(q_b, k_b, DOT_PRECISION_B, INTERPRET), cap_scale_b, SOFTCAP_B)
         diff = x * qk_scale_a - y * qk_scale_b
+        cap_grad = 1.0
+        if FUSED_DQ and SOFTCAP_B:
+            cap_grad = 1.0 - y * y  # d tanh: finite before masking (masked entries have p = 0)
         if MASKED or HAS_KEY_MASK:
             allowed = _allowed(offs_m[:, None], keys[None, :], key_row, n_q, n_k, left, right, am_ptr, stride_am_q,
                                stride_am_k, HAS_LEFT, HAS_RIGHT, MASKED, HAS_KEY_MASK, HAS_ATTN_MASK)
@@ -90,15 +130,25 @@ def _attention_kl_fwd_keys(
         mc_a = tl.maximum(m_a_new * qk_scale_a, NEG_BIG)  # the clamp keeps an empty row finite for any scale
         alpha_a = tl.exp2(tl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
         p_a = tl.exp2(x * qk_scale_a - mc_a[:, None])  # exactly 0 on masked keys
-        z_a = z_a * alpha_a + tl.sum(p_a, 1)
+        z_a_new = z_a * alpha_a + tl.sum(p_a, 1)
         acc = acc * alpha_a + tl.sum(p_a * diff, 1)
         m_b_new = tl.maximum(m_b, tl.max(y, 1))
         mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
         alpha_b = tl.exp2(tl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
-        z_b = z_b * alpha_b + tl.sum(tl.exp2(y * qk_scale_b - mc_b[:, None]), 1)
+        p_b = tl.exp2(y * qk_scale_b - mc_b[:, None])
+        z_b_new = z_b * alpha_b + tl.sum(p_b, 1)
+        if FUSED_DQ:
+            if MASKED:  # a masked-out key's non-finite values must not reach a row through 0·inf
+                kv_b = tl.trans(_finite(k_b).to(k_b.dtype))
+            else:
+                kv_b = tl.trans(k_b)
+            u, w = _fused_dq_update(u, w, p_a * cap_grad, p_b * cap_grad, kv_b, z_a, z_a_new, z_b, z_b_new,
+                                    alpha_a, alpha_b, True, FP16_B, DOT_PRECISION_B, INTERPRET)
+        z_a = z_a_new
+        z_b = z_b_new
         m_a = m_a_new
         m_b = m_b_new
-    return m_a, z_a, acc, m_b, z_b
+    return m_a, z_a, acc, m_b, z_b, u, w
 
 
 @triton.jit
@@ -108,17 +158,19 @@ def _attention_kl_fwd_rows(
     ka_ptrs, kb_ptrs,  # transposed key tile pointers at key 0 of the sequence
     km_ptr, qm_ptr,  # key / query mask rows of this batch row, or None
     am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
-    SINK_A, SINK_B, KL, LSE_A, LSE_B,
+    SINK_A, SINK_B, KL, LSE_A, LSE_B, DQ_B,
     stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n,
     q_start, n_q, n_k, h, row_base,
-    offs_n, da_in, db_in,
-    qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
+    offs_n, offs_db, da_in, db_in,
+    qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_b, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
     HAS_SINKS: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    FUSED_DQ: tl.constexpr, FP16_B: tl.constexpr, BLOCK_DB: tl.constexpr, D_B: tl.constexpr,
 ):
-    """One tile of ``BLOCK_M`` query rows: stream its key band, then write KL and both lse per row."""
+    """One tile of ``BLOCK_M`` query rows: stream its key band, then write KL and both lse per row (and, with
+    ``FUSED_DQ``, side b's query gradient per unit upstream gradient)."""
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_in = offs_m < n_q
     rows = (q_start + offs_m).to(tl.int64)
@@ -129,32 +181,38 @@ def _attention_kl_fwd_rows(
     z_a = tl.zeros((BLOCK_M,), tl.float32)
     z_b = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M,), tl.float32)
+    if FUSED_DQ:
+        u = tl.zeros((BLOCK_M, BLOCK_DB), tl.float32)
+        w = tl.zeros((BLOCK_M, BLOCK_DB), tl.float32)
+    else:
+        u = 0.0
+        w = 0.0
     last = tl.minimum(m_start + BLOCK_M, n_q) - 1
     lo, b_full, c_full, hi = _band(m_start, last, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
         b_full = hi
         c_full = hi
     if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
-        m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
+        m_a, z_a, acc, m_b, z_b, u, w = _attention_kl_fwd_keys(
             lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
             stride_am_k, offs_m, offs_n,
-            da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
+            da_in, db_in, m_a, z_a, acc, m_b, z_b, u, w, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
             left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_ATTN_MASK,
-            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
+            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_N,
         )
-    m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
+    m_a, z_a, acc, m_b, z_b, u, w = _attention_kl_fwd_keys(
         b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
             stride_am_k, offs_m,
-        offs_n, da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q,
+        offs_n, da_in, db_in, m_a, z_a, acc, m_b, z_b, u, w, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q,
         n_k, left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, HAS_ATTN_MASK,
-        DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
+        DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_N,
     )
-    m_a, z_a, acc, m_b, z_b = _attention_kl_fwd_keys(
+    m_a, z_a, acc, m_b, z_b, u, w = _attention_kl_fwd_keys(
         c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
             stride_am_k, offs_m, offs_n,
-        da_in, db_in, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
+        da_in, db_in, m_a, z_a, acc, m_b, z_b, u, w, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
         left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_ATTN_MASK,
-        DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, BLOCK_N,
+        DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_N,
     )
 
     valid = row_in & (z_a != 0.0)  # no allowed key; a NaN row stays valid so that its NaN shows
@@ -169,10 +227,16 @@ def _attention_kl_fwd_rows(
         mc_a_new = tl.maximum(mc_a, s_a)
         alpha_a = tl.exp2(mc_a - mc_a_new)
         w_a = tl.exp2(s_a - mc_a_new)
-        z_a = z_a * alpha_a + w_a
+        z_a_new = z_a * alpha_a + w_a
         acc = acc * alpha_a + w_a * (s_a - s_b)
         mc_b_new = tl.maximum(mc_b, s_b)
-        z_b = z_b * tl.exp2(mc_b - mc_b_new) + tl.exp2(s_b - mc_b_new)
+        alpha_b = tl.exp2(mc_b - mc_b_new)
+        z_b_new = z_b * alpha_b + tl.exp2(s_b - mc_b_new)
+        if FUSED_DQ:  # a sink has no key vector: it only moves both sums
+            u, w = _fused_dq_update(u, w, None, None, None, z_a, z_a_new, z_b, z_b_new, alpha_a, alpha_b, False,
+                                    FP16_B, DOT_PRECISION_B, INTERPRET)
+        z_a = z_a_new
+        z_b = z_b_new
         mc_a = mc_a_new
         mc_b = mc_b_new
     z_a_safe = tl.where(valid, z_a, 1.0)
@@ -184,6 +248,10 @@ def _attention_kl_fwd_rows(
     tl.store(KL + out, kl, mask=row_in)
     tl.store(LSE_A + out, tl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
     tl.store(LSE_B + out, tl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
+    if FUSED_DQ:  # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j (0 on empty and excluded rows)
+        dq = tl.where(valid[:, None], w * (grad_scale_b / z_a_safe)[:, None], 0.0)
+        tl.store(DQ_B + out[:, None] * D_B + offs_db[None, :], dq,
+                 mask=row_in[:, None] & db_in[None, :])
 
 
 @triton.jit
@@ -194,6 +262,7 @@ def _attention_kl_fwd_kernel(
     CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None (then a "sequence" is a batch row)
     ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32, contiguous: per-row KL (nats) and log-sum-exps (nats, +inf if empty)
+    DQ_B,  # [B, H, N_Q, D_B] fp32 contiguous: side b's query gradient per unit upstream gradient (FUSED_DQ), or None
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
@@ -205,12 +274,14 @@ def _attention_kl_fwd_kernel(
     qk_scale_a, qk_scale_b,  # base-2 score = pre-exponent * qk_scale (> 0)
     cap_scale_a, cap_scale_b,  # soft-capped side: pre-exponent = tanh(raw * cap_scale)
     left, right,  # window bounds (used when HAS_LEFT / HAS_RIGHT)
+    grad_scale_b,  # side b's ds/dr multiplier (KLSpec.grad_scale), folded into DQ_B
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
     HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr,
     HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+    FUSED_DQ: tl.constexpr, FP16_B: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -252,23 +323,23 @@ def _attention_kl_fwd_kernel(
     if IS_VARLEN:  # grid-stride: a packed sequence longer than the grid's max_seqlen_q is still covered
         for m_start in range(pid_m * BLOCK_M, n_q, tl.num_programs(0) * BLOCK_M):
             _attention_kl_fwd_rows(
-                m_start, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, am_ptr, stride_am_q, stride_am_k, SINK_A, SINK_B, KL,
-                LSE_A, LSE_B,
+                m_start, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, am_ptr, stride_am_q, stride_am_k,
+                SINK_A, SINK_B, KL, LSE_A, LSE_B, DQ_B,
                 stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n, q_start, n_q, n_k, h,
-                row_base, offs_n, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
+                row_base, offs_n, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
+                grad_scale_b, left, right,
                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_QUERY_MASK, HAS_SINKS, SOFTCAP_A, SOFTCAP_B,
-                HAS_ATTN_MASK,
-                DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+                HAS_ATTN_MASK, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_DB, D_B,
             )
     else:
         _attention_kl_fwd_rows(
-            pid_m * BLOCK_M, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, am_ptr, stride_am_q, stride_am_k, SINK_A, SINK_B, KL,
-                LSE_A, LSE_B,
+            pid_m * BLOCK_M, qa_base, qb_base, ka_ptrs, kb_ptrs, km_ptr, qm_ptr, am_ptr, stride_am_q, stride_am_k,
+            SINK_A, SINK_B, KL, LSE_A, LSE_B, DQ_B,
             stride_qa_n, stride_qb_n, stride_ka_n, stride_kb_n, stride_km_n, stride_qm_n, q_start, n_q, n_k, h,
-            row_base, offs_n, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, left, right,
+            row_base, offs_n, offs_db, da_in, db_in, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
+            grad_scale_b, left, right,
             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KEY_MASK, HAS_QUERY_MASK, HAS_SINKS, SOFTCAP_A, SOFTCAP_B,
-                HAS_ATTN_MASK,
-            DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE,
+            HAS_ATTN_MASK, DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_DB, D_B,
         )
 
 
@@ -278,7 +349,7 @@ def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=512)
 def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple, sequences: int, allow_tf32: bool,
-                  config: LaunchConfig | None):
+                  config: LaunchConfig | None, fused_dq: bool = False):
     """``(grid, scalars, meta)`` of one forward launch: everything that depends only on shapes, strides, dtypes
     and options, computed once per problem geometry (the per-call work is then allocation and the launch)."""
     (qa_g, ka_g, qb_g, kb_g, km_g, qm_g, am_g) = geometry
@@ -286,7 +357,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     has_sinks, varlen = optional
     dtype_a, dtype_b = dtypes
     esize = max(dtype_a.itemsize, dtype_b.itemsize)
-    cfg = config or forward_config(d_a, d_b, spec.banded or am_g is not None, esize)
+    cfg = config or forward_config(d_a, d_b, spec.banded or am_g is not None, esize, fused_dq)
     km_strides = km_g[1] if km_g is not None else (0, 0)
     qm_strides = qm_g[1] if qm_g is not None else (0, 0)
     am_strides = broadcast_strides(am_g)
@@ -295,7 +366,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     scalars = (
         *qa_g[1], *ka_g[1], *qb_g[1], *kb_g[1], *km_strides, *qm_strides, *am_strides,
         heads, n_q, n_k, heads // ka_g[0][1], heads // kb_g[0][1], qk_a, qk_b, cap_a, cap_b,
-        spec.window_left, spec.window_right,
+        spec.window_left, spec.window_right, spec.grad_scale("b"),
     )
     meta = dict(
         D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -305,6 +376,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b), HAS_ATTN_MASK=am_g is not None,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
         INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
+        FUSED_DQ=fused_dq, FP16_B=dtype_b == torch.float16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return grid, scalars, tuple(meta.items())
@@ -314,13 +386,17 @@ _launch_forward = KernelLauncher(_attention_kl_fwd_kernel)
 
 
 def attention_kl_fwd(
-    inputs: KLInputs, spec: KLSpec, allow_tf32: bool = False, config: LaunchConfig | None = None
+    inputs: KLInputs, spec: KLSpec, allow_tf32: bool = False, config: LaunchConfig | None = None,
+    dq_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused forward; returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (nats).
 
     Inputs are ``(B, H, N, D)`` views with any strides (packed: ``(1, H, total, D)``; nothing is copied); see
     :func:`streamkl.reference.chunked_attention_kl_fwd` for the exact semantics it reproduces.
-    ``config`` overrides the tile heuristic (used by the tuning script).
+    ``config`` overrides the tile heuristic (used by the tuning script). ``dq_b``, a contiguous fp32 tensor shaped
+    like ``q_b`` (zeroed for packed inputs), makes the same pass also write side b's query gradient per unit
+    upstream gradient, ``grad_scale_b · Σ_j (P_b − P_a)_ij k_b,j`` (see :func:`new_dq_b_buffer`), so that a
+    backward with a frozen side a needs only the key pass.
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     batch, heads, n_q, _ = q_a.shape
@@ -340,8 +416,15 @@ def attention_kl_fwd(
     geometry = tensor_geometry(q_a, k_a, q_b, k_b, km, qm, am)
     sequences = cu_q.shape[0] - 1 if varlen else batch
     grid, scalars, meta = _forward_plan(geometry, (q_a.dtype, q_b.dtype), spec, (inputs.sink_a is not None, varlen),
-                                        sequences, allow_tf32, config)
+                                        sequences, allow_tf32, config, dq_b is not None)
     tensors = (q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, cu_q,
-               inputs.cu_seqlens_k, am, kl, lse_a, lse_b)
+               inputs.cu_seqlens_k, am, kl, lse_a, lse_b, dq_b)
     _launch_forward(grid, tensors, scalars, meta)
     return kl, lse_a, lse_b
+
+
+def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
+    """The fp32 buffer :func:`attention_kl_fwd` fills with side b's query gradient (zeroed for packed inputs, whose
+    tokens outside every sequence are never written)."""
+    alloc = torch.zeros if inputs.cu_seqlens_q is not None else torch.empty
+    return alloc(inputs.q_b.shape, dtype=torch.float32, device=inputs.q_b.device)
