@@ -15,6 +15,7 @@ accumulated by the forward (two more products per key tile), so the backward run
 * agreement: the relative L2 difference of both designs' gradients.
 
     PYTHONPATH=kernels:. python benchmarks/bench_fused_dq.py --out benchmarks/results   # ~3 minutes on an H100
+    PYTHONPATH=kernels:. python benchmarks/bench_fused_dq.py --tune --out DIR  # + every candidate tile (the tuning run)
     PYTHONPATH=kernels:. python benchmarks/bench_fused_dq.py --render                  # tables into docs/perf-notes.md
 
 Timing assertions never go into tests; the numbers here are ratios measured in one run.
@@ -51,6 +52,7 @@ SHAPES = [
 RESULT_NAME = "fused-dq.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
 H100_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{RESULT_NAME}")
+H100_TUNING = os.path.join(HERE, "results", "runs", "nvidia-h100-80gb-hbm3-fused-dq-tuning.json")
 
 
 def _bench(fn) -> float:
@@ -200,12 +202,30 @@ def kernel_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def render(path: str, doc: str = DOC) -> None:
+def tiles_table(tuning: dict) -> str:
+    """Every candidate tile of the fused forward in the tuning run, fastest first per shape."""
+    lines = ["| shape | tile (block_m×block_n, warps, stages) | fused fwd ms |", "|---|---|---|"]
+    for row in tuning["rows"]:
+        for t in sorted((t for t in row.get("fused_tiles", []) if isinstance(t["ms"], float)), key=lambda t: t["ms"]):
+            c = t["tile"]
+            lines.append(f"| {row['shape']['name']} | {c['block_m']}×{c['block_n']}, {c['num_warps']}, "
+                         f"{c['num_stages']} | {t['ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def blocks(data: dict, tuning: dict) -> dict[str, str]:
+    """The generated blocks of docs/perf-notes.md v6: name -> markdown."""
+    return {"fused-dq:tiles": tiles_table(tuning), "fused-dq:op": table(data), "fused-dq:kernels": kernel_table(data)}
+
+
+def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
     with open(path) as f:
         data = json.load(f)
+    with open(tuning_path) as f:
+        tuning = json.load(f)
     with open(doc) as f:
         text = f.read()
-    for marker, body in (("fused-dq:op", table(data)), ("fused-dq:kernels", kernel_table(data))):
+    for marker, body in blocks(data, tuning).items():
         start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
         i, j = text.index(start) + len(start), text.index(end)
         text = text[:i] + "\n" + body + "\n" + text[j:]

@@ -346,3 +346,22 @@ def test_the_sharding_guide_shows_the_committed_h200_run():
         found = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", guide, re.S)
         assert found, f"docs/guides/sharding.md has no {name} block"
         assert found.group(1) == render(result, str(path.relative_to(ROOT))), f"{name}: run bench_sharding.py --docs"
+
+
+def test_perf_notes_v6_tables_are_bench_fused_dq_output():
+    """docs/perf-notes.md's v6 blocks are bench_fused_dq.py's rendering of the committed H100 run and tuning run
+    (``--render`` writes them), and the committed run is internally consistent: both designs' gradients agree to
+    bf16 rounding and every shape has the baselines its ratios divide by."""
+    bench = _load(ROOT / "benchmarks" / "bench_fused_dq.py", "bench_fused_dq")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    tuning = json.loads(Path(bench.H100_TUNING).read_text())
+    notes = (ROOT / "docs" / "perf-notes.md").read_text()
+    for name, body in bench.blocks(data, tuning).items():
+        found = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", notes, re.S)
+        assert found, f"docs/perf-notes.md has no {name} block"
+        assert found.group(1) == body, f"{name}: run benchmarks/bench_fused_dq.py --render"
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    for row in data["rows"]:
+        assert row["agreement"]["dq rel L2"] < 1e-2 and row["agreement"]["dk rel L2"] < 1e-2, row["shape"]["name"]
+        for key in ("op fwd+bwd fused", "op fwd+bwd two-pass", "sdpa-cudnn fwd+bwd", "kernel bwd fused"):
+            assert row["ms"][key] > 0, (row["shape"]["name"], key)

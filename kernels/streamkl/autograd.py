@@ -10,8 +10,11 @@
 
 Both compute ``KL(P_a ‖ P_b)`` over the canonical problem of :mod:`streamkl._problem` (:class:`KLInputs`,
 :class:`KLSpec`). The forward returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for fp64 inputs):
-the per-row KL and the two log-sum-exps (nats, sinks included), which is all the state saved for the
-backward: three numbers per query row. ``backend`` is ``"reference"`` (chunked PyTorch, any device) or
+the per-row KL and the two log-sum-exps (nats, sinks included): three numbers per query row, all the state saved
+for the backward, except with side a frozen (:func:`fuses_dq_b`), where the Triton forward also accumulates side b's
+query gradient per unit upstream gradient (bf16 for bf16 inputs, else fp32; the size of ``q_b``) and the backward
+runs only its key pass.
+``backend`` is ``"reference"`` (chunked PyTorch, any device) or
 ``"triton"`` (fused kernels); ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
 ``deterministic`` selects the atomic-free backward (the reference is always deterministic). The sinks'
 gradients are per-row quantities of the saved state (:func:`sink_gradients`), the same for every backend.
@@ -38,8 +41,9 @@ def _triton_kernels():
 
 
 def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
-    """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, a buffer from
-    :func:`new_dq_b_buffer`) the same pass also fills side b's query gradient per unit upstream gradient."""
+    """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, an fp32 buffer from
+    :func:`streamkl._triton.forward.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit
+    upstream gradient (see :func:`fused_forward`)."""
     if backend == "triton":
         return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32, dq_b=dq_b)
     return reference.chunked_attention_kl_fwd(inputs, spec)
@@ -52,9 +56,15 @@ def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> 
     return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
 
 
-def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
-    """The fp32 buffer the fused forward fills (see :func:`streamkl._triton.forward.new_dq_b_buffer`)."""
-    return _triton_kernels()[0].new_dq_b_buffer(inputs)
+def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool):
+    """``(kl, lse_a, lse_b, dq_b)``: the forward that also accumulates side b's query gradient per unit upstream
+    gradient (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
+    (:func:`streamkl._triton.forward.saved_dq_b_dtype`)."""
+    forward = _triton_kernels()[0]
+    buffer = forward.new_dq_b_buffer(inputs)
+    kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32, buffer)
+    dtype = forward.saved_dq_b_dtype(inputs.q_b.dtype)
+    return kl, lse_a, lse_b, buffer if dtype == buffer.dtype else buffer.to(dtype)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
@@ -157,8 +167,10 @@ class AttentionKLFunction(torch.autograd.Function):
                 attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None, fuse_dq_b=False):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
                           cu_seqlens_k, attn_mask)
-        dq_b = new_dq_b_buffer(inputs) if fuse_dq_b else None
-        kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32, dq_b)
+        if fuse_dq_b:
+            kl, lse_a, lse_b, dq_b = fused_forward(inputs, spec, backend, allow_tf32)
+        else:
+            (kl, lse_a, lse_b), dq_b = forward_impl(inputs, spec, backend, allow_tf32), None
         _save(ctx, inputs, kl, lse_a, lse_b, spec, (backend, allow_tf32, deterministic), dq_b)
         ctx.reduction, ctx.rows_shape = reduction, kl.shape
         if reduction == "none":
@@ -225,16 +237,20 @@ def attention_kl_fwd_op(
     spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
     if fuse_dq_b and backend != "triton":
         raise ValueError(f"Expected `backend='triton'` with `fuse_dq_b=True`, but got backend={backend!r}.")
-    dq_b = new_dq_b_buffer(inputs) if fuse_dq_b else q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
-    return (*forward_impl(inputs, spec, backend, allow_tf32, dq_b if fuse_dq_b else None), dq_b)
+    if fuse_dq_b:
+        return fused_forward(inputs, spec, backend, allow_tf32)
+    return (*forward_impl(inputs, spec, backend, allow_tf32), q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32))
 
 
 @attention_kl_fwd_op.register_fake
 def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, *args):
     shape = q_a.shape[:3]
     dtype = result_dtype(q_a, k_a, q_b, k_b)
-    dq_shape = q_b.shape if args[-1] else _EMPTY_SHAPE
-    return (*(q_a.new_empty(shape, dtype=dtype) for _ in range(3)), q_b.new_empty(dq_shape, dtype=torch.float32))
+    if args[-1]:  # fuse_dq_b
+        dq_b = q_b.new_empty(q_b.shape, dtype=_triton_kernels()[0].saved_dq_b_dtype(q_b.dtype))
+    else:
+        dq_b = q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return (*(q_a.new_empty(shape, dtype=dtype) for _ in range(3)), dq_b)
 
 
 @torch.library.custom_op("streamkl::attention_kl_bwd", mutates_args=())

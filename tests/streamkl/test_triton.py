@@ -204,6 +204,22 @@ def test_query_gradient_keeps_its_precision_when_the_student_matches_the_teacher
     assert_close(k_s.grad, ref_k.grad, TOLERANCES[dtype][1], "dk_s")
 
 
+@pytest.mark.parametrize("dtype, saved", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                          (torch.float32, torch.float32)])
+def test_the_forward_accumulated_query_gradient_is_saved_like_the_queries(dtype, saved):
+    """Memory: with a frozen teacher the forward's dQ_s is the one extra saved tensor, bf16 for bf16 inputs (fp32's
+    range) and fp32 for fp16 (whose range would flush it) and fp32 inputs."""
+    g = torch.Generator().manual_seed(2)
+    q_t, k_t, q_s, k_s = (torch.randn(1, 2, 20, 16, generator=g).to(DEVICE, dtype) for _ in range(4))
+    q_s.requires_grad_(True)
+    k_s.requires_grad_(True)
+    loss = attention_kl(q_t, k_t, q_s, k_s, backend="triton")
+    dq_b = loss.grad_fn.saved_tensors[-1]
+    assert dq_b.dtype == saved and dq_b.shape == q_s.shape
+    loss.backward()
+    assert q_s.grad.dtype == dtype and torch.isfinite(q_s.grad).all()
+
+
 def test_cached_launch_passes_exactly_what_triton_passes():
     """The launch cache (``_triton/_launch.py``) calls a compiled kernel's launcher directly once Triton has
     launched that specialisation: it must pass the same grid, stream and arguments as Triton's own path, and a

@@ -6,7 +6,9 @@ the running max and sum of each distribution plus the coupled accumulator
 ``A = Σ e^(x - m_a)(x - y)`` (all in base 2). Only the key tiles inside some row's window are visited:
 ``[lo, b)`` and ``[c, hi)`` with masking, ``[b, c)`` without (:func:`_band`). Sinks are one more outcome per side,
 merged after the keys. It writes three fp32 numbers per row: the KL and both log-sum-exps, which is the whole
-state the backward needs. No ``N_q × N_k`` tile leaves the chip.
+state the two-pass backward needs. With ``FUSED_DQ`` (side a frozen) it also accumulates side b's query gradient per
+unit upstream gradient, two more products per key tile (:func:`_fused_dq_update`), so that the backward needs only
+its key pass. No ``N_q × N_k`` tile leaves the chip.
 """
 
 from __future__ import annotations
@@ -250,8 +252,7 @@ def _attention_kl_fwd_rows(
     tl.store(LSE_B + out, tl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
     if FUSED_DQ:  # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j (0 on empty and excluded rows)
         dq = tl.where(valid[:, None], w * (grad_scale_b / z_a_safe)[:, None], 0.0)
-        tl.store(DQ_B + out[:, None] * D_B + offs_db[None, :], dq,
-                 mask=row_in[:, None] & db_in[None, :])
+        tl.store(DQ_B + out[:, None] * D_B + offs_db[None, :], dq, mask=row_in[:, None] & db_in[None, :])
 
 
 @triton.jit
@@ -393,8 +394,8 @@ def attention_kl_fwd(
 
     Inputs are ``(B, H, N, D)`` views with any strides (packed: ``(1, H, total, D)``; nothing is copied); see
     :func:`streamkl.reference.chunked_attention_kl_fwd` for the exact semantics it reproduces.
-    ``config`` overrides the tile heuristic (used by the tuning script). ``dq_b``, a contiguous fp32 tensor shaped
-    like ``q_b`` (zeroed for packed inputs), makes the same pass also write side b's query gradient per unit
+    ``config`` overrides the tile heuristic (used by the tuning script). ``dq_b``, a buffer from
+    :func:`new_dq_b_buffer`, makes the same pass also write side b's query gradient per unit
     upstream gradient, ``grad_scale_b · Σ_j (P_b − P_a)_ij k_b,j`` (see :func:`new_dq_b_buffer`), so that a
     backward with a frozen side a needs only the key pass.
     """
@@ -423,8 +424,19 @@ def attention_kl_fwd(
     return kl, lse_a, lse_b
 
 
+def saved_dq_b_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the forward-accumulated query gradient is *saved* in for inputs of ``dtype``: bf16 for bf16 (fp32's
+    range; the backward's one multiplication by the upstream gradient runs in fp32 and rounds once more, so the
+    result is within one bf16 ulp of the two-pass backward's, at half the saved memory), fp32 otherwise (fp16's range
+    would flush the small gradients of a student close to its teacher). The kernel always writes fp32: a bf16 store
+    in its epilogue made the D = 128 kernel spill (benchmarks/kernel_resources.py), so the narrowing is a separate
+    elementwise copy."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
-    """The fp32 buffer :func:`attention_kl_fwd` fills with side b's query gradient (zeroed for packed inputs, whose
-    tokens outside every sequence are never written)."""
+    """The fp32 buffer :func:`attention_kl_fwd` fills with side b's query gradient per unit upstream gradient,
+    contiguous, shaped like ``q_b`` (zeroed for packed inputs, whose tokens outside every sequence are never
+    written)."""
     alloc = torch.zeros if inputs.cu_seqlens_q is not None else torch.empty
     return alloc(inputs.q_b.shape, dtype=torch.float32, device=inputs.q_b.device)
