@@ -10,6 +10,7 @@ memory of each forward+backward (``"OOM"`` when it does not fit).
     python benchmarks/bench_attention_kl.py                 # full grid -> benchmarks/results/<gpu>.json
     python benchmarks/bench_attention_kl.py --quick         # a few shapes -> benchmarks/results/runs/<gpu>-quick.json
     python benchmarks/bench_attention_kl.py --max-n 4096    # re-measure the short rows, merged into <gpu>.json
+    python benchmarks/bench_attention_kl.py --memory-only   # the memory rows -> benchmarks/results/runs/<gpu>-memory.json
     python benchmarks/bench_attention_kl.py --merge RUN --note "..."  # fold RUN's records into <gpu>.json
     python benchmarks/report.py                             # tables + plots under docs/
 
@@ -263,10 +264,10 @@ def memory_grid(quick: bool, max_n: int | None = None) -> list[Shape]:
 
 
 def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = None,
-        max_n: int | None = None) -> dict:
-    """Measure the grid (``quick``: the headline rows; ``max_n``: the H=16 rows up to that N) and return this run's
-    results file (its metadata and its records only). After every shape the records so far are written to
-    ``progress``."""
+        max_n: int | None = None, memory_only: bool = False) -> dict:
+    """Measure the grid (``quick``: the headline rows; ``max_n``: the H=16 rows up to that N; ``memory_only``: the
+    full grid's memory rows and nothing else) and return this run's results file (its metadata and its records
+    only). After every shape the records so far are written to ``progress``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     ceilings = measure_ceilings()
     print(f"ceilings: exp2 {ceilings['exp2_per_s']:.3e}/s, bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} "
@@ -287,7 +288,7 @@ def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = No
         if progress:
             write_json(progress, result())
 
-    for shape in memory_grid(quick, max_n):
+    for shape in memory_grid(quick and not memory_only, max_n):
         def make_streamkl(shape=shape):
             inputs = make_inputs(shape)
             return streamkl_fns(shape, inputs)[0], _grad_targets(inputs)
@@ -301,7 +302,7 @@ def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = No
             records.append(rec)
             print(f"mem {provider} {shape}: {rec.peak_bytes if rec.status == 'ok' else rec.status}", flush=True)
             save()
-    for shape in time_grid(quick, max_n):
+    for shape in [] if memory_only else time_grid(quick, max_n):
         t0 = time.time()
         inputs = make_inputs(shape)
         targets = _grad_targets(inputs)
@@ -351,12 +352,13 @@ def gpu_tag(device: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
 
 
-def default_out(device: str, quick: bool = False) -> str:
+def default_out(device: str, quick: bool = False, memory_only: bool = False) -> str:
     """Where a run of ``device`` writes without ``--out``: its grid ``results/<gpu>.json`` (a full run replaces it,
     ``--max-n`` and ``--merge`` merge into it), or for ``--quick`` a run file of its own,
     ``results/runs/<gpu>-quick.json``: a few rows are not a grid to replace the merged one with."""
-    if quick:
-        return os.path.join(RESULTS, "runs", f"{gpu_tag(device)}-quick.json")
+    if quick or memory_only:
+        kind = "quick" if quick else "memory"
+        return os.path.join(RESULTS, "runs", f"{gpu_tag(device)}-{kind}.json")
     return os.path.join(RESULTS, f"{gpu_tag(device)}.json")
 
 
@@ -392,6 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a few shapes only, written to their own run file (default "
                              "benchmarks/results/runs/<gpu>-quick.json; fold them into the grid with --merge)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the memory rows of the full grid, written to their own run file (default "
+                             "benchmarks/results/runs/<gpu>-memory.json; fold them into the grid with --merge)")
     parser.add_argument("--max-n", type=int, default=None,
                         help="only the H=16 rows with N <= this, merged into the existing --out file")
     parser.add_argument("--out", default=None,
@@ -406,11 +411,11 @@ def main(argv: list[str] | None = None) -> None:
                              "with --note")
     parser.add_argument("--note", default="", help="the note --merge and --max-n append to the results file")
     args = parser.parse_args(argv)
-    if args.quick and args.max_n is not None:
-        parser.error("--quick and --max-n choose different rows; pass one of them")
+    if sum((args.quick, args.max_n is not None, args.memory_only)) > 1:
+        parser.error("--quick, --max-n and --memory-only choose different rows; pass one of them")
     if args.merge:
-        if args.quick or args.max_n is not None:
-            parser.error("--merge measures nothing; it takes no --quick or --max-n")
+        if args.quick or args.max_n is not None or args.memory_only:
+            parser.error("--merge measures nothing; it takes no --quick, --max-n or --memory-only")
         with open(args.merge) as f:
             run_ = json.load(f)
         out = args.out or default_out(run_["device"])
@@ -420,13 +425,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention_kl.py needs a CUDA GPU.")
-    out = args.out or default_out(torch.cuda.get_device_name(), args.quick)
+    out = args.out or default_out(torch.cuda.get_device_name(), args.quick, args.memory_only)
     if args.max_n is not None:
         read_grid(out, "--max-n")  # fail before measuring
     progress = f"{out}.partial"
     print(f"records are saved to {progress} as they are measured; if the run stops, merge them with "
           f"--merge {progress} --out {out}", flush=True)
-    result = run(args.quick, args.naive_max_n, args.compile_n, progress, args.max_n)
+    result = run(args.quick, args.naive_max_n, args.compile_n, progress, args.max_n, args.memory_only)
     if args.max_n is None:
         write_json(out, result)
         print(f"wrote {out}")

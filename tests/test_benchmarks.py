@@ -267,6 +267,21 @@ def test_a_quick_run_never_replaces_the_grid_and_merges_like_max_n(bench, tmp_pa
                                                                          16384: 9.0, 32768: 9.0}
 
 
+def test_a_memory_only_run_measures_the_memory_rows_into_a_run_file_of_its_own(bench, tmp_path):
+    """`--memory-only` re-measures the full grid's memory rows (after a change to what the op saves) and nothing
+    else, into `runs/<gpu>-memory.json`, never over the grid; `--merge` folds them in like a quick run."""
+    grid = tmp_path / "second-gpu.json"
+    grid.write_text(json.dumps({**_PREVIOUS, "device": "second GPU"}))
+    bench.main(["--memory-only"])
+    assert json.loads(grid.read_text()) == {**_PREVIOUS, "device": "second GPU"}
+    run_ = json.loads((tmp_path / "runs" / "second-gpu-memory.json").read_text())
+    assert {r["mode"] for r in run_["records"]} == {"mem"}
+    assert {(s.h, s.d, s.n) for s in bench.memory_grid(False)} == {
+        (r["shape"]["h"], r["shape"]["d"], r["shape"]["n"]) for r in run_["records"]}
+    with pytest.raises(SystemExit):
+        bench.main(["--memory-only", "--quick"])
+
+
 def test_an_interrupted_run_leaves_its_output_alone(bench, tmp_path, monkeypatch):
     """While measuring, records go to `<out>.partial`, never into the output; `--merge` folds the partial run in."""
     out = tmp_path / "grid.json"
