@@ -10,7 +10,7 @@ memory of each forward+backward (``"OOM"`` when it does not fit).
     python benchmarks/bench_attention_kl.py                 # full grid -> benchmarks/results/<gpu>.json
     python benchmarks/bench_attention_kl.py --quick         # a few shapes -> benchmarks/results/runs/<gpu>-quick.json
     python benchmarks/bench_attention_kl.py --max-n 4096    # re-measure the short rows, merged into <gpu>.json
-    python benchmarks/bench_attention_kl.py --memory-only   # the memory rows -> benchmarks/results/runs/<gpu>-memory.json
+    python benchmarks/bench_attention_kl.py --memory-only   # memory rows only -> results/runs/<gpu>-memory.json
     python benchmarks/bench_attention_kl.py --merge RUN --note "..."  # fold RUN's records into <gpu>.json
     python benchmarks/report.py                             # tables + plots under docs/
 
