@@ -340,7 +340,9 @@ def render(paths: list[str]) -> str:
 # ------------------------------------------------------------------------------------ bounds -> perf notes
 #: (name, QK^T-sized products, exponentials) per score element of each pass
 PASSES = (("forward", 2, 2), ("backward, one pass (atomic dQ), student only", 4, 2),
-          ("backward, two passes (the default), student only", 6, 4))
+          ("backward, two passes (default without v6: trainable teacher, reverse KL), student only", 6, 4),
+          ("forward accumulating dQ_s (v6, frozen teacher, with grad)", 4, 2),
+          ("backward after it: the key pass, student only", 3, 2))
 
 
 def bounds_table(meta: dict, h: int = 16, n: int = 8192) -> str:
