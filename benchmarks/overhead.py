@@ -6,7 +6,8 @@ On a GPU it measures, for the default (Triton) path in bf16:
   the time per call is the launch path (validation, autograd, allocations, Triton launches): forward under
   ``no_grad``, forward+backward, and SDPA forward+backward (+ ``.sum()``) for scale;
 * wall ms (``do_bench`` medians) of forward+backward at B=8, H=12, N=512, D=64, bf16 (non-causal): streamkl,
-  SDPA (the default backend, with a ``.sum()`` loss) and the naive materialising loss under ``torch.compile``;
+  SDPA (the default backend, with a ``.sum()`` loss) and the naive materialising loss under ``torch.compile``, each
+  called eagerly and replayed from a CUDA graph (what ``torch.compile(mode="reduce-overhead")`` does);
 * the top cProfile entries of the tiny forward+backward.
 
 ``--out DIR`` writes ``DIR/<device>-overhead.json``. Without a GPU, ``--cpu-stub`` measures the Python side of
@@ -147,7 +148,42 @@ def bert_wall_times() -> dict:
     if "naive_compile" in out:
         out["naive_compile_over_streamkl"] = out["naive_compile"] / out["streamkl"]
     out["streamkl_over_sdpa"] = out["streamkl"] / out["sdpa_default"]
+    # the same steps captured in a CUDA graph (what torch.compile(mode="reduce-overhead") does): no host time left
+    graphed = {
+        "streamkl_cuda_graph": lambda: attention_kl(q_t, k_t, q_s, k_s, causal=s["causal"]),
+        "sdpa_default_cuda_graph": lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]).sum(),
+        "naive_compile_cuda_graph": lambda: naive(q_t, k_t, q_s, k_s),
+    }
+    for name, loss_fn in graphed.items():
+        try:
+            out[name] = graphed_ms(loss_fn, targets)
+        except Exception as exc:  # recorded, not fatal
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if "streamkl_cuda_graph" in out and "sdpa_default_cuda_graph" in out:
+        out["streamkl_over_sdpa_cuda_graph"] = out["streamkl_cuda_graph"] / out["sdpa_default_cuda_graph"]
+    if "streamkl_cuda_graph" in out and "naive_compile_cuda_graph" in out:
+        out["naive_compile_over_streamkl_cuda_graph"] = out["naive_compile_cuda_graph"] / out["streamkl_cuda_graph"]
     return out
+
+
+def graphed_ms(loss_fn, targets) -> float:
+    """``do_bench`` median (ms) of replaying a CUDA graph of ``autograd.grad(loss_fn(), targets)`` (warmed up on a
+    side stream first, so that compilation and the allocator's first allocations stay outside the capture)."""
+    from triton.testing import do_bench
+
+    def step():
+        return torch.autograd.grad(loss_fn(), targets)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return float(do_bench(graph.replay, warmup=25, rep=200, return_mode="median"))
 
 
 # -------------------------------------------------------------------------------------------- CPU stub run

@@ -220,6 +220,19 @@ def test_the_forward_accumulated_query_gradient_is_saved_like_the_queries(dtype,
     assert q_s.grad.dtype == dtype and torch.isfinite(q_s.grad).all()
 
 
+def test_a_frozen_teacher_gets_bitwise_reproducible_gradients_even_with_deterministic_false():
+    """docs/faq.md: with a frozen teacher the forward accumulates dQ_s and the backward runs only the key pass, so
+    there are no atomics to make ``deterministic=False`` vary."""
+    g = torch.Generator().manual_seed(4)
+    q_t, k_t, q_s, k_s = (torch.randn(2, 2, 40, 16, generator=g).to(DEVICE) for _ in range(4))
+    grads = []
+    for _ in range(2):
+        x = [q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)]
+        attention_kl(q_t, k_t, *x, causal=True, backend="triton", deterministic=False).backward()
+        grads.append([t.grad for t in x])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_cached_launch_passes_exactly_what_triton_passes():
     """The launch cache (``_triton/_launch.py``) calls a compiled kernel's launcher directly once Triton has
     launched that specialisation: it must pass the same grid, stream and arguments as Triton's own path, and a
