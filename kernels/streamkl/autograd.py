@@ -52,7 +52,14 @@ def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool,
 def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> bool:
     """Whether the forward should accumulate side b's query gradient: the Triton backend, with side a frozen (the
     default ``direction="forward"`` with a teacher that takes no gradient) and side b's queries trainable. The
-    backward then runs only its key pass (about a third less work per forward+backward)."""
+    backward then runs only its key pass (7 products and 4 exponentials per score element instead of 8 and 6).
+
+    Example:
+        >>> fuses_dq_b("triton", need_q_a=False, need_k_a=False, need_q_b=True)  # frozen teacher, trainable student
+        True
+        >>> fuses_dq_b("triton", need_q_a=True, need_k_a=True, need_q_b=True)  # the teacher trains too
+        False
+    """
     return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
 
 
