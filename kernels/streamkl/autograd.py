@@ -27,6 +27,7 @@ import dataclasses
 import torch
 
 from . import reference
+from ._hopper import hopper_forward
 from ._problem import KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
@@ -45,6 +46,10 @@ def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool,
     :func:`streamkl._triton.forward.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit
     upstream gradient (see :func:`fused_forward`)."""
     if backend == "triton":
+        if dq_b is None:
+            hopper = hopper_forward(inputs, spec)  # the sm_90 kernel where it applies (streamkl._hopper)
+            if hopper is not None:
+                return hopper(inputs, spec)
         return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32, dq_b=dq_b)
     return reference.chunked_attention_kl_fwd(inputs, spec)
 

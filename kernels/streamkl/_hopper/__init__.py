@@ -1,0 +1,75 @@
+"""Warp-group (sm_90) kernels written in Gluon, selected over the portable Triton kernels where they are faster.
+
+:func:`hopper_forward` picks the Hopper forward (:mod:`streamkl._hopper.forward`) for a problem, or returns None so
+that the portable kernel runs. Measured on an H100 (``benchmarks/bench_hopper.py``, docs/perf-notes.md v7) it is
+faster than the portable forward only where the products weigh as much as the exponentials, head dim 128, and only
+once the problem is large enough to hide its launch (host-side TMA descriptors and Gluon's launcher cost about
+0.2 ms per call), so it runs for head dim 128 (either side) at ``HOPPER_MIN_SCORES`` score elements and more. It
+never runs on other GPUs, under the interpreter, outside the kernel's scope, when the installed Triton has no usable
+Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects it for
+head dim 64 and small problems (for measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+from .._problem import KLInputs, KLSpec
+
+#: Problems with fewer score elements per distribution (B·H·N_q·N_k) stay on the portable kernel.
+HOPPER_MIN_SCORES = 1 << 28
+#: ``0``: every call on the portable Triton kernels; ``all``: the Hopper forward wherever it applies.
+ENV_SWITCH = "STREAMKL_HOPPER_KERNELS"
+
+
+def hopper_enabled() -> bool:
+    """False when ``STREAMKL_HOPPER_KERNELS=0`` (read on every call, so tests and benchmarks can switch it).
+
+    Example:
+        >>> import os
+        >>> os.environ["STREAMKL_HOPPER_KERNELS"] = "0"
+        >>> hopper_enabled()
+        False
+        >>> del os.environ["STREAMKL_HOPPER_KERNELS"]
+    """
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    """The Hopper forward module, or None when this Triton has no usable Gluon (it is imported lazily: Gluon's
+    Hopper API differs between Triton releases, and the portable kernels must never depend on it)."""
+    try:
+        from . import forward
+    except (ImportError, AttributeError):
+        return None
+    return forward
+
+
+def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
+    """The Hopper forward for this problem (a function of ``(inputs, spec)`` returning ``(kl, lse_a, lse_b)``), or None.
+
+    Example:
+        >>> import torch
+        >>> from streamkl._problem import KLInputs, KLSpec
+        >>> q = torch.randn(1, 1, 8, 64)  # CPU tensors: the portable path
+        >>> hopper_forward(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125)) is None
+        True
+    """
+    q_a, k_a = inputs.q_a, inputs.k_a
+    if not q_a.is_cuda or not hopper_enabled():
+        return None
+    if os.environ.get(ENV_SWITCH) != "all":
+        if q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * k_a.shape[2] < HOPPER_MIN_SCORES:
+            return None
+        if max(q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
+            return None
+    module = _module()
+    if module is None or not module.supports(inputs, spec):
+        return None
+    return module.attention_kl_fwd_hopper
+
+
+__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward"]

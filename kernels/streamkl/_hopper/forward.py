@@ -1,0 +1,324 @@
+"""Hopper (sm_90) attention-KL forward in Gluon: TMA loads and asynchronous tensor-core products in flight during
+the exponentials.
+
+The portable Triton forward (:mod:`streamkl._triton.forward`) runs each key tile as *products, then softmax*: Triton
+waits for the ``wgmma`` group right after issuing it, so the tensor cores idle while the exponent unit works and vice
+versa. This kernel computes the same function (the same online rescaling of both distributions, the same running
+state and epilogue, see :func:`streamkl._triton.forward._attention_kl_fwd_keys`) but pipelines the key loop by hand:
+
+* key tiles of both sides arrive by TMA into a ring of ``STAGES`` shared-memory buffers (one ``mbarrier`` each), issued
+  ``STAGES`` tiles ahead;
+* both score products of tile ``t + 1`` are issued asynchronously (``warpgroup_mma(..., is_async=True)``) *before*
+  the softmax work of tile ``t`` and waited for only at the top of the next iteration, so the tensor cores run while
+  the same warps evaluate the exponentials (FlashAttention-3's intra-warpgroup overlap).
+
+Scope (anything else runs the portable kernels, :func:`supports`): dense ``(B, H, N, D)`` inputs with unit head-dim
+stride and 16-byte aligned strides, bf16 or fp16 on both sides, head dims 64 or 128, no masks, windows, sinks,
+soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the
+selection logic (:func:`supports`), the GPU suite checks this kernel against the portable one and the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .._problem import KLInputs, KLSpec
+from .._triton._helpers import LN2_C, NEG_BIG, side_scales
+from .._triton.configs import LaunchConfig
+
+#: Head dims this kernel is built for (both sides; they may differ).
+HOPPER_HEAD_DIMS = (64, 128)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+#: The TMA tile load: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` later (3.9 raises on the
+#: old name).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _fold_tile(
+    x, y,  # [BLOCK_M, BLOCK_N] fp32 raw products of both sides (MMA layout)
+    keys, rows,  # key indices [BLOCK_N] and local query rows [BLOCK_M] of the tile
+    m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state (see the portable kernel)
+    qk_scale_a, qk_scale_b, n_k, offset,  # offset = n_k - n_q: the causal diagonal of query i is key i + offset
+    CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+):
+    """Fold one key tile into the running maxima, sums and coupled accumulator of both distributions (base 2)."""
+    diff = x * qk_scale_a - y * qk_scale_b
+    if MASKED:
+        allowed = gl.expand_dims(keys, 0) < n_k
+        if CAUSAL:
+            allowed = allowed & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1) + offset)
+        x = gl.where(allowed, x, float("-inf"))
+        y = gl.where(allowed, y, float("-inf"))
+        diff = gl.where(allowed, diff, 0.0)
+    m_a_new = gl.maximum(m_a, gl.max(x, 1))
+    mc_a = gl.maximum(m_a_new * qk_scale_a, NEG_BIG)
+    alpha_a = gl.exp2(gl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
+    p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(mc_a, 1))
+    z_a = z_a * alpha_a + gl.sum(p_a, 1)
+    acc = acc * alpha_a + gl.sum(p_a * diff, 1)
+    m_b_new = gl.maximum(m_b, gl.max(y, 1))
+    mc_b = gl.maximum(m_b_new * qk_scale_b, NEG_BIG)
+    alpha_b = gl.exp2(gl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
+    p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(mc_b, 1))
+    z_b = z_b * alpha_b + gl.sum(p_b, 1)
+    return m_a_new, z_a, acc, m_b_new, z_b
+
+
+@gluon.jit
+def _issue_scores(qa, qb, ka_ring, kb_ring, stage, zero,
+                  BLOCK_N: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr):
+    """Issue both score products ``Q_a K_aᵀ`` and ``Q_b K_bᵀ`` of the key tile in ring slot ``stage`` (async)."""
+    ka = ka_ring.index(stage).reshape([BLOCK_N, D_A]).permute((1, 0))
+    kb = kb_ring.index(stage).reshape([BLOCK_N, D_B]).permute((1, 0))
+    x = warpgroup_mma(qa, ka, zero, use_acc=False, is_async=True)
+    y = warpgroup_mma(qb, kb, zero, use_acc=False, is_async=True)
+    return x, y
+
+
+@gluon.jit
+def _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, tile, n_tiles, b, hk_a, hk_b,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA copies of key tile ``tile`` of both sides into its ring slot (nothing past the last tile)."""
+    stage = tile % STAGES
+    pred = tile < n_tiles
+    bar = bars.index(stage)
+    mbarrier.expect(bar, ka_desc.block_type.nbytes + kb_desc.block_type.nbytes, pred=pred)
+    _tma_load(ka_desc, [b, hk_a, tile * BLOCK_N, 0], bar, ka_ring.index(stage), pred=pred)
+    _tma_load(kb_desc, [b, hk_b, tile * BLOCK_N, 0], bar, kb_ring.index(stage), pred=pred)
+
+
+@gluon.jit
+def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, n_k, offset, full,
+              CAUSAL: gl.constexpr):
+    """:func:`_fold_tile` without masks when the tile is ``full`` (every key allowed for every row), else masked."""
+    if full:
+        m_a, z_a, acc, m_b, z_b = _fold_tile(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, n_k,
+                                             offset, CAUSAL, False)
+    else:
+        m_a, z_a, acc, m_b, z_b = _fold_tile(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, qk_scale_a, qk_scale_b, n_k,
+                                             offset, CAUSAL, True)
+    return m_a, z_a, acc, m_b, z_b
+
+
+@gluon.jit
+def _next_tile(qa, qb, ka_desc, kb_desc, ka_ring, kb_ring, bars, t, n_tiles, b, hk_a, hk_b, zero,
+               BLOCK_N: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr):
+    """With tile ``t``'s products complete (its ring slot free): start loading tile ``t + STAGES`` into that slot,
+    wait for tile ``t + 1`` and issue its products (async); returns their accumulators."""
+    _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, t + STAGES, n_tiles, b, hk_a, hk_b, BLOCK_N, STAGES)
+    nxt = t + 1
+    mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+    return _issue_scores(qa, qb, ka_ring, kb_ring, nxt % STAGES, zero, BLOCK_N, D_A, D_B)
+
+
+@gluon.jit
+def _hopper_fwd_kernel(
+    qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
+    KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
+    H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
+    qk_scale_a, qk_scale_b,  # base-2 score = raw product * qk_scale (> 0)
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    D_A: gl.constexpr = qa_desc.block_type.shape[3]
+    D_B: gl.constexpr = qb_desc.block_type.shape[3]
+    dtype: gl.constexpr = qa_desc.dtype
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    pid_bh = gl.program_id(1)
+    if CAUSAL:  # the longest rows first
+        m_start = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    else:
+        m_start = gl.program_id(0) * BLOCK_M
+    b = pid_bh // H
+    h = pid_bh % H
+    hk_a = h // GROUP_A
+    hk_b = h // GROUP_B
+    offset = N_K - N_Q
+    if CAUSAL:
+        hi = gl.minimum(N_K, m_start + BLOCK_M + offset)
+        n_full = gl.minimum((m_start + offset + 1) // BLOCK_N, N_K // BLOCK_N)
+    else:
+        hi = N_K
+        n_full = N_K // BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
+
+    qa_smem = gl.allocate_shared_memory(dtype, qa_desc.block_type.shape, qa_desc.layout)
+    qb_smem = gl.allocate_shared_memory(dtype, qb_desc.block_type.shape, qb_desc.layout)
+    ka_ring = gl.allocate_shared_memory(dtype, [STAGES] + ka_desc.block_type.shape, ka_desc.layout)
+    kb_ring = gl.allocate_shared_memory(dtype, [STAGES] + kb_desc.block_type.shape, kb_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+
+    mbarrier.expect(q_bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes)
+    _tma_load(qa_desc, [b, h, m_start, 0], q_bar, qa_smem)
+    _tma_load(qb_desc, [b, h, m_start, 0], q_bar, qb_smem)
+    for s in gl.static_range(STAGES):
+        _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, s, n_tiles, b, hk_a, hk_b, BLOCK_N, STAGES)
+
+    rows = m_start + gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    m_a = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
+    m_b = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
+    z_a = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    z_b = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+
+    mbarrier.wait(q_bar, 0)
+    qa = qa_smem.reshape([BLOCK_M, D_A])
+    qb = qb_smem.reshape([BLOCK_M, D_B])
+    # Two register sets of score tiles, even tiles in (x0, y0) and odd ones in (x1, y1), so that the products in
+    # flight never share registers with the tiles being folded: a loop-carried copy of an in-flight accumulator
+    # makes ptxas serialise every wgmma (warning C7514).
+    mbarrier.wait(bars.index(0), 0)
+    x0, y0 = _issue_scores(qa, qb, ka_ring, kb_ring, 0, zero, BLOCK_N, D_A, D_B)
+    pairs = (n_tiles - 1) // 2
+    for p in range(pairs):
+        t = 2 * p
+        x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
+        x1, y1 = _next_tile(qa, qb, ka_desc, kb_desc, ka_ring, kb_ring, bars, t, n_tiles, b, hk_a, hk_b, zero,
+                            BLOCK_N, D_A, D_B, STAGES)
+        m_a, z_a, acc, m_b, z_b = _fold_any(x0, y0, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b,
+                                            qk_scale_a, qk_scale_b, N_K, offset, t < n_full, CAUSAL)
+        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
+        x0, y0 = _next_tile(qa, qb, ka_desc, kb_desc, ka_ring, kb_ring, bars, t + 1, n_tiles, b, hk_a, hk_b, zero,
+                            BLOCK_N, D_A, D_B, STAGES)
+        m_a, z_a, acc, m_b, z_b = _fold_any(x1, y1, (t + 1) * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b,
+                                            qk_scale_a, qk_scale_b, N_K, offset, t + 1 < n_full, CAUSAL)
+    # One or two tiles are left: tile 2·pairs is in flight in (x0, y0); its successor, if any, is the last tile.
+    last = 2 * pairs
+    has_odd = last + 1 < n_tiles
+    x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
+    stage = (last + 1) % STAGES
+    mbarrier.wait(bars.index(stage), ((last + 1) // STAGES) & 1, pred=has_odd)
+    # Issued even without a last odd tile (then its result is discarded): no wgmma under a branch.
+    x1, y1 = _issue_scores(qa, qb, ka_ring, kb_ring, stage, zero, BLOCK_N, D_A, D_B)
+    m_a, z_a, acc, m_b, z_b = _fold_tile(x0, y0, last * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b,
+                                         qk_scale_a, qk_scale_b, N_K, offset, CAUSAL, True)
+    x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
+    if has_odd:
+        m_a, z_a, acc, m_b, z_b = _fold_tile(x1, y1, (last + 1) * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b,
+                                             qk_scale_a, qk_scale_b, N_K, offset, CAUSAL, True)
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    row_in = rows < N_Q
+    valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
+    mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
+    mc_b = gl.maximum(m_b * qk_scale_b, NEG_BIG)
+    z_a_safe = gl.where(valid, z_a, 1.0)
+    z_b_safe = gl.where(valid, z_b, 1.0)
+    lse2_a = mc_a + gl.log2(z_a_safe)
+    lse2_b = mc_b + gl.log2(z_b_safe)
+    kl = gl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
+    out = (b.to(gl.int64) * H + h) * N_Q + rows
+    gl.store(KL + out, kl, mask=row_in)
+    gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
+    gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
+
+
+def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
+    """Tiles of the Hopper forward: the fastest of ``benchmarks/bench_hopper.py``'s sweep (H100, bf16, N = 8192,
+    causal and not), 64×64 with one warpgroup; ``num_stages`` is the depth of the key ring."""
+    if max(d_a, d_b) <= 64:
+        return LaunchConfig(64, 64, 4, 3)
+    return LaunchConfig(64, 64, 4, 2)
+
+
+def supports(inputs: KLInputs, spec: KLSpec) -> bool:
+    """True when :func:`attention_kl_fwd_hopper` computes this forward: CUDA tensors on an sm_90 device and
+    :func:`in_scope`."""
+    q_a = inputs.q_a
+    return q_a.is_cuda and _is_sm90(q_a.device.index if q_a.device.index is not None else -1) \
+        and in_scope(inputs, spec)
+
+
+def in_scope(inputs: KLInputs, spec: KLSpec) -> bool:
+    """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
+
+    Example:
+        >>> q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+        >>> in_scope(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125))
+        True
+        >>> in_scope(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125, softcap_a=30.0))
+        False
+    """
+    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
+    if any(x is not None for x in (inputs.sink_a, inputs.sink_b, inputs.key_padding_mask, inputs.query_mask,
+                                   inputs.cu_seqlens_q, inputs.attn_mask)):
+        return False
+    if spec.softcap_a or spec.softcap_b or spec.window_left >= 0 or spec.window_right > 0:
+        return False
+    if spec.window_right == 0 and k_a.shape[2] < q_a.shape[2]:  # causal: every row must see a key
+        return False
+    return (q_a.dtype == k_a.dtype == q_b.dtype == k_b.dtype and all(_tma_ready(t) for t in (q_a, k_a, q_b, k_b))
+            and q_a.shape[-1] in HOPPER_HEAD_DIMS and q_b.shape[-1] in HOPPER_HEAD_DIMS)
+
+
+def _tma_ready(x: torch.Tensor) -> bool:
+    """A TMA descriptor can address ``x``: bf16/fp16, unit last stride, 16-byte aligned base and other strides."""
+    return (x.dtype in _GL_DTYPES and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all((s * x.element_size()) % 16 == 0 for s in x.stride()[:-1]))
+
+
+@functools.lru_cache(maxsize=16)
+def _is_sm90(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index if index >= 0 else None)
+    return major == 9
+
+
+def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    block = [1, 1, block_rows, x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+def attention_kl_fwd_hopper(inputs: KLInputs, spec: KLSpec,
+                            config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of :func:`streamkl._triton.forward.attention_kl_fwd` (same outputs: ``(kl, lse_a, lse_b)``, each
+    ``[B, H, N_q]`` fp32, nats) on the Hopper kernel; only for problems :func:`supports` accepts.
+
+    Example (on an H100)::
+
+        >>> q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> kl, lse_a, lse_b = attention_kl_fwd_hopper(KLInputs(q, q, q, q, None, None, None, None, None, None),
+        ...                                            KLSpec(0.125, 0.125))  # doctest: +SKIP
+    """
+    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
+    batch, heads, n_q, d_a = q_a.shape
+    n_k, d_b = k_a.shape[2], q_b.shape[-1]
+    kl = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q_a.device)
+    lse_a = torch.empty_like(kl)
+    lse_b = torch.empty_like(kl)
+    if kl.numel() == 0 or n_k == 0:
+        kl.zero_()
+        lse_a.fill_(float("inf"))
+        lse_b.fill_(float("inf"))
+        return kl, lse_a, lse_b
+    cfg = config or hopper_forward_config(d_a, d_b)
+    (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
+    grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
+    _hopper_fwd_kernel[grid](
+        _descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
+        _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b,
+        heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b,
+        CAUSAL=spec.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    return kl, lse_a, lse_b
