@@ -74,6 +74,8 @@ GENERATED = {
     "sharding-gpu": "benchmarks/bench_sharding.py", "sharding-gpu-context": "benchmarks/bench_sharding.py",
     "fused-dq:tiles": "benchmarks/bench_fused_dq.py", "fused-dq:op": "benchmarks/bench_fused_dq.py",
     "fused-dq:kernels": "benchmarks/bench_fused_dq.py",
+    "hopper:tiles": "benchmarks/bench_hopper.py", "hopper:op": "benchmarks/bench_hopper.py",
+    "hopper:checks": "benchmarks/bench_hopper.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a

@@ -363,6 +363,15 @@ def test_the_sharding_guide_shows_the_committed_h200_run():
         assert found.group(1) == render(result, str(path.relative_to(ROOT))), f"{name}: run bench_sharding.py --docs"
 
 
+def _assert_perf_notes_blocks(blocks: dict[str, str], command: str) -> None:
+    """Each ``<!-- name:start -->`` block of docs/perf-notes.md holds exactly what ``command`` renders."""
+    notes = (ROOT / "docs" / "perf-notes.md").read_text()
+    for name, body in blocks.items():
+        found = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", notes, re.S)
+        assert found, f"docs/perf-notes.md has no {name} block"
+        assert found.group(1) == body, f"{name}: run {command}"
+
+
 def test_perf_notes_v6_tables_are_bench_fused_dq_output():
     """docs/perf-notes.md's v6 blocks are bench_fused_dq.py's rendering of the committed H100 run and tuning run
     (``--render`` writes them), and the committed run is internally consistent: both designs' gradients agree to
@@ -370,13 +379,24 @@ def test_perf_notes_v6_tables_are_bench_fused_dq_output():
     bench = _load(ROOT / "benchmarks" / "bench_fused_dq.py", "bench_fused_dq")
     data = json.loads(Path(bench.H100_RESULT).read_text())
     tuning = json.loads(Path(bench.H100_TUNING).read_text())
-    notes = (ROOT / "docs" / "perf-notes.md").read_text()
-    for name, body in bench.blocks(data, tuning).items():
-        found = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", notes, re.S)
-        assert found, f"docs/perf-notes.md has no {name} block"
-        assert found.group(1) == body, f"{name}: run benchmarks/bench_fused_dq.py --render"
+    _assert_perf_notes_blocks(bench.blocks(data, tuning), "benchmarks/bench_fused_dq.py --render")
     assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
     for row in data["rows"]:
         assert row["agreement"]["dq rel L2"] < 1e-2 and row["agreement"]["dk rel L2"] < 1e-2, row["shape"]["name"]
         for key in ("op fwd+bwd fused", "op fwd+bwd two-pass", "sdpa-cudnn fwd+bwd", "kernel bwd fused"):
             assert row["ms"][key] > 0, (row["shape"]["name"], key)
+
+
+def test_perf_notes_v7_tables_are_bench_hopper_output():
+    """docs/perf-notes.md's v7 blocks are bench_hopper.py's rendering of the committed H100 run and tuning run
+    (``--render`` writes them); in the committed run every correctness check ran the Hopper kernel and was as exact
+    as the portable one, and the default selection picked it exactly for the head-dim-128 shapes."""
+    bench = _load(ROOT / "benchmarks" / "bench_hopper.py", "bench_hopper")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    tuning = json.loads(Path(bench.H100_TUNING).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, tuning), "benchmarks/bench_hopper.py --render")
+    assert all(c["ok"] for c in data["checks"]), [c["case"] for c in data["checks"] if not c["ok"]]
+    assert [r["name"] for r in data["shapes"]] == [s[0] for s in bench.SHAPES]
+    for row in data["shapes"]:
+        assert row["default_picks_hopper"] == (row["d"] == 128), row["name"]
+        assert row["rel_hopper_vs_portable"] < 1e-5, row["name"]
