@@ -35,6 +35,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from report import replace_block  # noqa: E402
+
 #: (block_m, block_n, warps, stages) of the fused forward timed per head dim
 FUSED_CANDIDATES = {
     64: [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2)],
@@ -226,9 +228,7 @@ def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
     with open(doc) as f:
         text = f.read()
     for marker, body in blocks(data, tuning).items():
-        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-        i, j = text.index(start) + len(start), text.index(end)
-        text = text[:i] + "\n" + body + "\n" + text[j:]
+        text = replace_block(text, marker, body)
     with open(doc, "w") as f:
         f.write(text)
 

@@ -35,6 +35,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
+from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
+from report import replace_block  # noqa: E402
+
 #: (block_m, block_n, warps, stages) of the Hopper forward timed per head dim
 CANDIDATES = {
     64: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 4)],
@@ -67,17 +71,6 @@ DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
 H100_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{RESULT_NAME}")
 #: the first run (default tile 128×64, 8 warps), with every candidate tile: the sweep the defaults come from
 H100_TUNING = os.path.join(HERE, "results", "runs", "nvidia-h100-80gb-hbm3-hopper-tuning.json")
-
-
-def _bench(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _tensors(b, h, hk_t, hk_s, n_q, n_k, d_t, d_s, dtype, sharpness, layout, seed):
@@ -252,9 +245,7 @@ def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
     with open(doc) as f:
         text = f.read()
     for marker, body in blocks(data, tuning).items():
-        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-        i, j = text.index(start) + len(start), text.index(end)
-        text = text[:i] + "\n" + body + "\n" + text[j:]
+        text = replace_block(text, marker, body)
     with open(doc, "w") as f:
         f.write(text)
 

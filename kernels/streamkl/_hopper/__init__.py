@@ -59,9 +59,10 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
         True
     """
     q_a, k_a = inputs.q_a, inputs.k_a
-    if not q_a.is_cuda or not hopper_enabled():
+    mode = os.environ.get(ENV_SWITCH, "1")  # read once per call (see hopper_enabled)
+    if not q_a.is_cuda or mode == "0":
         return None
-    if os.environ.get(ENV_SWITCH) != "all":
+    if mode != "all":
         if q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * k_a.shape[2] < HOPPER_MIN_SCORES:
             return None
         if max(q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
