@@ -296,6 +296,11 @@ class StreamKLConfig(AttentionKLOptions):
             Default: ``["qk"]``.
         relation_heads: the number of relation heads :math:`A_r`; ``None`` takes the student layer's number of
             query heads. Each side's concatenated queries (keys, values) must split evenly. Default: ``None``.
+        fuse_pairs: run the terms that share every shape, option and mask as one
+            :func:`streamkl.attention_kl` call on their heads concatenated, when each is launch-bound (at most
+            :data:`~lightning_streamkl.terms.FUSE_MAX_SCORES` score elements, e.g. BERT-sized layers): the op's host
+            overhead is then paid once per step instead of once per pair. Values and gradients equal the per-pair
+            calls' up to float32 summation order. ``False`` calls the op once per term. Default: ``True``.
 
     Example:
         >>> cfg = StreamKLConfig(pairs=[LayerPair(teacher=-1, student=-1)], teacher_dtype="bfloat16")
@@ -315,6 +320,7 @@ class StreamKLConfig(AttentionKLOptions):
     teacher_sharding: str = option("auto", Choice(TEACHER_SHARDING))
     relations: list[str] = option(check=_Relations(), factory=lambda: ["qk"])
     relation_heads: Optional[int] = option(None, Count(low=1, optional=True))
+    fuse_pairs: bool = option(True, Flag())
 
 
 # ---------------------------------------------------------------------------------------------- validation

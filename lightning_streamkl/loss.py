@@ -26,12 +26,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from streamkl import attention_kl
-
 from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
-from .capture.masks import Masking, PackedSequences, canonical_window, dense_allowed, same_mask
+from .capture.masks import Masking, canonical_window, dense_allowed, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
+from .terms import TermCall, count_packed_rows, count_rows, run_terms
 
 log = logging.getLogger(__name__)
 
@@ -148,47 +147,6 @@ def explicit_pairs(mapping: Mapping[int | str, int | str], *, weight: float = 1.
     return [LayerPair(teacher=t, student=s, weight=weight / len(mapping), **options) for s, t in mapping.items()]
 
 
-def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
-               key_padding_mask: torch.Tensor | None = None, query_mask: torch.Tensor | None = None,
-               window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The number of query rows :func:`streamkl.attention_kl` averages over with ``reduction="mean"``.
-
-    A row counts when it has at least one allowed key (causal: key ``j <= i + N_k - N_q``; inside the ``window``; real
-    per ``key_padding_mask``; allowed by ``attn_mask``) and ``query_mask`` keeps it; every head counts it (a per-head
-    ``attn_mask`` counts per head). Returns a float32 scalar tensor.
-
-    Example:
-        >>> pad = torch.tensor([[True, True, False]])
-        >>> count_rows(1, 2, 3, 3, causal=True, device=torch.device("cpu"), key_padding_mask=pad)
-        tensor(6.)
-        >>> count_rows(1, 2, 2, 3, causal=True, device=torch.device("cpu"), query_mask=torch.tensor([[False, True]]))
-        tensor(2.)
-        >>> count_rows(1, 1, 3, 3, causal=True, device=torch.device("cpu"), window=(0, 0),
-        ...            key_padding_mask=torch.tensor([[True, False, True]]))
-        tensor(2.)
-    """
-    if attn_mask is not None:
-        masking = Masking(causal, window, key_padding_mask, query_mask, None, attn_mask.to(device))
-        rows = dense_allowed(masking, batch, n_q, n_k, device).any(-1)  # [B, H or 1, N_q]
-        return rows.sum().to(torch.float32) * (heads if rows.shape[1] == 1 else 1)
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    aligned = torch.arange(n_q, device=device) + (n_k - n_q)
-    lo = (aligned - left).clamp_min(0) if left >= 0 else torch.zeros_like(aligned)
-    hi = (aligned + right).clamp_max(n_k - 1) if right >= 0 else torch.full_like(aligned, n_k - 1)
-    if key_padding_mask is None:
-        real = (hi - lo + 1).expand(batch, n_q)
-    else:
-        cum = torch.nn.functional.pad(key_padding_mask.to(device=device, dtype=torch.long).cumsum(-1), (1, 0))
-        real = torch.gather(cum, 1, (hi + 1).clamp(0, n_k).expand(batch, n_q)) - \
-            torch.gather(cum, 1, lo.clamp(0, n_k).expand(batch, n_q))
-    valid = (real > 0) & (hi >= lo)
-    if query_mask is not None:
-        valid = valid & query_mask.to(device=device, dtype=torch.bool)
-    return valid.sum().to(torch.float32) * heads
-
-
 def relation_heads_split(x: torch.Tensor, heads: int, *, what: str = "x") -> torch.Tensor:
     """MiniLM-v2's re-split: the heads of ``x [B, H, N, D]`` concatenated (``[B, N, H·D]``, as the layer's output
     projection sees them) and split again into ``heads`` relation heads, ``[B, heads, N, H·D / heads]``.
@@ -213,30 +171,6 @@ def relation_heads_split(x: torch.Tensor, heads: int, *, what: str = "x") -> tor
         raise ValueError(f"Expected the number of relation heads to divide the {what}' concatenated heads ({h} heads "
                          f"× {d} = {h * d}), but got {heads}.")
     return x.transpose(1, 2).reshape(b, n, heads, h * d // heads).transpose(1, 2)
-def count_packed_rows(packed: PackedSequences, heads: int, *, causal: bool,
-                      window: tuple[int, int] | None = None) -> torch.Tensor:
-    """:func:`count_rows` for packed sequences (``layout="thd"``): the query tokens with at least one allowed key in
-    their own sequence, times ``heads``.
-
-    Example:
-        >>> cu_q = torch.tensor([0, 3, 3, 5], dtype=torch.int32)          # the middle sequence has no queries
-        >>> cu_k = torch.tensor([0, 3, 4, 4], dtype=torch.int32)          # the last one has no keys
-        >>> count_packed_rows(PackedSequences(cu_q, cu_k, 3, 3), 2, causal=False)
-        tensor(6.)
-    """
-    cu_q, cu_k = packed.cu_seqlens_q.long(), packed.cu_seqlens_k.long()
-    n_q, n_k = torch.diff(cu_q), torch.diff(cu_k)
-    seq = torch.repeat_interleave(torch.arange(len(n_q), device=cu_q.device), n_q)
-    aligned = torch.arange(int(cu_q[-1]), device=cu_q.device) - cu_q[seq] + (n_k - n_q)[seq]
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    lo = (aligned - left).clamp_min(0) if left >= 0 else torch.zeros_like(aligned)
-    last = n_k[seq] - 1
-    hi = torch.minimum(aligned + right, last) if right >= 0 else last
-    return (hi >= lo).sum().to(torch.float32) * heads
-
-
 @dataclass
 class LossOutput:
     """What :class:`AttentionDistillationLoss` returns for one batch.
@@ -305,6 +239,7 @@ class AttentionDistillationLoss:
         #: Each term's weight (its pair's ``weight``).
         self.weights = [p.weight for p in self.config.pairs for _ in _term_names(p, self.config)]
         self._resolved: list[_ResolvedPair] | None = None
+        self._memo: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
 
     @property
     def needs_values(self) -> bool:
@@ -363,28 +298,38 @@ class AttentionDistillationLoss:
         """
         if self._resolved is None:
             self._resolved = [_ResolvedPair(p, p.teacher, p.student) for p in self.config.pairs]
-        per_pair: dict[str, torch.Tensor] = {}
-        sums, rows = [], []
+        calls: list[TermCall] = []
+        try:
+            for r in self._resolved:
+                t = _lookup(teacher_records, r.teacher, "teacher", r.pair.label)
+                s = _lookup(student_records, r.student, "student", r.pair.label)
+                for relation in _relations(r.pair, self.config):
+                    calls.append(self._term_call(r, t, s, key_padding_mask, query_mask, relation))
+        finally:
+            self._memo.clear()
+        means: list[torch.Tensor | None] = [None] * len(calls)
+        sums: list[torch.Tensor | None] = [None] * len(calls)
+        rows: list[torch.Tensor | None] = [None] * len(calls)
         total = None
-        for r in self._resolved:
-            t = _lookup(teacher_records, r.teacher, "teacher", r.pair.label)
-            s = _lookup(student_records, r.student, "student", r.pair.label)
-            names = _term_names(r.pair, self.config)
-            for name, relation in zip(names, _relations(r.pair, self.config)):
-                kl_sum, n = self._pair_term(r, t, s, key_padding_mask, query_mask, relation)
-                mean = kl_sum / n.clamp_min(1.0)
-                per_pair[name] = mean
-                sums.append(kl_sum.detach().float())
-                rows.append(n)
-                term = mean * r.pair.weight
-                total = term if total is None else total + term
+        for result in run_terms(calls, fuse=self.config.fuse_pairs):
+            group_means = result.kl_sums / result.rows.clamp_min(1.0)
+            weights = [self.weights[i] for i in result.indices]
+            if len(set(weights)) == 1:  # one product for the group (uniform_pairs, last_k_pairs: equal weights)
+                term = (group_means.sum() if len(weights) > 1 else group_means[0]) * weights[0]
+            else:
+                term = sum(group_means[j] * w for j, w in enumerate(weights))
+            total = term if total is None else total + term
+            detached = result.kl_sums.detach().float()
+            for j, i in enumerate(result.indices):
+                means[i], sums[i], rows[i] = group_means[j], detached[j], result.rows
         assert total is not None
-        return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))
+        per_pair = dict(zip(self.pair_names, means))
+        return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------------ one pair
-    def _pair_term(self, r: _ResolvedPair, t: CapturedAttention, s: CapturedAttention,
+    def _term_call(self, r: _ResolvedPair, t: CapturedAttention, s: CapturedAttention,
                    key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None, relation: str = "qk",
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   ) -> TermCall:
         cfg, pair = self.config, r.pair
         label = f"pair {pair.label!r} (teacher {r.teacher!r}, student {r.student!r})"
         for rec, side in ((t, "teacher"), (s, "student")):
@@ -440,28 +385,11 @@ class AttentionDistillationLoss:
         if k_s.dtype != q_s.dtype:
             k_s = k_s.to(q_s.dtype)
         options = dict(
-            causal=causal, scale_t=scale_t, scale_s=scale_s, window=masking.window, softcap_t=softcap_t,
-            softcap_s=softcap_s, sinks_t=sinks_t, sinks_s=sinks_s,
+            scale_t=scale_t, scale_s=scale_s, softcap_t=softcap_t, softcap_s=softcap_s,
             temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
-            direction=pair.direction or cfg.direction, reduction="sum", backend=cfg.backend,
+            direction=pair.direction or cfg.direction, backend=cfg.backend,
         )
-        heads = q_t.shape[1]
-        # the op computes in fp32 itself; autocast must not downcast its internal products
-        with torch.autocast(device_type=device.type, enabled=False):
-            if masking.packed is not None:
-                p = masking.packed
-                kl_sum = attention_kl(
-                    p.gather(q_t, "q"), p.gather(k_t, "k"), p.gather(q_s, "q"), p.gather(k_s, "k"), layout="thd",
-                    cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
-                    max_seqlen_k=p.max_seqlen_k, **options)
-                n = count_packed_rows(p, heads, causal=causal, window=masking.window)
-            else:
-                kl_sum = attention_kl(q_t, k_t, q_s, k_s, key_padding_mask=masking.key_padding_mask,
-                                      query_mask=masking.query_mask, attn_mask=masking.attn_mask, **options)
-                n = count_rows(b_t, heads, n_qt, n_k, causal=causal, device=device,
-                               key_padding_mask=masking.key_padding_mask, query_mask=masking.query_mask,
-                               window=masking.window, attn_mask=masking.attn_mask)
-        return kl_sum, n
+        return TermCall(q_t, k_t, q_s, k_s, masking, sinks_t, sinks_s, options)
 
     def _relation_inputs(self, pair: LayerPair, label: str, relation: str, t: CapturedAttention,
                          s: CapturedAttention, q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
@@ -528,12 +456,12 @@ class AttentionDistillationLoss:
         """The one mask of the pair: each side's own, which must allow the same keys for every counted row."""
         (mt, legacy_t), (ms, legacy_s) = (
             self._side(label, rec, key_padding_mask, query_mask, batch, n_q, n_k, device, causal) for rec in (t, s))
-        qm = _both(mt.query_mask, ms.query_mask)
+        qm = self._both(mt.query_mask, ms.query_mask)
         if legacy_t or legacy_s:  # a record without its call's masks: the batch's padding fills in, combined
-            kpm = _both(mt.key_padding_mask, ms.key_padding_mask)
+            kpm = self._both(mt.key_padding_mask, ms.key_padding_mask)
             mt, ms = replace(mt, key_padding_mask=kpm), replace(ms, key_padding_mask=kpm)
-        same = mt.window == ms.window and same_mask(mt.key_padding_mask, ms.key_padding_mask) and \
-            same_mask(mt.attn_mask, ms.attn_mask) and (
+        same = mt.window == ms.window and self._same_mask(mt.key_padding_mask, ms.key_padding_mask) and \
+            self._same_mask(mt.attn_mask, ms.attn_mask) and (
                 (mt.packed is None and ms.packed is None)
                 or (mt.packed is not None and ms.packed is not None and mt.packed.same_as(ms.packed)))
         if not same:  # described differently: compare the keys each counted row sees
@@ -545,6 +473,29 @@ class AttentionDistillationLoss:
                     f"allow the same keys for every query row.{_mismatch_hint(mt, ms)}"
                 )
         return replace(mt, causal=causal, query_mask=None if mt.packed is not None else qm)
+
+    def _both(self, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        """The entries both optional bool masks keep (``None`` keeps everything). Within one call of the loss the
+        same two masks give the same tensor (every layer of a model reads one mask), so the terms that share them
+        can fuse (:func:`~lightning_streamkl.terms.run_terms`)."""
+        if a is None or b is None or a is b:
+            return a if b is None else b
+        return self._per_call("both", a, b, lambda: a & b.to(a.device))
+
+    def _same_mask(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        """:func:`~lightning_streamkl.capture.masks.same_mask`, compared once per call of the loss for each two
+        masks (a comparison reads the result on the host: one synchronisation per step, not one per pair)."""
+        if a is b:
+            return True
+        if a is None or b is None:
+            return same_mask(a, b)
+        return self._per_call("same", a, b, lambda: same_mask(a, b))
+
+    def _per_call(self, what: str, a: torch.Tensor, b: torch.Tensor, compute):
+        key = (what, id(a), id(b))
+        if key not in self._memo:  # (a and b are kept alive with the result: their ids stay theirs)
+            self._memo[key] = (a, b, compute())
+        return self._memo[key][2]
 
     def _side(self, label: str, rec: CapturedAttention, key_padding_mask: torch.Tensor | None,
               query_mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, device: torch.device,
@@ -595,13 +546,6 @@ class AttentionDistillationLoss:
         if h_t < h_s:
             return repeat(q_t, 1), q_s, repeat(sinks_t, 0), sinks_s
         return q_t, repeat(q_s, 1), sinks_t, repeat(sinks_s, 0)
-
-
-def _both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    """The entries both optional bool masks keep (``None`` keeps everything)."""
-    if a is None or b is None:
-        return a if b is None else b
-    return a & b.to(a.device)
 
 
 def _mismatch_hint(t: Masking, s: Masking) -> str:

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_streamkl"
 #: Module (or subpackage) -> layer; a module may import only from its own layer or below.
 LAYERS = {
     "options": 0, "capture": 0, "config": 1,
-    "loss": 2, "metrics": 2, "teacher": 2,
+    "terms": 2, "loss": 2, "metrics": 2, "teacher": 2,
     "engine": 3,
     "step_wrapper": 4, "adapter": 5,
     "callback": 6, "mixin": 6, "continual": 6, "indexer": 6,
@@ -24,7 +24,7 @@ LAYERS = {
     "jobs": 8,
 }
 ADAPTERS = {"callback", "mixin", "continual", "indexer"}
-LIGHTNING_FREE = {"options", "capture", "config", "loss", "metrics", "teacher", "engine"}
+LIGHTNING_FREE = {"options", "capture", "config", "terms", "loss", "metrics", "teacher", "engine"}
 
 
 def _module_name(path: Path) -> str:
