@@ -400,3 +400,17 @@ def test_perf_notes_v7_tables_are_bench_hopper_output():
     for row in data["shapes"]:
         assert row["default_picks_hopper"] == (row["d"] == 128), row["name"]
         assert row["rel_hopper_vs_portable"] < 1e-5, row["name"]
+
+
+def test_perf_notes_v8_table_is_bench_pairs_output():
+    """docs/perf-notes.md's v8 block is bench_pairs.py's rendering of the committed H100 run (``--render`` writes
+    it); in that run every setup was measured three times per column and the fused loss agreed with one call per
+    pair (values and student gradients)."""
+    bench = _load(ROOT / "benchmarks" / "bench_pairs.py", "bench_pairs")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks({bench.BLOCK: bench.table(data)}, "benchmarks/bench_pairs.py --render")
+    assert [r["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    for row in data["rows"]:
+        assert all(len(runs) == 3 and min(runs) > 0 for runs in row["runs_ms"].values()), row["name"]
+        assert row["agreement"]["total rel"] < 1e-5, row["name"]
+        assert row["agreement"]["grad rel L2 (max over tensors)"] < 1e-2, row["name"]
