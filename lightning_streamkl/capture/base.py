@@ -169,6 +169,7 @@ class AttentionCapture(ABC):
         self.selected: set[str] | None = None
         self._depth = 0
         self._paths: dict[int, str] | None = None
+        self._by_path: dict[str, nn.Module] | None = None
         self._layers: list[str] | None = None
 
     # ---------------------------------------------------------------- what subclasses provide
@@ -211,8 +212,20 @@ class AttentionCapture(ABC):
     def module_path(self, module: nn.Module) -> str | None:
         """The path of ``module`` inside the captured model, or ``None`` when it is not part of it."""
         if self._paths is None:
-            self._paths = {id(m): name for name, m in self.named_modules()}
-        return self._paths.get(id(module))
+            self._index()
+        return self._paths.get(id(module))  # type: ignore[union-attr]
+
+    def modules_at(self, paths: Iterable[str]) -> list[nn.Module]:
+        """The modules at ``paths`` (as :meth:`named_modules` names them), looked up in an index built once: walking
+        a large model's modules every step cost milliseconds of host time per step and model."""
+        if self._by_path is None:
+            self._index()
+        return [self._by_path[p] for p in paths]  # type: ignore[index]
+
+    def _index(self) -> None:
+        named = list(self.named_modules())
+        self._by_path = dict(named)
+        self._paths = {id(m): name for name, m in named}
 
     def resolve(self, layer: str | int, *, role: str = "layer") -> str:
         """Map a layer reference (module path, or index into :meth:`layer_names`, negative from the end).

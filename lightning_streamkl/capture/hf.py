@@ -435,8 +435,7 @@ class HFAttentionCapture(AttentionCapture):
     def _attach(self) -> None:
         names = self.layer_names()
         wanted = names if self.selected is None else [n for n in names if n in self.selected]
-        modules = dict(self.named_modules())
-        self._owned = [modules[n] for n in wanted]
+        self._owned = self.modules_at(wanted)
         for m in self._owned:
             _drop_pending(id(m))  # a previous step's copies whose backward never came
             _OWNERS.setdefault(id(m), []).append(self)
@@ -464,7 +463,9 @@ class HFAttentionCapture(AttentionCapture):
         cross = bool(getattr(module, "is_cross_attention", False))
         if not cross:
             named = dict(kwargs)
-            signature = _signature(type(module).forward)
+            # with the hidden states as the only positional argument the keywords say everything: the signature is
+            # bound (tens of microseconds per call) only for a call with more positional arguments
+            signature = _signature(type(module).forward) if len(args) > 1 else None
             if signature is not None:
                 with contextlib.suppress(TypeError):
                     named = signature.bind_partial(module, *args, **kwargs).arguments

@@ -66,11 +66,8 @@ class MultiheadAttentionCapture(AttentionCapture):
         return [name for name, m in self.named_modules() if isinstance(m, nn.MultiheadAttention)]
 
     def _attach(self) -> None:
-        modules = dict(self.named_modules())
-        for name in self.layer_names():
-            if self.selected is not None and name not in self.selected:
-                continue
-            m = modules[name]
+        wanted = [n for n in self.layer_names() if self.selected is None or n in self.selected]
+        for name, m in zip(wanted, self.modules_at(wanted)):
             if m.bias_k is not None or m.add_zero_attn:
                 raise ValueError(
                     f"nn.MultiheadAttention {name!r} uses add_bias_kv/add_zero_attn, which attention_kl cannot "

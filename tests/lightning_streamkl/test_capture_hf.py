@@ -192,3 +192,28 @@ def test_unknown_layer_lists_close_matches():
     with pytest.raises(ValueError, match=r"index 5 is out of range: LlamaForCausalLM has 2 attention layers"):
         capture.resolve(5)
     assert capture.resolve(-1) == "model.layers.1.self_attn"
+
+
+def test_the_model_is_walked_once_not_every_step(monkeypatch):
+    """Opening a recording block looked every selected layer up by walking all of the model's modules: milliseconds
+    of host time per step and model at BERT-base size. The index is built once; every step records the same."""
+    model = tiny_bert(layers=3)
+    capture = HFAttentionCapture(model)
+    capture.select({capture.layer_names()[1]})
+    walks = []
+    original = type(model).named_modules
+
+    def counting(self, *args, **kwargs):
+        if self is model:
+            walks.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "named_modules", counting)
+    batch = token_batch(2, 7)
+    shapes = []
+    for _ in range(3):
+        with capture.recording():
+            model(**batch)
+        shapes.append({name: tuple(r.q.shape) for name, r in capture.pop().items()})
+    assert shapes == [{capture.layer_names()[1]: (2, 4, 7, 8)}] * 3
+    assert len(walks) <= 1

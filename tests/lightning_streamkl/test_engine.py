@@ -244,3 +244,38 @@ def test_default_forwards_pass_packed_keys_to_models_and_every_key_to_wrappers()
     assert all(student_seen[k] == 4 for k in PACKED_SEQUENCE_KEYS)
     assert default_teacher_forward(Wrapper(), batch) == {k: v for k, v in batch.items() if k != "labels"}
     assert default_student_forward(Wrapper(), batch) == batch
+
+
+def test_placing_the_teacher_lists_its_tensors_once_and_still_sees_a_move(monkeypatch):
+    """Each pass checks that every teacher tensor is where (and in the dtype) it should be. Walking the modules for
+    that cost milliseconds per step at BERT-base size; the tensors are listed once, and a teacher someone else moved
+    or cast between passes (the parameters keep their objects, buffers are replaced) is still put back."""
+    from lightning_streamkl.teacher import FrozenTeacher
+
+    module = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    frozen = FrozenTeacher(module, dtype="float64")
+    frozen.prepare()
+    walks = []
+    original = nn.Module.named_modules
+
+    def counting(self, *args, **kwargs):
+        if self is module:
+            walks.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "named_modules", counting)
+    for _ in range(3):
+        with frozen.placed(torch.device("cpu")):
+            assert module[0].weight.dtype == torch.float64 and module[1].running_mean.dtype == torch.float64
+    first = len(walks)
+    for _ in range(3):
+        with frozen.placed(torch.device("cpu")):
+            pass
+    assert len(walks) == first  # no walk once the tensors are listed and in place
+    module.float()  # cast behind the teacher's back: parameters keep their objects, buffers are new tensors
+    with frozen.placed(torch.device("cpu")):
+        assert module[0].weight.dtype == torch.float64 and module[1].running_mean.dtype == torch.float64
+    module[1].running_var = torch.ones(3)  # a new float32 buffer object, then a cast of the parameters
+    module[0].float()
+    with frozen.placed(torch.device("cpu")):
+        assert module[1].running_var.dtype == torch.float64 and module[0].weight.dtype == torch.float64
