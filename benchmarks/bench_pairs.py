@@ -13,8 +13,16 @@ GPU in one run:
 Each is timed three times, interleaved (``do_bench`` medians, ms); the table shows the median of the three and the
 JSON keeps all three. The fused and per-pair totals and student gradients are compared in the same run.
 
+Then a whole training step (``STEP``: a BERT-base-sized teacher, 12 layers, and a MiniLM-sized student, 6 layers of
+384 dims, both built from configs; bf16 autocast, AdamW; a padded batch): the step without distillation, and with
+the engine (:class:`lightning_streamkl.AttentionDistiller`, ``uniform_pairs``: 6 pairs; the teacher's pass
+included) fused and per pair: ``STEP_ROUNDS`` paired rounds, each timing every variant over ``STEP_ITERS`` steps
+(median); the ratios are medians of the per-round ratios, with an exact sign test over the rounds.
+
     PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --out benchmarks/results   # GPU, about a minute
     PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --render                   # the table into the docs
+    PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --profile                  # where a distilled step's host
+                                                                                    # time goes (cProfile)
 
 Timing assertions never go into tests; the numbers here are ratios measured in one run.
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -48,7 +57,7 @@ SHAPES = [
 RESULT_NAME = "pairs.json"
 H100_RESULT = os.path.join(HERE, "results", "nvidia-h100-80gb-hbm3-pairs.json")
 DOCS = [os.path.join(HERE, "..", "docs", "perf-notes.md")]
-BLOCK = "pairs:table"
+BLOCK, STEP_BLOCK = "pairs:table", "pairs:step"
 
 
 def records(layers: int, b: int, h: int, n: int, d: int, *, grad: bool, seed: int, mask: torch.Tensor | None):
@@ -111,11 +120,131 @@ def measure(shape: tuple) -> dict:
     }
 
 
+#: the end-to-end step: batch, tokens, teacher (layers, hidden, heads), student (layers, hidden, heads)
+STEP = {"batch": 16, "tokens": 256, "teacher": (12, 768, 12), "student": (6, 384, 12)}
+STEP_ITERS = 10
+STEP_ROUNDS = 15
+
+
+def bert(layers: int, hidden: int, heads: int, seed: int):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers,
+                     intermediate_size=4 * hidden, vocab_size=30522, max_position_embeddings=512,
+                     attn_implementation="sdpa", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertModel(cfg, add_pooling_layer=False).cuda()
+
+
+def step_times(profile: bool = False) -> dict:
+    """Median ms per training step: the student alone, and with the engine's attention-KL loss fused / per pair.
+    With ``profile``, instead the top cProfile entries (internal time) of ten distilled steps, printed."""
+    from lightning_streamkl import AttentionDistiller, uniform_pairs
+
+    b, n = STEP["batch"], STEP["tokens"]
+    teacher = bert(*STEP["teacher"], seed=0).to(torch.bfloat16).eval()
+    student = bert(*STEP["student"], seed=1)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1000, 30000, (b, n), generator=g).cuda(),
+             "attention_mask": torch.ones(b, n, dtype=torch.long).cuda()}
+    batch["attention_mask"][::4, 3 * n // 4:] = 0  # a quarter of the sequences padded
+    pairs = uniform_pairs(STEP["teacher"][0], STEP["student"][0])
+    distiller = AttentionDistiller(teacher, {"pairs": pairs, "backend": "triton"})
+    distiller.setup(student)
+
+    def step(fuse: bool | None):
+        def run_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if fuse is None:
+                    loss = student(**batch).last_hidden_state.float().pow(2).mean()
+                else:
+                    distiller.loss.config.fuse_pairs = fuse
+                    distiller.begin_step(batch)
+                    with distiller.student_recording():
+                        task = student(**batch).last_hidden_state.float().pow(2).mean()
+                    loss = task + distiller.end_step(batch).total
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return run_step
+
+    def teacher_pass(captured: bool):
+        def run_pass():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if captured:  # the engine's teacher pass: placement check, capture, early exit after layer 12
+                    distiller.begin_step(batch)
+                    distiller.teacher_capture.pop()
+                else:
+                    with torch.no_grad():
+                        teacher(**batch)
+
+        return run_pass
+
+    fns = {"student alone": step(None), "fused": step(True), "per pair": step(False),
+           "teacher pass": teacher_pass(False), "teacher pass, captured": teacher_pass(True)}
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        fns["fused"]()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(10):
+            fns["fused"]()
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        print(out.getvalue())
+        return {}
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(STEP_ROUNDS):  # paired rounds: each round times every variant back to back
+        for key, fn in fns.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(STEP_ITERS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            runs[key].append(statistics.median(times))
+    ms = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = [p / f for p, f in zip(runs["per pair"], runs["fused"])]
+    slower = sum(r > 1 for r in ratios)
+    return {"setup": STEP, "pairs": len(pairs), "rounds": STEP_ROUNDS, "ms": ms, "runs_ms": runs,
+            "fused_over_alone": statistics.median(f / a for f, a in zip(runs["fused"], runs["student alone"])),
+            "per_pair_over_alone": statistics.median(p / a for p, a in zip(runs["per pair"], runs["student alone"])),
+            "per_pair_over_fused": statistics.median(ratios),
+            "rounds_per_pair_slower": slower, "sign_test_p": sign_test_p(slower, len(ratios)),
+            "captured_teacher_over_plain": statistics.median(
+                c / t for c, t in zip(runs["teacher pass, captured"], runs["teacher pass"]))}
+
+
+def sign_test_p(successes: int, n: int) -> float:
+    """Two-sided exact sign test: the probability, with no difference (p = 1/2 per round), of a split at least as
+    uneven as ``successes`` of ``n``.
+
+    Example:
+        >>> round(sign_test_p(10, 10), 4), sign_test_p(5, 10)
+        (0.002, 1.0)
+    """
+    k = max(successes, n - successes)
+    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def run() -> dict:
     import triton
 
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "rows": [measure(s) for s in SHAPES]}
+            "python": platform.python_version(), "rows": [measure(s) for s in SHAPES], "step": step_times()}
 
 
 def spread(runs: list[float]) -> float:
@@ -137,23 +266,52 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def step_table(data: dict) -> str:
+    st = data["step"]
+    (lt, ht, _), (ls, hs, _) = st["setup"]["teacher"], st["setup"]["student"]
+    lines = [f"| training step (B={st['setup']['batch']}, N={st['setup']['tokens']}, teacher {lt}×{ht}, student "
+             f"{ls}×{hs}, {st['pairs']} pairs; {st['rounds']} paired rounds) | ms per step (median) "
+             "| / student alone (median of the rounds' ratios) |", "|---|---|---|"]
+    lines.append(f"| student alone | {st['ms']['student alone']:.2f} | 1 |")
+    lines.append(f"| fused | {st['ms']['fused']:.2f} | {st['fused_over_alone']:.2f}× |")
+    lines.append(f"| per pair | {st['ms']['per pair']:.2f} | {st['per_pair_over_alone']:.2f}× |")
+    lines.append(f"| per pair / fused | | {st['per_pair_over_fused']:.3f}× (per pair slower in "
+                 f"{st['rounds_per_pair_slower']} of {st['rounds']} rounds; sign test p = {st['sign_test_p']:.2g}) |")
+    lines.append(f"| the teacher's pass alone (no capture) | {st['ms']['teacher pass']:.2f} | |")
+    lines.append(f"| the teacher's pass as the engine runs it (captured) | {st['ms']['teacher pass, captured']:.2f} "
+                 f"| {st['captured_teacher_over_plain']:.2f}× the pass alone |")
+    return "\n".join(lines)
+
+
+def blocks(data: dict) -> dict[str, str]:
+    """The generated blocks of docs/perf-notes.md v8: name -> markdown."""
+    return {BLOCK: table(data), STEP_BLOCK: step_table(data)}
+
+
 def render(path: str = H100_RESULT, docs: list[str] = DOCS) -> None:
     with open(path) as f:
         data = json.load(f)
     for doc in docs:
         with open(doc) as f:
             text = f.read()
+        for name, body in blocks(data).items():
+            text = replace_block(text, name, body)
         with open(doc, "w") as f:
-            f.write(replace_block(text, BLOCK, table(data)))
+            f.write(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="directory for <gpu>-pairs.json")
     parser.add_argument("--render", nargs="?", const=H100_RESULT, help="write a results file's table into the docs")
+    parser.add_argument("--profile", action="store_true",
+                        help="only print the top cProfile entries of the distilled training step")
     args = parser.parse_args(argv)
     if args.render:
         render(args.render)
+        return
+    if args.profile:
+        step_times(profile=True)
         return
     from bench_attention_kl import gpu_tag, write_json
 
@@ -161,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{RESULT_NAME}")
     write_json(out, data)
     print(table(data))
+    print(step_table(data))
     print(f"wrote {out}")
 
 

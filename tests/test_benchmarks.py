@@ -408,9 +408,10 @@ def test_perf_notes_v8_table_is_bench_pairs_output():
     pair (values and student gradients)."""
     bench = _load(ROOT / "benchmarks" / "bench_pairs.py", "bench_pairs")
     data = json.loads(Path(bench.H100_RESULT).read_text())
-    _assert_perf_notes_blocks({bench.BLOCK: bench.table(data)}, "benchmarks/bench_pairs.py --render")
+    _assert_perf_notes_blocks(bench.blocks(data), "benchmarks/bench_pairs.py --render")
     assert [r["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
     for row in data["rows"]:
         assert all(len(runs) == 3 and min(runs) > 0 for runs in row["runs_ms"].values()), row["name"]
         assert row["agreement"]["total rel"] < 1e-5, row["name"]
         assert row["agreement"]["grad rel L2 (max over tensors)"] < 1e-2, row["name"]
+    assert all(len(runs) == data["step"]["rounds"] and min(runs) > 0 for runs in data["step"]["runs_ms"].values())
