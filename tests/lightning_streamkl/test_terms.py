@@ -111,8 +111,8 @@ def test_packed_sequences_and_relations_fuse(op_calls):
     student = _records(2, b=1, h_k=4, seed=5, grad=True, causal=True, packed=packed)
     config = {"pairs": [["l0", "l0"], ["l1", "l1"]], "relations": ["qk", "qq", "kk"], "relation_heads": 2}
     fused = _run(config, teacher, student)
-    # per relation, one call: "qk" (4 heads of 8) and "qq"/"kk" (2 relation heads of 16) differ only in shapes,
-    # "qq" and "kk" share them: three calls in all for six terms
+    # "qk" (4 heads of 8) for both pairs is one call; "qq" and "kk" (2 relation heads of 16) share shapes and options,
+    # so the four relation terms are another: two calls for six terms
     assert len(op_calls) == 2
     alone = _run({**config, "fuse_pairs": False}, teacher, student)
     assert len(op_calls) == 2 + 6
