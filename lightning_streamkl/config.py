@@ -299,8 +299,10 @@ class StreamKLConfig(AttentionKLOptions):
         fuse_pairs: run the terms that share every shape, option and mask as one
             :func:`streamkl.attention_kl` call on their heads concatenated, when each is launch-bound (at most
             :data:`~lightning_streamkl.terms.FUSE_MAX_SCORES` score elements, e.g. BERT-sized layers): the op's host
-            overhead is then paid once per step instead of once per pair. Values and gradients equal the per-pair
-            calls' up to float32 summation order. ``False`` calls the op once per term. Default: ``True``.
+            overhead is then paid once per step instead of once per pair. A group concatenates at most
+            :data:`~lightning_streamkl.terms.FUSE_MAX_BYTES` of queries and keys per call (the copies are kept for
+            the backward). Values and gradients equal the per-pair calls' up to float32 summation order. ``False``
+            calls the op once per term. Default: ``True``.
 
     Example:
         >>> cfg = StreamKLConfig(pairs=[LayerPair(teacher=-1, student=-1)], teacher_dtype="bfloat16")

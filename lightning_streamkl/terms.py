@@ -8,7 +8,8 @@ runs them. Terms that are launch-bound (at most :data:`FUSE_MAX_SCORES` score el
 every option, shape and mask run as **one** call on their heads concatenated (``torch.cat`` along the head
 dimension; the op treats every head as its own problem), with one row count: a student with twelve paired layers at
 ``N = 512`` pays the op's host overhead once per step instead of twelve times. Larger terms run one by one: there the
-GPU work dominates and the concatenated copies would cost memory. :func:`count_rows` and :func:`count_packed_rows`
+GPU work dominates and the concatenated copies would cost memory; for the same reason a group concatenates at most
+:data:`FUSE_MAX_BYTES` of queries and keys per call. :func:`count_rows` and :func:`count_packed_rows`
 are the mean's denominators.
 """
 
@@ -23,12 +24,18 @@ from streamkl import attention_kl
 
 from .capture.masks import Masking, PackedSequences, dense_allowed
 
-__all__ = ["FUSE_MAX_SCORES", "TermCall", "TermResult", "count_packed_rows", "count_rows", "run_terms"]
+__all__ = ["FUSE_MAX_BYTES", "FUSE_MAX_SCORES", "TermCall", "TermResult", "count_packed_rows", "count_rows",
+           "run_terms"]
 
 #: Terms with at most this many score elements (``B · H · N_q · N_k``) are fused with terms like them. Below it one
 #: call's GPU time (about 1 ms forward+backward at 2^27 scores on an H100, D = 64) is comparable with its host time,
-#: so calls are launch-bound; the concatenated copies are then at most a few tens of MB.
+#: so calls are launch-bound.
 FUSE_MAX_SCORES = 1 << 27
+#: At most this many bytes of queries and keys (both sides) are concatenated into one call; a larger group runs as
+#: several calls. The copies are kept for the backward (the student's next to its own), so this bounds the extra
+#: memory at large batch sizes and many pairs (twelve BERT-base pairs at B = 8, N = 512 hold 288 MiB in bf16: one
+#: call).
+FUSE_MAX_BYTES = 1 << 30
 
 
 def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
@@ -139,6 +146,11 @@ class TermCall:
         b, h, n_q, _ = self.q_t.shape
         return b * h * n_q * self.k_t.shape[2]
 
+    @property
+    def bytes(self) -> int:
+        """The bytes of the four tensors (what a fused call copies)."""
+        return sum(x.numel() * x.element_size() for x in (self.q_t, self.k_t, self.q_s, self.k_s))
+
     def run(self, reduction: str) -> torch.Tensor:
         """``attention_kl`` of the term (``reduction`` "sum", or "none": per row ``[B, H, N_q]``, ``[T, H]`` when
         packed), outside autocast (the op computes in fp32 itself)."""
@@ -189,7 +201,7 @@ class TermResult:
 
 def run_terms(calls: list[TermCall], *, fuse: bool = True) -> list[TermResult]:
     """Run every term: with ``fuse``, terms with equal :meth:`TermCall.fuse_key` as one call on their heads
-    concatenated, the rest one call each.
+    concatenated (several calls when their tensors exceed :data:`FUSE_MAX_BYTES`), the rest one call each.
 
     The fused call computes the per-row KL of all heads (``reduction="none"``) and sums it per term, so each term's
     value and gradients are those of its own call up to float32 summation order.
@@ -202,12 +214,15 @@ def run_terms(calls: list[TermCall], *, fuse: bool = True) -> list[TermResult]:
         >>> len(run_terms(calls, fuse=False))
         3
     """
-    groups: dict[object, list[int]] = {}
+    groups: dict[object, list[list[int]]] = {}
     for i, call in enumerate(calls):
         key = call.fuse_key() if fuse else None
-        groups.setdefault(("alone", i) if key is None else key, []).append(i)
+        chunks = groups.setdefault(("alone", i) if key is None else key, [[]])
+        if chunks[-1] and sum(calls[j].bytes for j in chunks[-1]) + call.bytes > FUSE_MAX_BYTES:
+            chunks.append([])  # this group's concatenated copies would exceed FUSE_MAX_BYTES: start another call
+        chunks[-1].append(i)
     results = []
-    for indices in groups.values():
+    for indices in (chunk for chunks in groups.values() for chunk in chunks):
         first = calls[indices[0]]
         if len(indices) == 1:
             results.append(TermResult(indices, first.run("sum").reshape(1), first.count()))

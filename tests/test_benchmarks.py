@@ -415,3 +415,7 @@ def test_perf_notes_v8_table_is_bench_pairs_output():
         assert row["agreement"]["total rel"] < 1e-5, row["name"]
         assert row["agreement"]["grad rel L2 (max over tensors)"] < 1e-2, row["name"]
     assert all(len(runs) == data["step"]["rounds"] and min(runs) > 0 for runs in data["step"]["runs_ms"].values())
+    from lightning_streamkl.terms import FUSE_MAX_BYTES
+
+    for name, pairs, b, h, n, d, _ in bench.SHAPES:  # the notes say every setup runs as one call (bf16: 2 bytes)
+        assert 4 * pairs * b * h * n * d * 2 <= FUSE_MAX_BYTES, name

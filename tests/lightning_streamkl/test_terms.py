@@ -208,3 +208,15 @@ def test_rows_counted_on_the_host_equal_the_device_count(n_q, n_k, causal, windo
     total = call.run("sum")
     mean = terms.attention_kl(call.q_t, call.k_t, call.q_s, call.k_s, causal=causal, window=window)
     torch.testing.assert_close(total / host.clamp_min(1), mean)
+
+
+def test_a_group_over_the_byte_budget_runs_as_several_calls(op_calls, monkeypatch):
+    """The concatenated copies are kept for the backward: a group whose tensors exceed FUSE_MAX_BYTES is split into
+    calls under it, in order, with the same values and gradients."""
+    teacher, student = _records(5, seed=1, causal=True), _records(5, seed=2, grad=True, causal=True)
+    one = terms.TermCall(teacher["l0"].q, teacher["l0"].k, student["l0"].q, student["l0"].k, Masking(True)).bytes
+    monkeypatch.setattr(terms, "FUSE_MAX_BYTES", 2 * one)
+    pairs = [{"teacher": f"l{i}", "student": f"l{i}", "weight": 1.0 + i} for i in range(5)]
+    fused = _run({"pairs": pairs}, teacher, student)
+    assert op_calls == ["none", "none", "sum"]  # 2 + 2 + 1 terms
+    _assert_same(fused, _run({"pairs": pairs, "fuse_pairs": False}, teacher, student))
