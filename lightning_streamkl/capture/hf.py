@@ -57,6 +57,11 @@ _PATCHES: dict[tuple[int, str], _Patch] = {}
 _PENDING: dict[int, _Pending] = {}
 # id(mask) -> (mask, key, Masking): a mask object's reading, shared by the layers of one forward pass
 _MASKS: dict[int, tuple[Any, tuple, Masking]] = {}
+# (implementation, shapes, flags, scalar and tensor arguments) -> (the tensors, their flash-attention Masking)
+_FLASH_MASKS: dict[tuple, tuple[tuple, Masking]] = {}
+#: the call arguments flash_masking reads: tensors (compared by identity and version) and scalars (by value)
+FLASH_TENSOR_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
+FLASH_SCALAR_KWARGS = ("sliding_window", "max_length_q", "max_length_k")
 _USES_INTERFACE: dict[type, bool] = {}
 _SIGNATURES: dict[Any, inspect.Signature | None] = {}
 
@@ -374,7 +379,17 @@ def call_masking(name: str, module: nn.Module, query: torch.Tensor, key: torch.T
         return Masking(causal=n_q > 1)
     if kind != "flash":
         kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}  # only flash-attention infers packing
-    return flash_masking(mask, batch, n_q, n_k, kwargs, flag, self_attention=self_attention)
+    # every layer of a pass gets the same mask and offsets: read them once (host synchronisations), and give every
+    # layer the same Masking, whose tensors then let the loss fuse the layers' pairs (lightning_streamkl.terms)
+    tensors = (mask, *(kwargs.get(k) for k in FLASH_TENSOR_KWARGS))
+    key = (kind, batch, n_q, n_k, self_attention, flag, *(kwargs.get(k) for k in FLASH_SCALAR_KWARGS),
+           *(None if t is None else (id(t), None if t.is_inference() else t._version) for t in tensors))
+    cached = _FLASH_MASKS.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], tensors)):
+        return cached[1]
+    masking = flash_masking(mask, batch, n_q, n_k, kwargs, flag, self_attention=self_attention)
+    _FLASH_MASKS[key] = (tensors, masking)  # (holding the tensors keeps their ids theirs)
+    return masking
 
 
 class HFAttentionCapture(AttentionCapture):
@@ -457,6 +472,7 @@ class HFAttentionCapture(AttentionCapture):
         self._cross = {}
         if not _OWNERS:
             _MASKS.clear()
+            _FLASH_MASKS.clear()
 
     def _note_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: whether this call of ``module`` is cross-attention (keys from other states)."""

@@ -174,3 +174,29 @@ def test_a_position_bias_is_refused():
     with pytest.raises(ValueError, match=r"'encoder.block.0.layer.0.SelfAttention'.*position bias.*`position_bias`"), \
             capture.recording():
         model(input_ids=torch.randint(1, 50, (1, 5)))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_layers_share_one_mask_reading_and_their_pairs_fuse(packed, monkeypatch):
+    """Under flash-attention every layer of a pass gets the same padding mask (or offsets); the capture reads it once
+    per pass (its host synchronisations), so the layers' records share their mask tensors and the loss runs both pairs
+    as one call, with the values of one call per pair."""
+    import lightning_streamkl.terms as terms
+
+    calls = []
+    real = terms.attention_kl
+    monkeypatch.setattr(terms, "attention_kl", lambda *a, **k: calls.append(k["reduction"]) or real(*a, **k))
+    teacher, student = _pair_models("flash_attention_2", "flash_attention_2")
+    batch = token_batch(3, 11, pad="right")
+    if packed:  # one row of two documents, as a packing collator hands them over
+        batch = {"input_ids": batch["input_ids"][:1], "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])}
+    with cpu_flash():
+        fused, t_rec, _, _ = distil(teacher, student, batch, PAIRS)
+        assert calls == ["none"]
+        alone, *_ = distil(teacher, student, batch, PAIRS, fuse_pairs=False)
+    assert calls == ["none", "sum", "sum"]
+    first, last = (t_rec[f"model.layers.{i}.self_attn"].masking() for i in (0, 1))
+    assert (first.packed is not None) == packed
+    assert (first.key_padding_mask is last.key_padding_mask) if not packed else (first.packed is last.packed)
+    for name in ("first", "last"):
+        torch.testing.assert_close(fused.per_pair[name], alone.per_pair[name], rtol=1e-6, atol=1e-9)
