@@ -35,7 +35,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from report import replace_block  # noqa: E402
+from report import write_blocks  # noqa: E402
 
 #: (block_m, block_n, warps, stages) of the fused forward timed per head dim
 FUSED_CANDIDATES = {
@@ -225,12 +225,7 @@ def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
         data = json.load(f)
     with open(tuning_path) as f:
         tuning = json.load(f)
-    with open(doc) as f:
-        text = f.read()
-    for marker, body in blocks(data, tuning).items():
-        text = replace_block(text, marker, body)
-    with open(doc, "w") as f:
-        f.write(text)
+    write_blocks(doc, blocks(data, tuning))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
 from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
-from report import replace_block  # noqa: E402
+from report import write_blocks  # noqa: E402
 
 #: (block_m, block_n, warps, stages) of the Hopper forward timed per head dim
 CANDIDATES = {
@@ -242,12 +242,7 @@ def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
         data = json.load(f)
     with open(tuning_path) as f:
         tuning = json.load(f)
-    with open(doc) as f:
-        text = f.read()
-    for marker, body in blocks(data, tuning).items():
-        text = replace_block(text, marker, body)
-    with open(doc, "w") as f:
-        f.write(text)
+    write_blocks(doc, blocks(data, tuning))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)
 
 from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
 from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
-from report import replace_block  # noqa: E402
+from report import write_blocks  # noqa: E402
 
 #: (name, L pairs, B, H, N, D, padded)
 SHAPES = [
@@ -292,12 +292,7 @@ def render(path: str = H100_RESULT, docs: list[str] = DOCS) -> None:
     with open(path) as f:
         data = json.load(f)
     for doc in docs:
-        with open(doc) as f:
-            text = f.read()
-        for name, body in blocks(data).items():
-            text = replace_block(text, name, body)
-        with open(doc, "w") as f:
-            f.write(text)
+        write_blocks(doc, blocks(data))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -423,6 +423,17 @@ def replace_block(text: str, name: str, body: str) -> str:
     return re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
 
 
+def write_blocks(path: str, blocks: dict[str, str]) -> None:
+    """Rewrite the file at ``path`` with each ``name -> body`` of ``blocks`` between its markers
+    (:func:`replace_block`)."""
+    with open(path) as f:
+        text = f.read()
+    for name, body in blocks.items():
+        text = replace_block(text, name, body)
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def perf_notes(text: str, grid_path: str, tuning_path: str) -> str:
     """``text`` (docs/perf-notes.md) with its bounds table rendered from ``grid_path`` and its tuning tables from
     ``tuning_path``."""

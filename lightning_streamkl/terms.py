@@ -215,12 +215,17 @@ def run_terms(calls: list[TermCall], *, fuse: bool = True) -> list[TermResult]:
         3
     """
     groups: dict[object, list[list[int]]] = {}
+    filled: dict[object, int] = {}  # the bytes of each group's last chunk
     for i, call in enumerate(calls):
         key = call.fuse_key() if fuse else None
-        chunks = groups.setdefault(("alone", i) if key is None else key, [[]])
-        if chunks[-1] and sum(calls[j].bytes for j in chunks[-1]) + call.bytes > FUSE_MAX_BYTES:
+        key = ("alone", i) if key is None else key
+        chunks = groups.setdefault(key, [[]])
+        size = call.bytes
+        if chunks[-1] and filled[key] + size > FUSE_MAX_BYTES:
             chunks.append([])  # this group's concatenated copies would exceed FUSE_MAX_BYTES: start another call
+            filled[key] = 0
         chunks[-1].append(i)
+        filled[key] = filled.get(key, 0) + size
     results = []
     for indices in (chunk for chunks in groups.values() for chunk in chunks):
         first = calls[indices[0]]
