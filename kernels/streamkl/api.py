@@ -155,8 +155,8 @@ def attention_kl(
             atomics (the last bits vary from run to run); it is ignored while
             ``torch.use_deterministic_algorithms(True)`` is on. With a frozen teacher (``"forward"``, Triton
             backend, grad mode on) neither applies: the forward accumulates ``dQ_s`` itself (saved like ``q_s``, in
-            bf16 for bf16 inputs, else fp32) and the backward runs only the key pass, which is deterministic.
-            Default: ``True``.
+            bf16 for bf16 inputs from 32 MiB of fp32 up, else fp32) and the backward runs only the key pass, which is
+            deterministic. Default: ``True``.
         check_finite: raise a ValueError naming the first input that holds a NaN or an infinity (costs one
             device synchronisation). Without it, non-finite values in entries a row never sees (padding, masked
             or out-of-window keys, other packed sequences, excluded rows) never reach that row's KL or any

@@ -12,7 +12,8 @@ Both compute ``KL(P_a ‖ P_b)`` over the canonical problem of :mod:`streamkl._p
 :class:`KLSpec`). The forward returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for fp64 inputs):
 the per-row KL and the two log-sum-exps (nats, sinks included): three numbers per query row, all the state saved
 for the backward, except with side a frozen (:func:`fuses_dq_b`), where the Triton forward also accumulates side b's
-query gradient per unit upstream gradient (bf16 for bf16 inputs, else fp32; the size of ``q_b``) and the backward
+query gradient per unit upstream gradient (bf16 for bf16 inputs from ``NARROW_DQ_MIN_BYTES`` of fp32 up, else fp32;
+the size of ``q_b``) and the backward
 runs only its key pass.
 ``backend`` is ``"reference"`` (chunked PyTorch, any device) or
 ``"triton"`` (fused kernels); ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
@@ -23,6 +24,7 @@ gradients are per-row quantities of the saved state (:func:`sink_gradients`), th
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -35,6 +37,7 @@ from ._validation import result_dtype
 _EMPTY_SHAPE = (0,)
 
 
+@functools.cache
 def _triton_kernels():
     from ._triton import backward, forward  # lazy: importing streamkl must not need a working triton
 
@@ -75,7 +78,7 @@ def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool
     forward = _triton_kernels()[0]
     buffer = forward.new_dq_b_buffer(inputs)
     kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32, buffer)
-    dtype = forward.saved_dq_b_dtype(inputs.q_b.dtype)
+    dtype = forward.saved_dq_b_dtype(inputs.q_b.dtype, buffer.numel())
     return kl, lse_a, lse_b, buffer if dtype == buffer.dtype else buffer.to(dtype)
 
 
@@ -89,7 +92,7 @@ def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, nee
                                                        need_grad_b, allow_tf32, deterministic, dq_b=dq_b)
     else:
         grads = reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b)
-    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, inputs[:4]))
+    return tuple(g if g is None or g.dtype == x.dtype else g.to(x.dtype) for g, x in zip(grads, inputs[:4]))
 
 
 def sink_gradients(grad_kl, kl, lse_a, lse_b, sink_a, sink_b, need_a: bool, need_b: bool):
@@ -179,6 +182,8 @@ class AttentionKLFunction(torch.autograd.Function):
                 attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None, fuse_dq_b=False):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
                           cu_seqlens_k, attn_mask)
+        # lse_a/lse_b never get gradients: leave theirs None instead of materialising two zero tensors per backward
+        ctx.set_materialize_grads(False)
         if fuse_dq_b:
             kl, lse_a, lse_b, dq_b = fused_forward(inputs, spec, backend, allow_tf32)
         else:
@@ -202,15 +207,21 @@ class AttentionKLFunction(torch.autograd.Function):
         return _backward_from_ctx(ctx, grad_kl, _eager_backward)
 
 
+def _mean_of_all(kl, rows: int):
+    """The mean over every row (``rows == kl.numel()``) in one kernel; 0 when there are none (``rows`` is then 1)."""
+    return kl.mean() if kl.numel() else kl.sum() / rows
+
+
 def _reduce(kl, lse_a, reduction: str, rows: int | None):
     """``(loss, divisor)``: ``reduction`` ("sum" | "mean") of the per-row KL, computed exactly as the separate torch
     ops of :func:`reduce_per_row_kl` do (bitwise the same value). ``rows`` is the number of counted rows when the
-    host knows it (no row can be empty), else None: the count is then taken on the device (no synchronisation).
-    ``divisor`` is what the mean divided by (None for "sum")."""
+    host knows it (no row can be empty: every row counts, ``rows == kl.numel()``), and the mean is then ``kl.mean()``,
+    one kernel; else None: the count is taken on the device (no synchronisation). ``divisor`` is what the mean
+    divided by (None for "sum")."""
     if reduction == "sum":
         return kl.sum(), None
     if rows is not None:
-        return kl.sum() / rows, rows
+        return _mean_of_all(kl, rows), rows
     divisor = (~torch.isposinf(lse_a)).sum().clamp_min(1).to(kl.dtype)
     return kl.sum() / divisor, divisor
 
@@ -259,7 +270,7 @@ def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, *args):
     shape = q_a.shape[:3]
     dtype = result_dtype(q_a, k_a, q_b, k_b)
     if args[-1]:  # fuse_dq_b
-        dq_b = q_b.new_empty(q_b.shape, dtype=_triton_kernels()[0].saved_dq_b_dtype(q_b.dtype))
+        dq_b = q_b.new_empty(q_b.shape, dtype=_triton_kernels()[0].saved_dq_b_dtype(q_b.dtype, q_b.numel()))
     else:
         dq_b = q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return (*(q_a.new_empty(shape, dtype=dtype) for _ in range(3)), dq_b)
@@ -362,7 +373,7 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
                                                   deterministic, fuse)
         if reduction == "none":
             return kl, lse_a, lse_b
-        if reduction == "mean" and rows is not None:
-            return kl.sum() / rows, lse_a, lse_b
+        if reduction == "mean" and rows is not None:  # every row counts
+            return _mean_of_all(kl, rows), lse_a, lse_b
         return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), reduction), lse_a, lse_b
     return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse)

@@ -424,14 +424,28 @@ def attention_kl_fwd(
     return kl, lse_a, lse_b
 
 
-def saved_dq_b_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the forward-accumulated query gradient is *saved* in for inputs of ``dtype``: bf16 for bf16 (fp32's
-    range; the backward's one multiplication by the upstream gradient runs in fp32 and rounds once more, so the
-    result is within one bf16 ulp of the two-pass backward's, at half the saved memory), fp32 otherwise (fp16's range
-    would flush the small gradients of a student close to its teacher). The kernel always writes fp32: a bf16 store
-    in its epilogue made the D = 128 kernel spill (benchmarks/kernel_resources.py), so the narrowing is a separate
-    elementwise copy."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+#: Saved query gradients (the fp32 buffer of the frozen-teacher forward) of at least this many bytes are narrowed to
+#: bf16 for bf16 inputs; smaller ones stay fp32: there the copy kernel's host time (~10-25 µs) outweighs the memory.
+NARROW_DQ_MIN_BYTES = 32 << 20
+
+
+def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
+    """The dtype the forward-accumulated query gradient of ``numel`` elements is *saved* in for inputs of ``dtype``.
+
+    bf16 for bf16 inputs when its fp32 buffer has at least :data:`NARROW_DQ_MIN_BYTES` (fp32's range; the backward's
+    one multiplication by the upstream gradient runs in fp32 and rounds once more, so the result is within one bf16
+    ulp of the two-pass backward's, at half the saved memory); fp32 for smaller buffers, where the narrowing copy
+    costs more host time than the memory is worth, and for every other dtype (fp16's range would flush the small
+    gradients of a student close to its teacher). The kernel always writes fp32: a bf16 store in its epilogue made
+    the D = 128 kernel spill (benchmarks/kernel_resources.py), so the narrowing is a separate elementwise copy.
+
+    Example:
+        >>> saved_dq_b_dtype(torch.bfloat16, 1 << 30), saved_dq_b_dtype(torch.bfloat16, 1024)
+        (torch.bfloat16, torch.float32)
+    """
+    if dtype == torch.bfloat16 and numel * 4 >= NARROW_DQ_MIN_BYTES:
+        return torch.bfloat16
+    return torch.float32
 
 
 def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
