@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -45,7 +44,7 @@ sys.path.insert(0, HERE)
 
 from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
 from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
-from report import write_blocks  # noqa: E402
+from report import sign_test_p, write_blocks  # noqa: E402
 
 #: (name, L pairs, B, H, N, D, padded)
 SHAPES = [
@@ -225,19 +224,6 @@ def step_times(profile: bool = False) -> dict:
             "rounds_per_pair_slower": slower, "sign_test_p": sign_test_p(slower, len(ratios)),
             "captured_teacher_over_plain": statistics.median(
                 c / t for c, t in zip(runs["teacher pass, captured"], runs["teacher pass"]))}
-
-
-def sign_test_p(successes: int, n: int) -> float:
-    """Two-sided exact sign test: the probability, with no difference (p = 1/2 per round), of a split at least as
-    uneven as ``successes`` of ``n``.
-
-    Example:
-        >>> round(sign_test_p(10, 10), 4), sign_test_p(5, 10)
-        (0.002, 1.0)
-    """
-    k = max(successes, n - successes)
-    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
 
 
 def run() -> dict:

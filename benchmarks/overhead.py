@@ -8,13 +8,19 @@ On a GPU it measures, for the default (Triton) path in bf16:
 * wall ms (``do_bench`` medians) of forward+backward at B=8, H=12, N=512, D=64, bf16 (non-causal): streamkl,
   SDPA (the default backend, with a ``.sum()`` loss) and the naive materialising loss under ``torch.compile``, each
   called eagerly and replayed from a CUDA graph (what ``torch.compile(mode="reduce-overhead")`` does);
-* the top cProfile entries of the tiny forward+backward.
+* the host µs of the pieces a tiny forward+backward is made of (torch's own floor: an allocation, a kernel, an
+  autograd Function that does nothing, SDPA; then the op's stages), and the top cProfile and torch.profiler entries;
+* with ``--against DIR`` (a copy of an earlier ``kernels/streamkl``), both versions in alternating rounds in the same
+  process: the per-round ratios and an exact sign test (host speed differs between machines and drifts within a run,
+  so only such paired comparisons show a change of the host path).
 
-``--out DIR`` writes ``DIR/<device>-overhead.json``. Without a GPU, ``--cpu-stub`` measures the Python side of
+``--out DIR`` writes ``DIR/<device>-overhead<tag>.json``. Without a GPU, ``--cpu-stub`` measures the Python side of
 the same tiny calls on CPU tensors: the kernels' compiled launchers are replaced by no-ops behind a fake Triton
 driver, so validation, autograd, the launch plans and Triton's own launch path all run, the GPU work does not::
 
     PYTHONPATH=kernels:. python benchmarks/overhead.py --out benchmarks/results   # GPU, < 4 minutes
+    git archive 3aeb7b1 kernels/streamkl | tar -x -C /tmp && mv /tmp/kernels/streamkl /tmp/streamkl_v8
+    PYTHONPATH=kernels:. python benchmarks/overhead.py --against /tmp/streamkl_v8 --tag=-v9 --out benchmarks/results
     PYTHONPATH=kernels:. python benchmarks/overhead.py --cpu-stub [--profile]      # no GPU needed
 """
 
@@ -28,6 +34,8 @@ import os
 import platform
 import pstats
 import re
+import statistics
+import sys
 import time
 
 import torch
@@ -35,6 +43,8 @@ import torch.nn.functional as F
 
 from streamkl import attention_kl
 from streamkl.naive import naive_attention_kl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # report.py, beside this file
 
 TINY = dict(b=1, h=4, n=128, d=64, causal=True)
 BERT = dict(b=8, h=12, n=512, d=64, causal=False)
@@ -115,9 +125,145 @@ def measure_gpu(profile: bool) -> dict:
     result = {"tiny_shape": {**TINY, "dtype": "bfloat16"}, "host": host}
     if profile:
         result["profile_fwd_bwd"] = profile_top(fwd_bwd, 200, sync)
+    result["breakdown_us"] = host_breakdown(sync)
+    if profile:
+        result["torch_profile_fwd_bwd"] = torch_profile_table(fwd_bwd, 100, sync)
     result["bert_shape"] = {**BERT, "dtype": "bfloat16"}
     result["bert_fwd_bwd_ms"] = bert_wall_times()
     return result
+
+
+def host_breakdown(sync) -> dict:
+    """Host µs per call of the pieces a tiny forward+backward is made of (same tiny problem, same timing as
+    :func:`measure_gpu`), so that the op's host time can be attributed: torch's own floor (an allocation, an
+    elementwise kernel, an autograd Function that does nothing, SDPA), then the op's stages."""
+    from streamkl._validation import prepare_problem
+    from streamkl.autograd import AttentionKLFunction
+
+    inputs = tiny_inputs("cuda")
+    q_t, k_t, q_s, k_s = inputs
+    small = torch.zeros(4, device="cuda")
+
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k):
+            return q.new_empty(())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None
+
+    problem = prepare_problem(q_t, k_t, q_s, k_s, causal=True, backend="triton")
+    kernel_inputs, spec = problem.kernel_problem()
+    rows = q_t.shape[0] * q_t.shape[1] * q_t.shape[2]
+
+    def apply(reduction="mean"):
+        return AttentionKLFunction.apply(*kernel_inputs, spec, "triton", False, True, reduction, rows, True)[0]
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q_s, k_s, q_t, is_causal=True)
+
+    pieces = {
+        "torch_empty": lambda: torch.empty(4, device="cuda"),
+        "torch_elementwise": lambda: small.mul_(1.0),
+        "torch_sum": lambda: small.sum(),
+        "noop_function_fwd_bwd": lambda: Noop.apply(q_s, k_s).backward(),
+        "sdpa_fwd": sdpa_fwd,
+        "sdpa_fwd_bwd": lambda: F.scaled_dot_product_attention(q_s, k_s, q_t, is_causal=True).sum().backward(),
+        "prepare_problem": lambda: prepare_problem(q_t, k_t, q_s, k_s, causal=True, backend="triton"),
+        "function_fwd_no_grad": lambda: torch.no_grad()(apply)(),
+        "function_fwd_grad": apply,
+        "function_fwd_bwd": lambda: apply().backward(),
+        "function_fwd_bwd_per_row": lambda: apply("none").sum().backward(),
+        "op_fwd_grad": lambda: attention_kl(*inputs, causal=True, backend="triton"),
+        "op_fwd_bwd": lambda: attention_kl(*inputs, causal=True, backend="triton").backward(),
+    }
+    return {name: per_call_us(fn, 300, sync) for name, fn in pieces.items()}
+
+
+def load_baseline(path: str):
+    """Import the package at ``path`` (a copy of an earlier ``kernels/streamkl``; its imports are relative) as
+    ``streamkl_base``, so that both versions run in one process on one machine."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("streamkl_base", os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["streamkl_base"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def paired_against(baseline, rounds: int = 15) -> dict:
+    """This version against ``baseline`` (:func:`load_baseline`) in alternating rounds: host µs per tiny
+    forward+backward and the BERT-sized eager forward+backward (ms, ``do_bench`` median, SDPA's in the same round),
+    with the per-round ratios and an exact sign test (host speed drifts within a run and differs between machines, so
+    only paired, same-run comparisons are reported)."""
+    from report import sign_test_p
+    from triton.testing import do_bench
+
+    sync = torch.cuda.synchronize
+    tiny = tiny_inputs("cuda")
+    s = BERT
+    shape = (s["b"], s["h"], s["n"], s["d"])
+    q_t, k_t = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_s, k_s, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    ops = {"new": attention_kl, "base": baseline.attention_kl}
+
+    def tiny_call(op):
+        return lambda: op(*tiny, causal=True, backend="triton").backward()
+
+    def bert_ms(loss_fn) -> float:
+        return float(do_bench(lambda: torch.autograd.grad(loss_fn(), (q_s, k_s)), warmup=10, rep=60,
+                              return_mode="median"))
+
+    def bert_loss(op):
+        return lambda: op(q_t, k_t, q_s, k_s, causal=s["causal"])
+
+    per_round = []
+    for r in range(rounds):
+        names = ("new", "base") if r % 2 == 0 else ("base", "new")
+        row = {}
+        for name in names:
+            row[f"tiny_fwd_bwd_us_{name}"] = per_call_us(tiny_call(ops[name]), 200, sync, repeats=3)
+        for name in names:
+            row[f"bert_fwd_bwd_ms_{name}"] = bert_ms(bert_loss(ops[name]))
+        row["bert_fwd_bwd_ms_sdpa"] = bert_ms(
+            lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]).sum())
+        per_round.append(row)
+
+    def summary(key: str) -> dict:
+        new = [row[f"{key}_new"] for row in per_round]
+        base = [row[f"{key}_base"] for row in per_round]
+        faster = sum(n < b for n, b in zip(new, base))
+        return {"median_new": statistics.median(new), "median_base": statistics.median(base),
+                "median_ratio_base_over_new": statistics.median(b / n for n, b in zip(new, base)),
+                "rounds": len(new), "rounds_new_faster": faster, "sign_test_p": sign_test_p(faster, len(new))}
+
+    sdpa = [row["bert_fwd_bwd_ms_sdpa"] for row in per_round]
+    bert = summary("bert_fwd_bwd_ms")
+    bert["median_sdpa"] = statistics.median(sdpa)
+    bert["median_new_over_sdpa"] = statistics.median(row["bert_fwd_bwd_ms_new"] / row["bert_fwd_bwd_ms_sdpa"]
+                                                     for row in per_round)
+    bert["median_base_over_sdpa"] = statistics.median(row["bert_fwd_bwd_ms_base"] / row["bert_fwd_bwd_ms_sdpa"]
+                                                      for row in per_round)
+    return {"tiny_fwd_bwd_us": summary("tiny_fwd_bwd_us"), "bert_fwd_bwd_ms": bert, "per_round": per_round}
+
+
+def torch_profile_table(fn, n: int, sync) -> str:
+    """torch.profiler's CPU-side table (both threads: the caller's and the autograd engine's) of ``n`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(20):
+        fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+        sync()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
 def bert_wall_times() -> dict:
@@ -261,6 +407,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="directory for <device>-overhead.json")
     parser.add_argument("--cpu-stub", action="store_true", help="no GPU: Python-side cost with stubbed launches")
     parser.add_argument("--profile", action="store_true", help="also print the top cProfile entries")
+    parser.add_argument("--against", metavar="DIR",
+                        help="also compare, in alternating rounds, with the package in DIR (a copy of an earlier "
+                             "kernels/streamkl)")
+    parser.add_argument("--tag", default="", help="suffix of the result file: <device>-overhead<tag>.json")
     args = parser.parse_args(argv)
     if args.cpu_stub:
         result = measure_cpu_stub(args.profile)
@@ -268,20 +418,24 @@ def main(argv: list[str] | None = None) -> None:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run with --cpu-stub for the Python-side cost")
         result = measure_gpu(profile=True)
+        if args.against:
+            baseline = load_baseline(args.against)
+            result["against"] = {"baseline": os.path.normpath(args.against), **paired_against(baseline)}
     import triton
 
     result["env"] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_stub
                      else platform.processor() or platform.machine(),
                      "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     for key, value in result.items():
-        if key != "profile_fwd_bwd":
+        if not key.startswith(("profile_", "torch_profile_")):
             print(f"{key}: {json.dumps(value)}")
     if args.profile or not args.cpu_stub:
         print(result.get("profile_fwd_bwd", ""))
+        print(result.get("torch_profile_fwd_bwd", ""))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         slug = "cpu-stub" if args.cpu_stub else device_slug()
-        path = os.path.join(args.out, f"{slug}-overhead.json")
+        path = os.path.join(args.out, f"{slug}-overhead{args.tag}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import re
 from collections import defaultdict
@@ -480,5 +481,19 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote the bounds and tuning tables of docs/perf-notes.md")
 
 
+def sign_test_p(successes: int, n: int) -> float:
+    """Two-sided exact sign test: the probability, with no difference (p = 1/2 per round), of a split at least as
+    uneven as ``successes`` of ``n``.
+
+    Example:
+        >>> round(sign_test_p(10, 10), 4), sign_test_p(5, 10)
+        (0.002, 1.0)
+    """
+    k = max(successes, n - successes)
+    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 if __name__ == "__main__":
     main()
+
