@@ -22,7 +22,6 @@ else kept as a general mask; flash-attention calls are read from their padding m
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -64,6 +63,7 @@ FLASH_TENSOR_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
 FLASH_SCALAR_KWARGS = ("sliding_window", "max_length_q", "max_length_k")
 _USES_INTERFACE: dict[type, bool] = {}
 _SIGNATURES: dict[Any, inspect.Signature | None] = {}
+_POSITIONAL_NAMES: dict[Any, tuple[str, ...] | None] = {}
 
 
 def transformers_available() -> bool:
@@ -168,6 +168,44 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         except (TypeError, ValueError):
             _SIGNATURES[fn] = None
     return _SIGNATURES[fn]
+
+
+def _positional_names(fn: Callable[..., Any]) -> tuple[str, ...] | None:
+    """The names of ``fn``'s leading positional-or-keyword parameters, when a call's positional arguments can be
+    named by zipping them with these (no positional-only parameter, which a keyword could not name); else None."""
+    if fn not in _POSITIONAL_NAMES:
+        signature = _signature(fn)
+        names: tuple[str, ...] | None = None
+        if signature is not None:
+            kinds = [p.kind for p in signature.parameters.values()]
+            if inspect.Parameter.POSITIONAL_ONLY not in kinds:
+                names = tuple(p.name for p in signature.parameters.values()
+                              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        _POSITIONAL_NAMES[fn] = names
+    return _POSITIONAL_NAMES[fn]
+
+
+def _named_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Every argument of a call of ``fn`` by parameter name, the ``**kwargs`` catch-all flattened in; None when the
+    call does not bind. The usual call (positional arguments within the named parameters, keywords apart from them)
+    is named by zipping, without ``Signature.bind`` (tens of microseconds per attention call)."""
+    names = _positional_names(fn)
+    if names is not None and len(args) <= len(names) and not any(k in kwargs for k in names[:len(args)]):
+        return dict(zip(names, args)) | kwargs
+    signature = _signature(fn)
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    call: dict[str, Any] = {}
+    for key, value in bound.items():
+        if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        else:
+            call[key] = value
+    return call
 
 
 def _capturing(original: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -289,20 +327,9 @@ def _without_graph() -> bool:
 # ---------------------------------------------------------------------------------------------- one call
 @torch.compiler.disable
 def _observe(original: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    signature = _signature(original)
-    try:
-        bound = signature.bind(*args, **kwargs).arguments if signature is not None else None
-    except TypeError:
-        bound = None
-    if bound is None:  # an unusual signature: the documented positional order
-        bound = dict(zip(("module", "query", "key", "value", "attention_mask"), args)) | kwargs
-    call = {}
-    for key, value in bound.items():
-        param = signature.parameters.get(key) if signature is not None else None
-        if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD:
-            call.update(value)
-        else:
-            call[key] = value
+    call = _named_arguments(original, args, kwargs)
+    if call is None:  # an unusual signature: the documented positional order
+        call = dict(zip(("module", "query", "key", "value", "attention_mask"), args)) | kwargs
     module = call.pop("module", None)
     query, key, value = call.pop("query", None), call.pop("key", None), call.pop("value", None)
     mask = call.pop("attention_mask", None)
@@ -478,13 +505,9 @@ class HFAttentionCapture(AttentionCapture):
         """Forward pre-hook: whether this call of ``module`` is cross-attention (keys from other states)."""
         cross = bool(getattr(module, "is_cross_attention", False))
         if not cross:
-            named = dict(kwargs)
-            # with the hidden states as the only positional argument the keywords say everything: the signature is
-            # bound (tens of microseconds per call) only for a call with more positional arguments
-            signature = _signature(type(module).forward) if len(args) > 1 else None
-            if signature is not None:
-                with contextlib.suppress(TypeError):
-                    named = signature.bind_partial(module, *args, **kwargs).arguments
+            named = kwargs
+            if len(args) > 1:  # with the hidden states as the only positional argument the keywords say everything
+                named = _named_arguments(type(module).forward, (module, *args), kwargs) or kwargs
             cross = any(named.get(arg) is not None for arg in CROSS_ATTENTION_ARGS)
         self._cross[id(module)] = cross
 

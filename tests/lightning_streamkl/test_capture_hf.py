@@ -217,3 +217,67 @@ def test_the_model_is_walked_once_not_every_step(monkeypatch):
         shapes.append({name: tuple(r.q.shape) for name, r in capture.pop().items()})
     assert shapes == [{capture.layer_names()[1]: (2, 4, 7, 8)}] * 3
     assert len(walks) <= 1
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    return None
+
+
+def _positional_only(module, query, /, key, value, **kwargs):
+    return None
+
+
+def _rest(module, query, key, *rest, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("fn, args, kwargs", [
+    (_attention, ("m", "q", "k", "v", "mask"), {"dropout": 0.1, "sliding_window": 4}),  # transformers' usual call
+    (_attention, ("m", "q", "k"), {"value": "v", "attention_mask": None, "is_causal": True}),
+    (_attention, ("m", "q", "k", "v", "mask"), {"query": "again"}),  # does not bind: None
+    (_positional_only, ("m", "q", "k", "v"), {"scaling": 0.5}),
+    (_rest, ("m", "q", "k", "v", "mask"), {"scaling": 0.5}),
+])
+def test_an_attention_call_is_named_as_binding_its_signature_names_it(fn, args, kwargs):
+    """``_named_arguments`` (zipping the usual call, binding the rest) names every argument as ``Signature.bind`` does,
+    with the ``**kwargs`` catch-all flattened in, and gives None where the call does not bind."""
+    import inspect
+
+    from lightning_streamkl.capture.hf import _named_arguments
+
+    signature = inspect.signature(fn)
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        expected = None
+    else:
+        expected = {}
+        for name, value in bound.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                expected.update(value)
+            else:
+                expected[name] = value
+    assert _named_arguments(fn, args, kwargs) == expected
+
+
+def test_a_captured_pass_binds_no_signature(monkeypatch):
+    """Host time: every recorded attention call used to bind its function's signature (tens of microseconds each, on
+    every layer of every pass); transformers' usual call is now named by zipping, so no bind runs in a pass."""
+    import inspect
+
+    model = tiny_bert(layers=2)
+    capture = HFAttentionCapture(model)
+    batch = token_batch(2, 7)
+    with capture.recording():
+        model(**batch)  # the first pass reads the signatures
+    expected = {name: tuple(r.q.shape) for name, r in capture.pop().items()}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Signature.bind ran during a captured pass")
+
+    monkeypatch.setattr(inspect.Signature, "bind", refuse)
+    monkeypatch.setattr(inspect.Signature, "bind_partial", refuse)
+    with capture.recording():
+        model(**batch)
+    assert {name: tuple(r.q.shape) for name, r in capture.pop().items()} == expected == {
+        name: (2, 4, 7, 8) for name in capture.layer_names()}
