@@ -24,6 +24,10 @@ included) fused and per pair: ``STEP_ROUNDS`` paired rounds, each timing every v
     PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --profile                  # where a distilled step's host
                                                                                     # time goes (cProfile)
 
+``--teacher-against DIR`` (DIR: a copy of an earlier ``lightning_streamkl``) times only the teacher's pass of
+``STEP``: plain, captured by this version and captured by the copy, in ``STEP_ROUNDS`` alternating rounds, and writes
+``<gpu>-pairs-teacher<tag>.json`` (v9's capture changes against v8's).
+
 Timing assertions never go into tests; the numbers here are ratios measured in one run.
 """
 
@@ -226,6 +230,68 @@ def step_times(profile: bool = False) -> dict:
                 c / t for c, t in zip(runs["teacher pass, captured"], runs["teacher pass"]))}
 
 
+def teacher_pass_against(baseline_dir: str) -> dict:
+    """Median ms of the teacher's pass of ``STEP``: plain (no capture), captured by this version, captured by the
+    earlier copy at ``baseline_dir`` (loaded as ``lightning_streamkl_base``), in ``STEP_ROUNDS`` rounds of alternating
+    order; per-round ratios and an exact sign test of this version against the copy."""
+    import copy
+
+    from report import load_package
+
+    from lightning_streamkl import AttentionDistiller, uniform_pairs
+
+    base = load_package(baseline_dir, "lightning_streamkl_base")
+    b, n = STEP["batch"], STEP["tokens"]
+    teacher = bert(*STEP["teacher"], seed=0).to(torch.bfloat16).eval()
+    student = bert(*STEP["student"], seed=1)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1000, 30000, (b, n), generator=g).cuda(),
+             "attention_mask": torch.ones(b, n, dtype=torch.long).cuda()}
+    batch["attention_mask"][::4, 3 * n // 4:] = 0  # a quarter of the sequences padded, as in step_times
+    pairs = uniform_pairs(STEP["teacher"][0], STEP["student"][0])
+    distillers = {"new": AttentionDistiller(teacher, {"pairs": pairs, "backend": "triton"}),
+                  "base": base.AttentionDistiller(teacher, {"pairs": pairs, "backend": "triton"})}
+    for distiller in distillers.values():
+        distiller.setup(copy.deepcopy(student))
+
+    def captured(distiller):
+        def run_pass():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                distiller.begin_step(batch)
+                distiller.teacher_capture.pop()
+
+        return run_pass
+
+    def plain():
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+            teacher(**batch)
+
+    fns = {"plain": plain, "new": captured(distillers["new"]), "base": captured(distillers["base"])}
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(STEP_ROUNDS):
+        for key in ("plain", "new", "base") if r % 2 == 0 else ("base", "new", "plain"):
+            for _ in range(3):
+                fns[key]()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(STEP_ITERS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[key]()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            runs[key].append(statistics.median(times))
+    faster = sum(n < b for n, b in zip(runs["new"], runs["base"]))
+    return {"setup": STEP, "pairs": len(pairs), "rounds": STEP_ROUNDS, "baseline": os.path.normpath(baseline_dir),
+            "ms": {k: statistics.median(v) for k, v in runs.items()}, "runs_ms": runs,
+            "new_over_plain": statistics.median(c / p for c, p in zip(runs["new"], runs["plain"])),
+            "base_over_plain": statistics.median(c / p for c, p in zip(runs["base"], runs["plain"])),
+            "base_over_new": statistics.median(b / n for n, b in zip(runs["new"], runs["base"])),
+            "rounds_new_faster": faster, "sign_test_p": sign_test_p(faster, STEP_ROUNDS),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
 def run() -> dict:
     import triton
 
@@ -287,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--render", nargs="?", const=H100_RESULT, help="write a results file's table into the docs")
     parser.add_argument("--profile", action="store_true",
                         help="only print the top cProfile entries of the distilled training step")
+    parser.add_argument("--teacher-against", metavar="DIR",
+                        help="only time the teacher's pass, captured by this version and by the copy in DIR")
+    parser.add_argument("--tag", default="", help="suffix of the --teacher-against result file")
     args = parser.parse_args(argv)
     if args.render:
         render(args.render)
@@ -296,6 +365,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     from bench_attention_kl import gpu_tag, write_json
 
+    if args.teacher_against:
+        data = teacher_pass_against(args.teacher_against)
+        out = os.path.join(args.out or os.path.join(HERE, "results"),
+                           f"{gpu_tag(data['device'])}-pairs-teacher{args.tag}.json")
+        write_json(out, data)
+        print(json.dumps({k: v for k, v in data.items() if k != "runs_ms"}, indent=1))
+        print(f"wrote {out}")
+        return
     data = run()
     out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{RESULT_NAME}")
     write_json(out, data)

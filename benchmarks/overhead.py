@@ -182,25 +182,11 @@ def host_breakdown(sync) -> dict:
     return {name: per_call_us(fn, 300, sync) for name, fn in pieces.items()}
 
 
-def load_baseline(path: str):
-    """Import the package at ``path`` (a copy of an earlier ``kernels/streamkl``; its imports are relative) as
-    ``streamkl_base``, so that both versions run in one process on one machine."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("streamkl_base", os.path.join(path, "__init__.py"),
-                                                  submodule_search_locations=[path])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["streamkl_base"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def paired_against(baseline, rounds: int = 15) -> dict:
-    """This version against ``baseline`` (:func:`load_baseline`) in alternating rounds: host µs per tiny
-    forward+backward and the BERT-sized eager forward+backward (ms, ``do_bench`` median, SDPA's in the same round),
-    with the per-round ratios and an exact sign test (host speed drifts within a run and differs between machines, so
-    only paired, same-run comparisons are reported)."""
+    """This version against ``baseline`` (an earlier copy of the package, :func:`report.load_package`) in alternating
+    rounds: host µs per tiny forward+backward and the BERT-sized eager forward+backward (ms, ``do_bench`` median,
+    SDPA's in the same round), with the per-round ratios and an exact sign test (host speed drifts within a run and
+    differs between machines, so only paired, same-run comparisons are reported)."""
     from report import sign_test_p
     from triton.testing import do_bench
 
@@ -419,7 +405,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("no CUDA device: run with --cpu-stub for the Python-side cost")
         result = measure_gpu(profile=True)
         if args.against:
-            baseline = load_baseline(args.against)
+            from report import load_package
+
+            baseline = load_package(args.against, "streamkl_base")
             result["against"] = {"baseline": os.path.normpath(args.against), **paired_against(baseline)}
     import triton
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -479,6 +480,24 @@ def main(argv: list[str] | None = None) -> None:
         with open(PERF_NOTES, "w") as f:
             f.write(text)
         print("wrote the bounds and tuning tables of docs/perf-notes.md")
+
+
+def load_package(path: str, name: str):
+    """Import the package at ``path`` (a copy of an earlier version of one of ours, whose imports are relative) as
+    ``name``, so that two versions run in one process on one machine for a paired comparison.
+
+    Example (not run: it needs a copy)::
+
+        base = load_package("/tmp/streamkl_v8", "streamkl_base")
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def sign_test_p(successes: int, n: int) -> float:
