@@ -139,6 +139,22 @@ def bert(layers: int, hidden: int, heads: int, seed: int):
     return BertModel(cfg, add_pooling_layer=False).cuda()
 
 
+def _median_ms(fn) -> float:
+    """Median ms of ``STEP_ITERS`` calls of ``fn`` (CUDA events around each, after three warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(STEP_ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def step_times(profile: bool = False) -> dict:
     """Median ms per training step: the student alone, and with the engine's attention-KL loss fused / per pair.
     With ``profile``, instead the top cProfile entries (internal time) of ten distilled steps, printed."""
@@ -206,18 +222,7 @@ def step_times(profile: bool = False) -> dict:
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(STEP_ROUNDS):  # paired rounds: each round times every variant back to back
         for key, fn in fns.items():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(STEP_ITERS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            runs[key].append(statistics.median(times))
+            runs[key].append(_median_ms(fn))
     ms = {k: statistics.median(v) for k, v in runs.items()}
     ratios = [p / f for p, f in zip(runs["per pair"], runs["fused"])]
     slower = sum(r > 1 for r in ratios)
@@ -270,18 +275,7 @@ def teacher_pass_against(baseline_dir: str) -> dict:
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(STEP_ROUNDS):
         for key in ("plain", "new", "base") if r % 2 == 0 else ("base", "new", "plain"):
-            for _ in range(3):
-                fns[key]()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(STEP_ITERS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fns[key]()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            runs[key].append(statistics.median(times))
+            runs[key].append(_median_ms(fns[key]))
     faster = sum(n < b for n, b in zip(runs["new"], runs["base"]))
     return {"setup": STEP, "pairs": len(pairs), "rounds": STEP_ROUNDS, "baseline": os.path.normpath(baseline_dir),
             "ms": {k: statistics.median(v) for k, v in runs.items()}, "runs_ms": runs,
