@@ -125,9 +125,8 @@ def measure_gpu(profile: bool) -> dict:
     result = {"tiny_shape": {**TINY, "dtype": "bfloat16"}, "host": host}
     if profile:
         result["profile_fwd_bwd"] = profile_top(fwd_bwd, 200, sync)
-    result["breakdown_us"] = host_breakdown(sync)
-    if profile:
         result["torch_profile_fwd_bwd"] = torch_profile_table(fwd_bwd, 100, sync)
+    result["breakdown_us"] = host_breakdown(sync)
     result["bert_shape"] = {**BERT, "dtype": "bfloat16"}
     result["bert_fwd_bwd_ms"] = bert_wall_times()
     return result

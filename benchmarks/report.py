@@ -515,4 +515,3 @@ def sign_test_p(successes: int, n: int) -> float:
 
 if __name__ == "__main__":
     main()
-

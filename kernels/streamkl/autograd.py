@@ -13,8 +13,7 @@ Both compute ``KL(P_a ‖ P_b)`` over the canonical problem of :mod:`streamkl._p
 the per-row KL and the two log-sum-exps (nats, sinks included): three numbers per query row, all the state saved
 for the backward, except with side a frozen (:func:`fuses_dq_b`), where the Triton forward also accumulates side b's
 query gradient per unit upstream gradient (bf16 for bf16 inputs from ``NARROW_DQ_MIN_BYTES`` of fp32 up, else fp32;
-the size of ``q_b``) and the backward
-runs only its key pass.
+the size of ``q_b``) and the backward runs only its key pass.
 ``backend`` is ``"reference"`` (chunked PyTorch, any device) or
 ``"triton"`` (fused kernels); ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
 ``deterministic`` selects the atomic-free backward (the reference is always deterministic). The sinks'

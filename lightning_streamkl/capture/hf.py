@@ -176,11 +176,9 @@ def _positional_names(fn: Callable[..., Any]) -> tuple[str, ...] | None:
     if fn not in _POSITIONAL_NAMES:
         signature = _signature(fn)
         names: tuple[str, ...] | None = None
-        if signature is not None:
-            kinds = [p.kind for p in signature.parameters.values()]
-            if inspect.Parameter.POSITIONAL_ONLY not in kinds:
-                names = tuple(p.name for p in signature.parameters.values()
-                              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = () if signature is None else signature.parameters.values()
+        if signature is not None and all(p.kind is not inspect.Parameter.POSITIONAL_ONLY for p in params):
+            names = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         _POSITIONAL_NAMES[fn] = names
     return _POSITIONAL_NAMES[fn]
 
