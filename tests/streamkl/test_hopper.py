@@ -1,9 +1,10 @@
-"""The Hopper (sm_90, Gluon) forward: its selection everywhere, its results on an H100.
+"""The Hopper (sm_90, Gluon) forward and key pass: their selection everywhere, their results on an H100.
 
-Gluon has no CPU interpreter, so CI checks which problems take the Hopper kernel (scope, size threshold, the
-``STREAMKL_HOPPER_KERNELS`` switch); the GPU tests (skipped off sm_90) check that it ran and that it matches the
-float64 oracle as closely as the portable kernel does, forward and, through the two-pass backward that reads its
-log-sum-exps, gradients.
+Gluon has no CPU interpreter, so CI checks which problems take the Hopper kernels (scope, size threshold, the
+``STREAMKL_HOPPER_KERNELS`` switch); the GPU tests (skipped off sm_90) check that they ran and that they match the
+float64 oracle as closely as the portable kernels do: the forward, gradients through the two-pass backward that reads
+its log-sum-exps, and the student's gradients of the training call (frozen teacher, ``reduction="mean"`` as users
+call it, and a weighted per-row loss) through the key pass.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tests.streamkl.cases import Case, make_inputs
 from tests.streamkl.oracle import TOLERANCES
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-_forward = hopper._module()
+_forward = hopper._module("forward")
+_backward = hopper._module("backward")
 
 
 def _inputs(*shape, dtype=torch.bfloat16, **extras) -> KLInputs:
@@ -99,7 +101,7 @@ def test_hopper_forward_matches_the_oracle_and_runs(case: Case, dtype: torch.dty
     autograd (a frozen teacher's training forward is the fused one, :func:`streamkl.autograd.fuses_dq_b`), and the
     two-pass backward reads its log-sum-exps."""
     monkeypatch.setenv(hopper.ENV_SWITCH, "all")  # small shapes and head dim 64 too
-    module = hopper._module()
+    module = hopper._module("forward")
     calls = []
     real = module.attention_kl_fwd_hopper
     monkeypatch.setattr(module, "attention_kl_fwd_hopper", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -145,3 +147,135 @@ def test_default_selection_on_the_gpu(monkeypatch):
     assert picked(8192, 128) is not None
     assert picked(8192, 64) is None
     assert picked(1024, 128) is None
+
+
+# ------------------------------------------------------------------------------------------------------ key pass
+def test_cpu_tensors_never_take_the_hopper_key_pass():
+    assert hopper.hopper_key_pass(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125), False, True) is None
+
+
+def test_the_size_threshold(monkeypatch):
+    big, small = _inputs(1, 1, 1 << 14, 1), _inputs(1, 1, 1 << 13, 1)  # 2^28 and 2^26 score elements
+    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
+    assert hopper._large_enough(big, "1") and not hopper._large_enough(small, "1")
+    assert hopper._large_enough(small, "all")
+
+
+def _grouped(h_kt: int, h_ks: int, d: int = 64, dtype=torch.bfloat16) -> KLInputs:
+    q = torch.randn(1, 8, 256, d).to(dtype)
+    return KLInputs(q, q[:, :h_kt], q, q[:, :h_ks], None, None, None, None, None, None)
+
+
+@pytest.mark.skipif(_backward is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("inputs", "spec", "grads", "expected"), [
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), (False, True), True),
+    (_inputs(1, 2, 256, 128), KLSpec(0.1, 0.1, window_right=0), (False, True), True),
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), (True, True), False),  # the teacher trains: two-pass backward
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), (True, False), False),
+    (_inputs(1, 2, 256, 64, dtype=torch.float16), KLSpec(0.1, 0.1), (False, True), False),  # fp16: portable
+    (_inputs(1, 2, 256, 64, dtype=torch.float32), KLSpec(0.1, 0.1), (False, True), False),
+    (_inputs(1, 2, 256, 96), KLSpec(0.1, 0.1), (False, True), False),
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, softcap_b=30.0), (False, True), False),
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=0), (False, True), False),
+    (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1),
+     (False, True), False),
+    (_inputs(1, 2, 256, 64, sink_a=torch.zeros(2), sink_b=torch.zeros(2)), KLSpec(0.1, 0.1), (False, True), False),
+    (_grouped(2, 8), KLSpec(0.1, 0.1), (False, True), True),  # GQA teacher, MHA student
+    (_grouped(2, 4), KLSpec(0.1, 0.1), (False, True), True),  # both grouped, the teacher coarser
+    (_grouped(8, 2), KLSpec(0.1, 0.1), (False, True), False),  # a student key head spans 4 teacher key heads
+], ids=["bf16", "d128-causal", "teacher-grad", "teacher-only", "fp16", "fp32", "d96", "softcap", "window",
+        "key-mask", "sinks", "gqa-teacher", "gqa-both", "gqa-student-coarser"])
+def test_key_pass_scope(inputs, spec, grads, expected):
+    assert _backward.in_scope(inputs, spec, *grads) is expected
+
+
+KEY_PASS_CASES = [  # (case, loss): every case has a frozen teacher and a trainable student (the fused path)
+    (replace(H, b=2), "mean"),
+    (replace(H, n_q=777, n_k=777, causal=True), "mean"),
+    (replace(H, h=8, h_kt=2, h_ks=8, n_q=1030, n_k=1030, d_t=128, d_s=128, causal=True), "mean"),
+    (replace(H, h=8, h_kt=2, h_ks=4, n_q=1030, n_k=1030, d_t=128, d_s=128, causal=True), "sum"),
+    (replace(H, n_q=513, n_k=1500, d_t=128, d_s=64, causal=True), "weighted"),
+    (replace(H, b=2, n_q=300, n_k=2100, d_t=64, d_s=128, temperature=2.0, layout="bnhd"), "mean"),
+    (replace(H, n_q=1024, n_k=1024, causal=True, sharpness=30.0), "mean"),
+    (replace(H, n_q=64, n_k=64, h=2, h_kt=2, h_ks=2), "weighted"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("case", "loss"), [pytest.param(c, loss, id=f"{c.id}-{loss}") for c, loss in KEY_PASS_CASES])
+def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monkeypatch):
+    """The training call with a frozen teacher, bf16: the student's gradients match the float64 oracle with the
+    Hopper key pass (forced onto these small shapes), as closely as with the portable pass; dQ_s (the forward's) is
+    bitwise the same either way."""
+    module = hopper._module("backward")
+    calls = []
+    real = module.attention_kl_key_pass_hopper
+    monkeypatch.setattr(module, "attention_kl_key_pass_hopper", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    inputs = make_inputs(case, torch.bfloat16, "cuda")
+    inputs.tensors["q_s"].requires_grad_(True)
+    inputs.tensors["k_s"].requires_grad_(True)
+    ref_tensors = inputs.float64_copies()
+    weights = torch.rand(case.b, case.h, case.n_q, dtype=torch.float64, device="cuda")
+
+    def loss_of(out):
+        return (out * weights.to(out.dtype)).sum() if loss == "weighted" else out
+
+    reduction = "none" if loss == "weighted" else loss
+    ref = loss_of(attention_kl(**ref_tensors, reduction=reduction, backend="reference", **case.kwargs()))
+    ref_grads = torch.autograd.grad(ref, (ref_tensors["q_s"], ref_tensors["k_s"]))
+    grads = {}
+    for label, switch in (("hopper", "all"), ("portable", "0")):
+        monkeypatch.setenv(hopper.ENV_SWITCH, switch)
+        out = loss_of(inputs.call(attention_kl, reduction=reduction, backend="triton", **case.kwargs()))
+        grads[label] = torch.autograd.grad(out, (inputs.tensors["q_s"], inputs.tensors["k_s"]))
+        assert len(calls) == 1, f"the Hopper key pass ran {len(calls)} times after the {label} call, expected once"
+    _, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(grads["hopper"][0], ref_grads[0], rtol_grad, "dq_s")
+    assert_close(grads["hopper"][1], ref_grads[1], rtol_grad, "dk_s")
+    assert torch.equal(grads["hopper"][0], grads["portable"][0])
+    err = lambda x: float((x.double() - ref_grads[1]).norm() / ref_grads[1].norm())
+    assert err(grads["hopper"][1]) <= 1.5 * err(grads["portable"][1]) + 1e-6, \
+        "the Hopper key pass is less exact than the portable one"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+def test_default_key_pass_selection_on_the_gpu(monkeypatch):
+    """Without the switch: both head dims at the threshold run the Hopper key pass (measured faster there,
+    docs/perf-notes.md v10); small problems and a trainable teacher do not."""
+    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
+
+    def picked(n, d, need_grad_a=False):
+        q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
+        inputs = KLInputs(q, q, q, q, None, None, None, None, None, None)
+        return hopper.hopper_key_pass(inputs, KLSpec(0.1, 0.1), need_grad_a, True)
+
+    assert picked(8192, 128) is not None
+    assert picked(8192, 64) is not None
+    assert picked(1024, 128) is None
+    assert picked(8192, 64, need_grad_a=True) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+def test_the_hopper_kernels_never_synchronise_with_the_host(monkeypatch):
+    """The Hopper forward (a metric call) and key pass (a training call, frozen teacher): no implicit host
+    synchronisation (``torch.cuda.set_sync_debug_mode("error")`` raises on one)."""
+    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
+    q_t, k_t = (torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_s, k_s = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+
+    def calls():
+        with torch.no_grad():
+            attention_kl(q_t, k_t, q_s, k_s)
+        attention_kl(q_t, k_t, q_s, k_s, causal=True).backward()
+        attention_kl(q_t, k_t, q_s, k_s).backward()
+
+    calls()  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

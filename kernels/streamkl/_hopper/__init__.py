@@ -4,10 +4,16 @@
 that the portable kernel runs. Measured on an H100 (``benchmarks/bench_hopper.py``, docs/perf-notes.md v7) it is
 faster than the portable forward only where the products weigh as much as the exponentials, head dim 128, and only
 once the problem is large enough to hide its launch (host-side TMA descriptors and Gluon's launcher cost about
-0.2 ms per call), so it runs for head dim 128 (either side) at ``HOPPER_MIN_SCORES`` score elements and more. It
-never runs on other GPUs, under the interpreter, outside the kernel's scope, when the installed Triton has no usable
-Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects it for
-head dim 64 and small problems (for measurements).
+0.2 ms per call), so it runs for head dim 128 (either side) at ``HOPPER_MIN_SCORES`` score elements and more.
+
+:func:`hopper_key_pass` does the same for the backward's key pass when only side b needs gradients (a frozen
+teacher; :mod:`streamkl._hopper.backward`). Measured faster than the portable pass at head dims 64 and 128
+(``benchmarks/bench_hopper_key_pass.py``, docs/perf-notes.md v10), it runs for both at ``HOPPER_MIN_SCORES`` score
+elements and more.
+
+Neither runs on other GPUs, under the interpreter, outside its kernel's scope, when the installed Triton has no usable
+Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects them for
+small problems and the forward for head dim 64 (for measurements).
 """
 
 from __future__ import annotations
@@ -37,15 +43,25 @@ def hopper_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-@functools.lru_cache(maxsize=1)
-def _module():
-    """The Hopper forward module, or None when this Triton has no usable Gluon (it is imported lazily: Gluon's
-    Hopper API differs between Triton releases, and the portable kernels must never depend on it)."""
+@functools.lru_cache(maxsize=2)
+def _module(name: str = "forward"):
+    """The Hopper module ``name`` (``forward`` or ``backward``), or None when this Triton has no usable Gluon (they
+    are imported lazily: Gluon's Hopper API differs between Triton releases, and the portable kernels must never
+    depend on it)."""
     try:
-        from . import forward
+        if name == "forward":
+            from . import forward as module
+        else:
+            from . import backward as module
     except (ImportError, AttributeError):
         return None
-    return forward
+    return module
+
+
+def _large_enough(inputs: KLInputs, mode: str) -> bool:
+    """Whether a CUDA problem is big enough to hide the Hopper launch (always with ``mode == "all"``)."""
+    q_a, k_a = inputs.q_a, inputs.k_a
+    return mode == "all" or q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * k_a.shape[2] >= HOPPER_MIN_SCORES
 
 
 def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
@@ -58,19 +74,35 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
         >>> hopper_forward(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125)) is None
         True
     """
-    q_a, k_a = inputs.q_a, inputs.k_a
     mode = os.environ.get(ENV_SWITCH, "1")  # read once per call (see hopper_enabled)
-    if not q_a.is_cuda or mode == "0":
+    if not inputs.q_a.is_cuda or mode == "0" or not _large_enough(inputs, mode):
         return None
-    if mode != "all":
-        if q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * k_a.shape[2] < HOPPER_MIN_SCORES:
-            return None
-        if max(q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
-            return None
-    module = _module()
+    if mode != "all" and max(inputs.q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
+        return None
+    module = _module("forward")
     if module is None or not module.supports(inputs, spec):
         return None
     return module.attention_kl_fwd_hopper
 
 
-__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward"]
+def hopper_key_pass(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> Callable | None:
+    """The Hopper key pass for this backward (a function of ``(grad_kl, inputs, spec, lse_a, lse_b)`` returning side
+    b's key gradient), or None: it computes only side b's key gradient, so it applies when side a needs none.
+
+    Example:
+        >>> import torch
+        >>> from streamkl._problem import KLInputs, KLSpec
+        >>> q = torch.randn(1, 1, 8, 64)  # CPU tensors: the portable path
+        >>> hopper_key_pass(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125), False, True) is None
+        True
+    """
+    mode = os.environ.get(ENV_SWITCH, "1")
+    if not inputs.q_a.is_cuda or mode == "0" or need_grad_a or not need_grad_b or not _large_enough(inputs, mode):
+        return None
+    module = _module("backward")
+    if module is None or not module.supports(inputs, spec, need_grad_a, need_grad_b):
+        return None
+    return module.attention_kl_key_pass_hopper
+
+
+__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward", "hopper_key_pass"]

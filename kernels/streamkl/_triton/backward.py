@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._hopper import hopper_key_pass
 from .._problem import KLInputs, KLSpec
 from ._helpers import (
     LN2_C,
@@ -699,13 +700,18 @@ def attention_kl_bwd(
             return alloc((batch, heads, n_k, k.shape[-1]), dtype=torch.float32, device=device)
         return alloc(k.shape, dtype=k.dtype, device=device)
 
-    dk_a = dk_buffer(k_a, need_grad_a, dk_a_per_head)
-    dk_b = dk_buffer(k_b, need_grad_b, False)
-    dq_acc_a = torch.zeros(q_a.shape, dtype=torch.float32, device=device) if need_grad_a and atomic else None
-    dq_acc_b = torch.zeros(q_b.shape, dtype=torch.float32, device=device) if need_grad_b and atomic else None
     cu_k = inputs.cu_seqlens_k
-    _launch_dk(dk_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a,
-                         dq_acc_b, am), dk_scalars, dk_meta)
+    # the sm_90 key pass where it applies (streamkl._hopper): side b's dK alone, so never with atomic dQ
+    key_pass = None if atomic else hopper_key_pass(inputs, spec, need_grad_a, need_grad_b)
+    if key_pass is not None:
+        dk_a, dk_b = None, key_pass(grad_kl, inputs, spec, lse_a, lse_b)
+    else:
+        dk_a = dk_buffer(k_a, need_grad_a, dk_a_per_head)
+        dk_b = dk_buffer(k_b, need_grad_b, False)
+        dq_acc_a = torch.zeros(q_a.shape, dtype=torch.float32, device=device) if need_grad_a and atomic else None
+        dq_acc_b = torch.zeros(q_b.shape, dtype=torch.float32, device=device) if need_grad_b and atomic else None
+        _launch_dk(dk_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a,
+                             dq_acc_b, am), dk_scalars, dk_meta)
     if fused:  # one elementwise kernel: upstream gradient (a scalar or one per row) times the forward's dQ_b
         g = grad_kl if scalar_grad else grad_kl.unsqueeze(-1)
         dq_b = torch.mul(dq_b, g, out=torch.empty_like(dq_b, dtype=q_b.dtype))  # never in place: retain_graph

@@ -1,0 +1,315 @@
+"""Hopper (sm_90) key pass of the attention-KL backward in Gluon: the student's key gradient with the score products
+of the next query tile in flight during the exponentials of this one.
+
+The training path with a frozen teacher (``direction="forward"``, v6 in docs/perf-notes.md) runs one backward kernel:
+the portable key-stationary pass (:func:`streamkl._triton.backward._attention_kl_bwd_dk_kernel` with only side b's
+gradient and no atomics). Per key tile it sweeps the query tiles of every query head that shares the student's key
+head, recomputes both score tiles (transposed: keys × queries), forms
+
+    dSᵀ = g · (P_b − P_a)ᵀ,   P = exp2(score · qk_scale − lse · log2 e),
+
+and accumulates ``dK_b += dSᵀ · Q_b``: 3 products and 2 exponentials per score element. This kernel computes the
+same thing with
+
+* the student's and teacher's key tiles loaded once per program by TMA, and query tiles of both sides arriving by TMA
+  into a ring of ``STAGES`` shared-memory buffers, issued ``STAGES`` tiles ahead over the flattened (query head,
+  query tile) sequence of the program;
+* both score products of step ``t + 1`` issued asynchronously before the exponentials of step ``t`` (two register
+  sets, even and odd steps, as in :mod:`streamkl._hopper.forward`), so the tensor cores run during the exponentials;
+* ``dSᵀ`` rounded to the input dtype in registers and fed to the tensor cores as the register operand of
+  ``dK_b += dSᵀ · Q_b`` (no shared-memory round trip);
+* a scalar upstream gradient (``reduction="mean"``/``"sum"``) applied once to ``dK_b`` at the end instead of to every
+  element (bf16 has fp32's range, so nothing underflows either way).
+
+Scope (anything else runs the portable pass, :func:`in_scope`): bf16 inputs on both sides, dense ``(B, H, N, D)``
+tensors TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
+``N_k >= N_q``, only side b's gradient, and every query head of one student key head sharing one teacher key head
+(the teacher groups at least as many query heads per key head as the student, in whole multiples). Gluon kernels have
+no CPU interpreter: CI checks :func:`in_scope`, the GPU suite checks this pass against the portable one and the
+float64 oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .._problem import KLInputs, KLSpec
+from .._triton._helpers import LOG2E_C, side_scales
+from .._triton.configs import LaunchConfig
+from .forward import HOPPER_HEAD_DIMS, _descriptor, _is_sm90, _tma_load, _tma_ready
+
+
+@gluon.jit
+def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, n_tiles, first_tile,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA copies of both sides' query tiles of ``step`` (query head ``h0 + step // n_tiles``, query tile
+    ``first_tile + step % n_tiles``) into its ring slot; nothing past the last step."""
+    stage = step % STAGES
+    pred = step < steps
+    h = h0 + step // n_tiles
+    m0 = (first_tile + step % n_tiles) * BLOCK_M
+    bar = bars.index(stage)
+    mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes, pred=pred)
+    _tma_load(qa_desc, [b, h, m0, 0], bar, qa_ring.index(stage), pred=pred)
+    _tma_load(qb_desc, [b, h, m0, 0], bar, qb_ring.index(stage), pred=pred)
+
+
+@gluon.jit
+def _issue_scores(ka, kb, qa_ring, qb_ring, bars, step, zero,
+                  BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for ``step``'s query tiles and issue both transposed score products ``K_a Q_aᵀ`` and ``K_b Q_bᵀ``
+    (async)."""
+    stage = step % STAGES
+    mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
+    qa = qa_ring.index(stage).reshape([BLOCK_M, D_A]).permute((1, 0))
+    qb = qb_ring.index(stage).reshape([BLOCK_M, D_B]).permute((1, 0))
+    x = warpgroup_mma(ka, qa, zero, use_acc=False, is_async=True)
+    y = warpgroup_mma(kb, qb, zero, use_acc=False, is_async=True)
+    return x, y
+
+
+@gluon.jit
+def _row_state(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, offs_m,
+               BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """Base-2 log-sum-exps of both sides and the upstream gradient of ``step``'s query rows (a column of the
+    transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
+    h = h0 + step // n_tiles
+    rows = (first_tile + step % n_tiles) * BLOCK_M + offs_m
+    row_in = rows < N_Q
+    at = (b.to(gl.int64) * H + h) * N_Q + rows
+    lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C
+    lse2_b = gl.load(LSE_B + at, mask=row_in, other=float("inf")) * LOG2E_C
+    if SCALAR_GRAD:  # applied once to dK at the end
+        g = lse2_a  # unused
+    else:
+        g = gl.load(GRAD + at, mask=row_in, other=0.0)
+    return lse2_a, lse2_b, g, rows
+
+
+@gluon.jit
+def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """``dSᵀ`` of one transposed tile ([keys, queries], fp32): ``g·(P_b − P_a)``, zero where the causal mask forbids
+    the pair (``MASKED``); without ``SCALAR_GRAD`` the per-row ``g`` is applied here."""
+    p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(lse2_a, 0))
+    p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(lse2_b, 0))
+    ds = p_b - p_a
+    if not SCALAR_GRAD:
+        ds = ds * gl.expand_dims(g, 0)
+    if MASKED:
+        ds = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + offset, ds, 0.0)
+    return ds
+
+
+@gluon.jit
+def _fold_step(x, y, dk, qb_ring, step, full, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+               dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """``dK_b += dSᵀ · Q_b`` for one step whose score tiles ``x``, ``y`` are complete; masked only on causal tiles
+    that are not ``full``."""
+    if CAUSAL and not full:
+        ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, True, SCALAR_GRAD)
+    else:
+        ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, False, SCALAR_GRAD)
+    qb = qb_ring.index(step % STAGES).reshape([BLOCK_M, D_B])
+    dk = warpgroup_mma(gl.convert_layout(ds.to(qb_ring.dtype), dot_layout), qb, dk, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+
+
+@gluon.jit
+def _hopper_dk_kernel(
+    qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
+    GRAD, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous (GRAD: one number when SCALAR_GRAD); lse in nats
+    DK_B,  # [B, H_KB, N_K, D_B] contiguous, the input dtype
+    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, lengths, query heads per key head of each side
+    qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
+    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    D_A: gl.constexpr = qa_desc.block_type.shape[3]
+    D_B: gl.constexpr = qb_desc.block_type.shape[3]
+    dtype: gl.constexpr = qa_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D_B, 16])
+    dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+
+    n0 = gl.program_id(0) * BLOCK_N
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H_KB
+    hk_b = pid_bh % H_KB
+    h0 = hk_b * GROUP_B  # the query heads h0 .. h0 + GROUP_B - 1 share this student key head
+    hk_a = h0 // GROUP_A  # and one teacher key head (in_scope)
+    offset = N_K - N_Q
+    if CAUSAL:  # query tiles from the first row that sees key n0; full from the first that sees the whole tile
+        first_tile = gl.maximum(n0 - offset, 0) // BLOCK_M
+        full_from = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M)
+    else:
+        first_tile = 0
+        full_from = 0
+    n_tiles = gl.cdiv(N_Q, BLOCK_M) - first_tile  # >= 1: key n0 < N_K = N_Q + offset is seen by row N_Q - 1
+    steps = GROUP_B * n_tiles
+
+    ka_smem = gl.allocate_shared_memory(dtype, ka_desc.block_type.shape, ka_desc.layout)
+    kb_smem = gl.allocate_shared_memory(dtype, kb_desc.block_type.shape, kb_desc.layout)
+    qa_ring = gl.allocate_shared_memory(dtype, [STAGES] + qa_desc.block_type.shape, qa_desc.layout)
+    qb_ring = gl.allocate_shared_memory(dtype, [STAGES] + qb_desc.block_type.shape, qb_desc.layout)
+    k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(k_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+
+    mbarrier.expect(k_bar, ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
+    _tma_load(ka_desc, [b, hk_a, n0, 0], k_bar, ka_smem)
+    _tma_load(kb_desc, [b, hk_b, n0, 0], k_bar, kb_smem)
+    for s in gl.static_range(STAGES):
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, h0, n_tiles, first_tile, BLOCK_M,
+                      STAGES)
+
+    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, D_B], gl.float32, dk_layout)
+
+    mbarrier.wait(k_bar, 0)
+    ka = ka_smem.reshape([BLOCK_N, D_A])
+    kb = kb_smem.reshape([BLOCK_N, D_B])
+    x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, 0, zero, BLOCK_M, D_A, D_B, STAGES)
+    lse2_a0, lse2_b0, g0, rows0 = _row_state(LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, offs_m,
+                                             BLOCK_M, SCALAR_GRAD)
+    # Even steps in (x0, y0), odd ones in (x1, y1): the products in flight never share registers with the tiles
+    # being folded (a loop-carried in-flight accumulator makes ptxas serialise every wgmma, its warning C7514).
+    pairs = (steps - 1) // 2
+    for p in range(pairs):
+        t = 2 * p
+        x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
+        x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 1, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a1, lse2_b1, g1, rows1 = _row_state(LSE_A, LSE_B, GRAD, t + 1, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 offs_m, BLOCK_M, SCALAR_GRAD)
+        dk = _fold_step(x0, y0, dk, qb_ring, t, first_tile + t % n_tiles >= full_from, lse2_a0, lse2_b0, g0, rows0,
+                        keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES, CAUSAL, SCALAR_GRAD)
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
+                      BLOCK_M, STAGES)
+        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
+        x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 2, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a0, lse2_b0, g0, rows0 = _row_state(LSE_A, LSE_B, GRAD, t + 2, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 offs_m, BLOCK_M, SCALAR_GRAD)
+        dk = _fold_step(x1, y1, dk, qb_ring, t + 1, first_tile + (t + 1) % n_tiles >= full_from, lse2_a1, lse2_b1,
+                        g1, rows1, keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES, CAUSAL,
+                        SCALAR_GRAD)
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, h0, n_tiles, first_tile,
+                      BLOCK_M, STAGES)
+    # One or two steps are left: step 2·pairs is in flight in (x0, y0); its successor, if any, is the last step.
+    last = 2 * pairs
+    has_odd = last + 1 < steps
+    x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
+    dk = _fold_step(x0, y0, dk, qb_ring, last, first_tile + last % n_tiles >= full_from, lse2_a0, lse2_b0, g0, rows0,
+                    keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES, CAUSAL, SCALAR_GRAD)
+    if has_odd:
+        x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, last + 1, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a1, lse2_b1, g1, rows1 = _row_state(LSE_A, LSE_B, GRAD, last + 1, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 offs_m, BLOCK_M, SCALAR_GRAD)
+        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
+        dk = _fold_step(x1, y1, dk, qb_ring, last + 1, first_tile + (last + 1) % n_tiles >= full_from, lse2_a1,
+                        lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES,
+                        CAUSAL, SCALAR_GRAD)
+    mbarrier.invalidate(k_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    scale = grad_scale_b
+    if SCALAR_GRAD:
+        scale = scale * gl.load(GRAD)
+    out_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+    cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
+    at = ((b.to(gl.int64) * H_KB + hk_b) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
+    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
+
+
+def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
+    """Tiles of the Hopper key pass, the fastest of ``benchmarks/bench_hopper_key_pass.py``'s sweep (H100, bf16,
+    N = 8192): ``block_n`` keys per program (64, one warpgroup), ``block_m`` queries per step, ``num_stages`` the
+    depth of the query ring. With a causal mask, 32-query steps and a ring of 4 (64-query steps spill there: the
+    masked and unmasked tile code are both live); without one, 64-query steps, with a ring of 6 at head dim 64 and of
+    2 at head dim 128 (a deeper ring leaves room for one program per SM only)."""
+    if causal:
+        return LaunchConfig(32, 64, 4, 4)
+    if max(d_a, d_b) <= 64:
+        return LaunchConfig(64, 64, 4, 6)
+    return LaunchConfig(64, 64, 4, 2)
+
+
+def in_scope(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> bool:
+    """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
+
+    Example:
+        >>> q = torch.randn(1, 4, 256, 64, dtype=torch.bfloat16)
+        >>> k_t = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)  # the teacher groups 2 query heads per key head
+        >>> in_scope(KLInputs(q, k_t, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125), False, True)
+        True
+        >>> in_scope(KLInputs(q, q, q, k_t, None, None, None, None, None, None), KLSpec(0.125, 0.125), False, True)
+        False
+    """
+    if need_grad_a or not need_grad_b:
+        return False
+    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
+    if any(x is not None for x in (inputs.sink_a, inputs.sink_b, inputs.key_padding_mask, inputs.query_mask,
+                                   inputs.cu_seqlens_q, inputs.attn_mask)):
+        return False
+    if spec.softcap_a or spec.softcap_b or spec.window_left >= 0 or spec.window_right > 0:
+        return False
+    if spec.window_right == 0 and k_a.shape[2] < q_a.shape[2]:  # causal: every row must see a key
+        return False
+    heads = q_a.shape[1]
+    group_a, group_b = heads // k_a.shape[1], heads // k_b.shape[1]
+    if group_a % group_b:  # one teacher key head per student key head
+        return False
+    return (all(t.dtype == torch.bfloat16 and _tma_ready(t) for t in (q_a, k_a, q_b, k_b))
+            and q_a.shape[-1] in HOPPER_HEAD_DIMS and q_b.shape[-1] in HOPPER_HEAD_DIMS)
+
+
+def supports(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> bool:
+    """True when :func:`attention_kl_key_pass_hopper` computes this key pass: CUDA tensors on an sm_90 device and
+    :func:`in_scope`."""
+    q_a = inputs.q_a
+    return q_a.is_cuda and _is_sm90(q_a.device.index if q_a.device.index is not None else -1) \
+        and in_scope(inputs, spec, need_grad_a, need_grad_b)
+
+
+def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
+                                 lse_b: torch.Tensor, config: LaunchConfig | None = None) -> torch.Tensor:
+    """Side b's key gradient ``dK_b`` (input dtype, shaped like ``k_b``) of the portable key pass, on the Hopper kernel;
+    only for problems :func:`supports` accepts. ``grad_kl`` is fp32: one number (a stride-0 view, as the portable
+    backward passes it) or ``[B, H, N_q]`` contiguous.
+
+    Example (on an H100)::
+
+        >>> q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> inputs, spec = KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125)  # doctest: +SKIP
+        >>> kl, lse_a, lse_b = attention_kl_fwd(inputs, spec)  # doctest: +SKIP
+        >>> dk_b = attention_kl_key_pass_hopper(torch.ones(1, device="cuda"), inputs, spec, lse_a,
+        ...                                     lse_b)  # doctest: +SKIP
+    """
+    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
+    batch, heads, n_q, d_a = q_a.shape
+    h_kb, n_k, d_b = k_b.shape[1], k_b.shape[2], k_b.shape[3]
+    dk_b = torch.empty((batch, h_kb, n_k, d_b), dtype=k_b.dtype, device=k_b.device)
+    if dk_b.numel() == 0 or n_q == 0:
+        return dk_b.zero_()
+    cfg = config or hopper_key_pass_config(d_a, d_b, spec.window_right == 0)
+    (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
+    grid = (triton.cdiv(n_k, cfg.block_n), batch * h_kb)
+    _hopper_dk_kernel[grid](
+        _descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
+        _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b,
+        heads, h_kb, n_q, n_k, heads // k_a.shape[1], heads // h_kb, qk_a, qk_b, spec.grad_scale("b"),
+        CAUSAL=spec.window_right == 0, SCALAR_GRAD=grad_kl.numel() == 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    return dk_b
