@@ -402,6 +402,31 @@ def test_perf_notes_v7_tables_are_bench_hopper_output():
         assert row["rel_hopper_vs_portable"] < 1e-5, row["name"]
 
 
+def test_perf_notes_v10_tables_are_bench_hopper_key_pass_output():
+    """docs/perf-notes.md's v10 blocks are bench_hopper_key_pass.py's rendering of the committed H100 run (``--render``
+    writes them; the run was made with ``--tune``, so it holds the tile sweep too); in that run every check ran the
+    Hopper key pass, was as exact as the portable pass and left dQ_s bitwise unchanged, the default tile of every
+    swept shape is among the candidates it timed, and the default selection took the Hopper pass exactly for the
+    shapes of at least 2^28 score elements."""
+    bench = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_hopper_key_pass.py --render")
+    assert all(c["ok"] for c in data["checks"]), [c["case"] for c in data["checks"] if not c["ok"]]
+    assert [c["case"] for c in data["checks"]] == [list(c) for c in bench.CHECKS]
+    assert [r["name"] for r in data["shapes"]] == [s[0] for s in bench.SHAPES]
+    from streamkl._hopper import HOPPER_MIN_SCORES, _module
+
+    module = _module("backward")  # None without a usable Gluon: the tiles of the code are then not checked
+    for row in data["shapes"]:
+        assert row["default_picks_hopper"] == (row["b"] * row["h"] * row["n"] ** 2 >= HOPPER_MIN_SCORES), row["name"]
+        if module is not None:  # the run used the tiles the code picks now
+            tile = module.hopper_key_pass_config(row["d"], row["d"], row["causal"])
+            assert row["default_tile"] == list(vars(tile).values()), row["name"]
+        if "tiles" in row:
+            assert row["default_tile"] in [t["tile"] for t in row["tiles"]], row["name"]
+            assert all(t["rel_vs_portable"] < 1e-2 for t in row["tiles"]), row["name"]
+
+
 def test_perf_notes_v8_table_is_bench_pairs_output():
     """docs/perf-notes.md's v8 block is bench_pairs.py's rendering of the committed H100 run (``--render`` writes
     it); in that run every setup was measured three times per column and the fused loss agreed with one call per
