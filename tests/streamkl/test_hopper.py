@@ -279,3 +279,36 @@ def test_the_hopper_kernels_never_synchronise_with_the_host(monkeypatch):
         calls()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("poison", ["future-keys", "query-row"])
+def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poison, monkeypatch):
+    """Non-finite keys only later rows see, or a NaN query row, under a causal mask: the training call's loss rows and
+    the student's gradients are bitwise those of the portable pass, NaNs in the same places (the portable kernels'
+    containment is tested in test_real_teacher.py and test_reliability.py); the poisoned rows are left out of the
+    loss, as a user masking them would."""
+    module = hopper._module("backward")
+    calls = []
+    real = module.attention_kl_key_pass_hopper
+    monkeypatch.setattr(module, "attention_kl_key_pass_hopper", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_t, k_t, q_s, k_s = (torch.randn(1, 2, 300, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
+    if poison == "future-keys":
+        k_t[0, :, 200] = float("nan")
+        k_s[0, :, 250] = float("inf")
+    else:
+        q_s[0, 1, 100, 3] = float("nan")
+    results = {}
+    for switch in ("all", "0"):
+        monkeypatch.setenv(hopper.ENV_SWITCH, switch)
+        q, k = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
+        out = attention_kl(q_t, k_t, q, k, causal=True, reduction="none")
+        out.masked_fill(~torch.isfinite(out.detach()), 0.0).sum().backward()
+        results[switch] = (out.detach(), q.grad, k.grad)
+    assert len(calls) == 1, "the Hopper key pass did not run"
+    assert not torch.isfinite(results["0"][0]).all(), "the poison reached no row: the test checks nothing"
+    for name, hopper_value, portable_value in zip(("kl", "dq_s", "dk_s"), results["all"], results["0"]):
+        torch.testing.assert_close(hopper_value, portable_value, rtol=0, atol=0, equal_nan=True, msg=name)
