@@ -17,9 +17,9 @@ layout, near one-hot rows, a temperature, ``mean``/``sum``/weighted per-row loss
 of that training call with the Hopper key pass forced on, with it off, and from the float64 reference, on fresh
 random inputs, and records that the Hopper pass ran.
 
-    PYTHONPATH=kernels:. python benchmarks/bench_hopper_key_pass.py --tune --out benchmarks/results   # published (~2 min)
-    PYTHONPATH=kernels:. python benchmarks/bench_hopper_key_pass.py --out DIR          # without the candidate tiles
-    PYTHONPATH=kernels:. python benchmarks/bench_hopper_key_pass.py --render   # tables into docs/perf-notes.md
+    PYTHONPATH=kernels:. python benchmarks/bench_hopper_key_pass.py --tune --out benchmarks/results  # published, ~2 min
+    PYTHONPATH=kernels:. python benchmarks/bench_hopper_key_pass.py --out DIR  # without the candidate tiles
+    PYTHONPATH=kernels:. python benchmarks/bench_hopper_key_pass.py --render  # tables into docs/perf-notes.md
 
 Timing assertions never go into tests; the numbers here are ratios measured in one run.
 """
@@ -63,6 +63,8 @@ CHECKS = [
     (1, 4, 4, 4, 777, 777, 64, 64, True, "mean", 1.0, 1.0, "bhnd"),
     (1, 8, 2, 8, 1030, 1030, 128, 128, True, "mean", 1.0, 1.0, "bhnd"),
     (1, 8, 2, 4, 1030, 1030, 128, 128, True, "sum", 1.0, 1.0, "bhnd"),
+    (1, 8, 8, 2, 700, 700, 64, 64, True, "mean", 1.0, 1.0, "bhnd"),
+    (2, 8, 4, 1, 500, 500, 128, 64, False, "weighted", 1.0, 1.0, "bhnd"),
     (1, 4, 4, 4, 513, 1500, 128, 64, True, "weighted", 1.0, 1.0, "bhnd"),
     (2, 4, 4, 4, 300, 2100, 64, 128, False, "mean", 2.0, 1.0, "bnhd"),
     (1, 4, 4, 4, 1024, 1024, 64, 64, True, "mean", 1.0, 30.0, "bhnd"),

@@ -161,8 +161,8 @@ def test_the_size_threshold(monkeypatch):
     assert hopper._large_enough(small, "all")
 
 
-def _grouped(h_kt: int, h_ks: int, d: int = 64, dtype=torch.bfloat16) -> KLInputs:
-    q = torch.randn(1, 8, 256, d).to(dtype)
+def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
+    q = torch.randn(1, heads, 256, 64).to(torch.bfloat16)
     return KLInputs(q, q[:, :h_kt], q, q[:, :h_ks], None, None, None, None, None, None)
 
 
@@ -182,11 +182,21 @@ def _grouped(h_kt: int, h_ks: int, d: int = 64, dtype=torch.bfloat16) -> KLInput
     (_inputs(1, 2, 256, 64, sink_a=torch.zeros(2), sink_b=torch.zeros(2)), KLSpec(0.1, 0.1), (False, True), False),
     (_grouped(2, 8), KLSpec(0.1, 0.1), (False, True), True),  # GQA teacher, MHA student
     (_grouped(2, 4), KLSpec(0.1, 0.1), (False, True), True),  # both grouped, the teacher coarser
-    (_grouped(8, 2), KLSpec(0.1, 0.1), (False, True), False),  # a student key head spans 4 teacher key heads
+    (_grouped(8, 2), KLSpec(0.1, 0.1), (False, True), True),  # a student key head spans 4 teacher key heads
+    (_grouped(4, 6, heads=12), KLSpec(0.1, 0.1), (False, True), False),  # 3 and 2 query heads per key head
 ], ids=["bf16", "d128-causal", "teacher-grad", "teacher-only", "fp16", "fp32", "d96", "softcap", "window",
-        "key-mask", "sinks", "gqa-teacher", "gqa-both", "gqa-student-coarser"])
+        "key-mask", "sinks", "gqa-teacher", "gqa-both", "gqa-student-coarser", "groupings-that-do-not-divide"])
 def test_key_pass_scope(inputs, spec, grads, expected):
     assert _backward.in_scope(inputs, spec, *grads) is expected
+
+
+@pytest.mark.skipif(_backward is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("group_a", "group_b", "split"), [(1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (1, 4, 4),
+                                                           (2, 8, 4), (3, 2, None), (2, 3, None)])
+def test_key_head_split(group_a, group_b, split):
+    """Programs per student key head: one when its query heads share a teacher key head, else one per teacher key
+    head it spans."""
+    assert _backward.key_head_split(group_a, group_b) == split
 
 
 KEY_PASS_CASES = [  # (case, loss): every case has a frozen teacher and a trainable student (the fused path)
@@ -194,6 +204,8 @@ KEY_PASS_CASES = [  # (case, loss): every case has a frozen teacher and a traina
     (replace(H, n_q=777, n_k=777, causal=True), "mean"),
     (replace(H, h=8, h_kt=2, h_ks=8, n_q=1030, n_k=1030, d_t=128, d_s=128, causal=True), "mean"),
     (replace(H, h=8, h_kt=2, h_ks=4, n_q=1030, n_k=1030, d_t=128, d_s=128, causal=True), "sum"),
+    (replace(H, h=8, h_kt=8, h_ks=2, n_q=700, n_k=700, causal=True), "mean"),  # a student key head spans 4 teacher's
+    (replace(H, h=8, h_kt=4, h_ks=1, n_q=500, n_k=500, d_t=128), "weighted"),  # ... and 4 again, per-row gradient
     (replace(H, n_q=513, n_k=1500, d_t=128, d_s=64, causal=True), "weighted"),
     (replace(H, b=2, n_q=300, n_k=2100, d_t=64, d_s=128, temperature=2.0, layout="bnhd"), "mean"),
     (replace(H, n_q=1024, n_k=1024, causal=True, sharpness=30.0), "mean"),

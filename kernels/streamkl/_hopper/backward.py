@@ -23,9 +23,10 @@ same thing with
 
 Scope (anything else runs the portable pass, :func:`in_scope`): bf16 inputs on both sides, dense ``(B, H, N, D)``
 tensors TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
-``N_k >= N_q``, only side b's gradient, and every query head of one student key head sharing one teacher key head
-(the teacher groups at least as many query heads per key head as the student, in whole multiples). Gluon kernels have
-no CPU interpreter: CI checks :func:`in_scope`, the GPU suite checks this pass against the portable one and the
+``N_k >= N_q``, only side b's gradient, and key-head groupings that divide one another (a teacher that groups more
+query heads per key head than the student, or fewer: then each student key head is split over several programs, one
+per teacher key head, whose fp32 parts are summed in a fixed order, so the result stays deterministic). Gluon kernels
+have no CPU interpreter: CI checks :func:`in_scope`, the GPU suite checks this pass against the portable one and the
 float64 oracle.
 """
 
@@ -124,8 +125,9 @@ def _fold_step(x, y, dk, qb_ring, step, full, lse2_a, lse2_b, g, rows, keys, qk_
 def _hopper_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     GRAD, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous (GRAD: one number when SCALAR_GRAD); lse in nats
-    DK_B,  # [B, H_KB, N_K, D_B] contiguous, the input dtype
+    DK_B,  # [B, H_KB, SPLIT, N_K, D_B] contiguous: the input dtype when SPLIT == 1, else fp32 parts to sum over SPLIT
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, lengths, query heads per key head of each side
+    SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, num_warps: gl.constexpr,
@@ -141,10 +143,12 @@ def _hopper_dk_kernel(
 
     n0 = gl.program_id(0) * BLOCK_N
     pid_bh = gl.program_id(1)
-    b = pid_bh // H_KB
-    hk_b = pid_bh % H_KB
-    h0 = hk_b * GROUP_B  # the query heads h0 .. h0 + GROUP_B - 1 share this student key head
-    hk_a = h0 // GROUP_A  # and one teacher key head (in_scope)
+    part = pid_bh % SPLIT
+    hk_b = (pid_bh // SPLIT) % H_KB
+    b = pid_bh // (SPLIT * H_KB)
+    heads = GROUP_B // SPLIT
+    h0 = hk_b * GROUP_B + part * heads  # the query heads h0 .. h0 + heads - 1 share this student key head
+    hk_a = h0 // GROUP_A  # and one teacher key head (SPLIT makes it so, see in_scope)
     offset = N_K - N_Q
     if CAUSAL:  # query tiles from the first row that sees key n0; full from the first that sees the whole tile
         first_tile = gl.maximum(n0 - offset, 0) // BLOCK_M
@@ -153,7 +157,7 @@ def _hopper_dk_kernel(
         first_tile = 0
         full_from = 0
     n_tiles = gl.cdiv(N_Q, BLOCK_M) - first_tile  # >= 1: key n0 < N_K = N_Q + offset is seen by row N_Q - 1
-    steps = GROUP_B * n_tiles
+    steps = heads * n_tiles
 
     ka_smem = gl.allocate_shared_memory(dtype, ka_desc.block_type.shape, ka_desc.layout)
     kb_smem = gl.allocate_shared_memory(dtype, kb_desc.block_type.shape, kb_desc.layout)
@@ -228,7 +232,7 @@ def _hopper_dk_kernel(
         scale = scale * gl.load(GRAD)
     out_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
     cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
-    at = ((b.to(gl.int64) * H_KB + hk_b) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
+    at = (pid_bh.to(gl.int64) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
     gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
 
 
@@ -245,6 +249,21 @@ def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
     return LaunchConfig(64, 64, 4, 2)
 
 
+def key_head_split(group_a: int, group_b: int) -> int | None:
+    """Programs per student key head so that each sweeps query heads of one teacher key head (``group_*``: query
+    heads per key head of each side), or None when no whole split does.
+
+    Example:
+        >>> key_head_split(4, 2), key_head_split(1, 4), key_head_split(2, 3)  # GQA teacher; MHA teacher; neither
+        (1, 4, None)
+    """
+    if group_a % group_b == 0:
+        return 1
+    if group_b % group_a == 0:
+        return group_b // group_a
+    return None
+
+
 def in_scope(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> bool:
     """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
 
@@ -253,7 +272,7 @@ def in_scope(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: boo
         >>> k_t = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)  # the teacher groups 2 query heads per key head
         >>> in_scope(KLInputs(q, k_t, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125), False, True)
         True
-        >>> in_scope(KLInputs(q, q, q, k_t, None, None, None, None, None, None), KLSpec(0.125, 0.125), False, True)
+        >>> in_scope(KLInputs(q, q, q, k_t, None, None, None, None, None, None), KLSpec(0.125, 0.125), True, True)
         False
     """
     if need_grad_a or not need_grad_b:
@@ -268,7 +287,7 @@ def in_scope(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: boo
         return False
     heads = q_a.shape[1]
     group_a, group_b = heads // k_a.shape[1], heads // k_b.shape[1]
-    if group_a % group_b:  # one teacher key head per student key head
+    if key_head_split(group_a, group_b) is None:  # each program's query heads must share a teacher key head
         return False
     return (all(t.dtype == torch.bfloat16 and _tma_ready(t) for t in (q_a, k_a, q_b, k_b))
             and q_a.shape[-1] in HOPPER_HEAD_DIMS and q_b.shape[-1] in HOPPER_HEAD_DIMS)
@@ -299,17 +318,21 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     batch, heads, n_q, d_a = q_a.shape
     h_kb, n_k, d_b = k_b.shape[1], k_b.shape[2], k_b.shape[3]
-    dk_b = torch.empty((batch, h_kb, n_k, d_b), dtype=k_b.dtype, device=k_b.device)
+    group_a, group_b = heads // k_a.shape[1], heads // h_kb
+    split = key_head_split(group_a, group_b)
+    # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below
+    dk_b = torch.empty((batch, h_kb, split, n_k, d_b), dtype=k_b.dtype if split == 1 else torch.float32,
+                       device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
-        return dk_b.zero_()
+        return dk_b.zero_().sum(2).to(k_b.dtype)
     cfg = config or hopper_key_pass_config(d_a, d_b, spec.window_right == 0)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
-    grid = (triton.cdiv(n_k, cfg.block_n), batch * h_kb)
+    grid = (triton.cdiv(n_k, cfg.block_n), batch * h_kb * split)
     _hopper_dk_kernel[grid](
         _descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b,
-        heads, h_kb, n_q, n_k, heads // k_a.shape[1], heads // h_kb, qk_a, qk_b, spec.grad_scale("b"),
+        heads, h_kb, n_q, n_k, group_a, group_b, split, qk_a, qk_b, spec.grad_scale("b"),
         CAUSAL=spec.window_right == 0, SCALAR_GRAD=grad_kl.numel() == 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
-    return dk_b
+    return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(k_b.dtype)
