@@ -8,6 +8,8 @@ the backward's key pass. For each shape (bf16), in the same run:
   and one scaling kernel) on the Hopper key pass and on the portable one (``STREAMKL_HOPPER_KERNELS``), the Hopper
   key pass for every candidate tile (``CANDIDATES``, with ``--tune``), and the key pass's exp/matmul bound (3 products,
   2 exponentials per score element) from the ceilings measured in this run;
+* host time per launch (``launch_host_us``: B=1 H=4 N=1024, too small to keep the GPU busy) of the Hopper key pass and
+  forward kernels, the portable forward, and the backward of the training path on either key pass;
 * the op as users call it for training (``attention_kl(...)``, ``reduction="mean"``, then ``torch.autograd.grad`` for
   the student's q and k): forward+backward with the default selection and with the Hopper kernels off, and cuDNN
   attention's forward+backward on the student's shapes.
@@ -198,6 +200,50 @@ def measure_shape(name, b, h, h_kt, n, d, causal, tune: bool) -> dict:
     return row
 
 
+def launch_host_us(rounds: int = 9, calls: int = 200) -> dict:
+    """Host time per launch (µs, median over interleaved rounds of ``calls`` back-to-back launches on a problem too
+    small to keep the GPU busy) of the Hopper key pass and forward and of their portable counterparts."""
+    from streamkl._hopper.backward import attention_kl_key_pass_hopper
+    from streamkl._hopper.forward import attention_kl_fwd_hopper
+    from streamkl._problem import KLInputs, KLSpec
+    from streamkl._triton.backward import attention_kl_bwd
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    q_t, k_t, q_s, k_s = _tensors(1, 4, 4, 4, 1024, 1024, 64, 64, torch.bfloat16, 1.0, "bhnd", 2)
+    inputs = KLInputs(q_t, k_t, q_s, k_s, None, None, None, None, None, None)
+    spec = KLSpec(0.125, 0.125, window_right=0)
+    dq = new_dq_b_buffer(inputs)
+    kl, lse_a, lse_b = attention_kl_fwd(inputs, spec, dq_b=dq)
+    grad = torch.full((1,), 1.0 / kl.numel(), device="cuda")
+    import streamkl._hopper as hopper
+
+    def portable_key_pass():
+        os.environ[hopper.ENV_SWITCH] = "0"
+        attention_kl_bwd(grad.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True, dq_b=dq)
+
+    def hopper_key_pass_call():
+        os.environ[hopper.ENV_SWITCH] = "all"
+        attention_kl_bwd(grad.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True, dq_b=dq)
+
+    fns = {"hopper_key_pass_kernel": lambda: attention_kl_key_pass_hopper(grad, inputs, spec, lse_a, lse_b),
+           "hopper_forward_kernel": lambda: attention_kl_fwd_hopper(inputs, spec),
+           "portable_forward_kernel": lambda: attention_kl_fwd(inputs, spec),
+           "bwd_portable_key_pass": portable_key_pass, "bwd_hopper_key_pass": hopper_key_pass_call}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # compile and fill the launch caches
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    os.environ.pop(hopper.ENV_SWITCH, None)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()} | {"rounds": rounds, "calls": calls}
+
+
 def bounds_ms(row: dict, ceilings: dict) -> dict:
     """The key pass's exp and matmul bounds (3 products, 2 exp2 per score element; causal: half the elements)."""
     e = row["b"] * row["h"] * row["n"] * row["n"] * (0.5 if row["causal"] else 1.0)
@@ -216,9 +262,11 @@ def run(tune: bool) -> dict:
     shapes = [measure_shape(*s, tune=tune and s[4] == 8192) for s in SHAPES]
     for row in shapes:
         row.update(bounds_ms(row, ceilings))
+    launch = launch_host_us()
+    print(f"host time per launch (µs): {launch}", flush=True)
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), ceilings=ceilings, checks=checks, shapes=shapes,
-                seconds=time.time() - t0)
+                launch_host_us=launch, seconds=time.time() - t0)
 
 
 def table(data: dict) -> str:

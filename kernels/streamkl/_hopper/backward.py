@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from .._problem import KLInputs, KLSpec
 from .._triton._helpers import LOG2E_C, side_scales
+from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
 from .forward import HOPPER_HEAD_DIMS, _descriptor, _is_sm90, _tma_load, _tma_ready
 
@@ -236,6 +237,9 @@ def _hopper_dk_kernel(
     gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
 
 
+_launch_dk = KernelLauncher(_hopper_dk_kernel)
+
+
 def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
     """Tiles of the Hopper key pass, the fastest of ``benchmarks/bench_hopper_key_pass.py``'s sweep (H100, bf16,
     N = 8192): ``block_n`` keys per program (64, one warpgroup), ``block_m`` queries per step, ``num_stages`` the
@@ -328,11 +332,12 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     cfg = config or hopper_key_pass_config(d_a, d_b, spec.window_right == 0)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid = (triton.cdiv(n_k, cfg.block_n), batch * h_kb * split)
-    _hopper_dk_kernel[grid](
-        _descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-        _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b,
-        heads, h_kb, n_q, n_k, group_a, group_b, split, qk_a, qk_b, spec.grad_scale("b"),
-        CAUSAL=spec.window_right == 0, SCALAR_GRAD=grad_kl.numel() == 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+    _launch_dk(
+        grid,
+        (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
+         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b),
+        (heads, h_kb, n_q, n_k, group_a, group_b, split, qk_a, qk_b, spec.grad_scale("b")),
+        (("CAUSAL", spec.window_right == 0), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
+         ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", cfg.num_warps)),
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(k_b.dtype)

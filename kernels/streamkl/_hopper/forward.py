@@ -31,6 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._problem import KLInputs, KLSpec
 from .._triton._helpers import LN2_C, NEG_BIG, side_scales
+from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
 
 #: Head dims this kernel is built for (both sides; they may differ).
@@ -283,10 +284,17 @@ def _is_sm90(index: int) -> bool:
     return major == 9
 
 
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    block = [1, 1, block_rows, x.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+    block = (1, 1, block_rows, x.shape[-1])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), _shared_layout(block, x.dtype))
+
+
+_launch_fwd = KernelLauncher(_hopper_fwd_kernel)
 
 
 def attention_kl_fwd_hopper(inputs: KLInputs, spec: KLSpec,
@@ -314,11 +322,12 @@ def attention_kl_fwd_hopper(inputs: KLInputs, spec: KLSpec,
     cfg = config or hopper_forward_config(d_a, d_b)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
-    _hopper_fwd_kernel[grid](
-        _descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-        _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b,
-        heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b,
-        CAUSAL=spec.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+    _launch_fwd(
+        grid,
+        (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
+         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b),
+        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b),
+        (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
+         ("STAGES", cfg.num_stages), ("num_warps", cfg.num_warps)),
     )
     return kl, lse_a, lse_b

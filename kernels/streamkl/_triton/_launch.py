@@ -9,7 +9,8 @@ argument, constexprs included, to ``CompiledKernel.run``).
 
 The cache key holds everything Triton specialises on: every scalar argument's value (so ``== 1``, ``% 16`` and
 the integer width are fixed), each tensor's dtype and 16-byte alignment, which optional tensors are None, the
-constexprs, ``num_warps``/``num_stages`` and the device. Floats are part of the key too, which costs nothing
+constexprs, ``num_warps``/``num_stages`` and the device; for a TMA tensor descriptor (the Gluon kernels of
+:mod:`streamkl._hopper`), its base tensor's dtype and alignment, shape, strides and block shape. Floats are part of the key too, which costs nothing
 here (they follow the shapes and options). Under the interpreter every launch goes through Triton.
 """
 
@@ -30,7 +31,8 @@ MAX_ENTRIES = 1024
 
 
 class KernelLauncher:
-    """Launch ``fn`` (a ``@triton.jit`` kernel whose parameters are: tensors, then scalars, then constexprs).
+    """Launch ``fn`` (a ``@triton.jit`` or ``@gluon.jit`` kernel whose parameters are: tensors or tensor descriptors,
+    then scalars, then constexprs).
 
     Example (not run here: it needs a GPU)::
 
@@ -48,7 +50,7 @@ class KernelLauncher:
             fn[grid](*tensors, *scalars, **dict(meta))
             return
         device = driver.active.get_current_device()
-        signature = tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+        signature = tuple(_signature(t) for t in tensors)
         key = (device, signature, scalars, meta)
         entry = self._kernels.get(key)
         if entry is None:
@@ -69,6 +71,16 @@ class KernelLauncher:
         kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *args), runtime.launch_enter_hook, runtime.launch_exit_hook,
                    *args)
+
+
+def _signature(t) -> tuple | None:
+    """What Triton specialises a tensor (or tensor-descriptor) argument on, as a hashable key."""
+    if t is None:
+        return None
+    base = getattr(t, "base", None)
+    if base is not None and hasattr(t, "block_shape"):  # a host-side TMA descriptor
+        return (base.dtype, base.data_ptr() % 16 == 0, tuple(t.shape), tuple(t.strides), tuple(t.block_shape))
+    return (t.dtype, t.data_ptr() % 16 == 0)
 
 
 def tensor_geometry(*tensors: torch.Tensor | None) -> tuple:
