@@ -245,6 +245,26 @@ def test_a_frozen_teacher_gets_bitwise_reproducible_gradients_even_with_determin
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_launch_cache_keys_a_tma_descriptor_on_what_triton_specialises():
+    """A host-side TMA descriptor (the Hopper kernels' arguments) is keyed on its base tensor's dtype and alignment,
+    shape, strides and block shape: a descriptor that differs in any of these is a new launch-cache entry, one over
+    another tensor of the same geometry is not."""
+    from types import SimpleNamespace
+
+    from streamkl._triton._launch import _signature
+
+    def desc(x, block=(1, 1, 64, 64)):
+        return SimpleNamespace(base=x, shape=list(x.shape), strides=list(x.stride()), block_shape=list(block))
+
+    x = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    assert _signature(desc(x)) == _signature(desc(torch.ones_like(x)))
+    unaligned = torch.zeros(1 + x.numel(), dtype=torch.bfloat16)[1:].view_as(x)  # base 2 bytes past 16
+    variants = [desc(x, (1, 1, 32, 64)), desc(x.transpose(1, 2).contiguous().transpose(1, 2)), desc(x.half()),
+                desc(torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)), desc(unaligned)]
+    assert len({_signature(d) for d in variants} | {_signature(desc(x))}) == len(variants) + 1
+    assert _signature(x) == (torch.bfloat16, True) and _signature(None) is None
+
+
 def test_cached_launch_passes_exactly_what_triton_passes():
     """The launch cache (``_triton/_launch.py``) calls a compiled kernel's launcher directly once Triton has
     launched that specialisation: it must pass the same grid, stream and arguments as Triton's own path, and a
