@@ -467,6 +467,7 @@ def key_pass_v10_claims() -> list[Claim]:
     v6 = span([r["ms"]["op fwd+bwd fused"] / r["ms"]["sdpa-cudnn fwd+bwd"]
                for r in _json("nvidia-h100-80gb-hbm3-fused-dq.json")["rows"] if r["shape"]["n"] >= 4096])
     by_name = {r["name"]: r for r in long}
+    launch = data["launch_host_us"]
     best, worst = by_name["N8192-D128"], by_name["N8192-D64-causal"]
     source = f"benchmarks/results/{name}"
     return [Claim("docs/perf-notes.md", t, source) for t in (
@@ -479,6 +480,11 @@ def key_pass_v10_claims() -> list[Claim]:
         f"the forced Hopper pass took {bert['hopper_bwd_ms'] / bert['portable_bwd_ms']:.2f}× the portable one",
         f"and its {bert['op_train_default_ms'] / bert['op_train_portable_ms']:.2f}× is this machine's noise",
         f"the training call is {cudnn}× cuDNN attention's forward+backward against ≤ 1.15×",
+        "host time per launch (`launch_host_us`): the Hopper key pass "
+        f"{launch['hopper_key_pass_kernel']:.0f} µs, the Hopper forward {launch['hopper_forward_kernel']:.0f} µs, "
+        f"the portable forward {launch['portable_forward_kernel']:.0f} µs; the training path's backward took "
+        f"{launch['bwd_hopper_key_pass']:.0f} µs of host time with the Hopper key pass and "
+        f"{launch['bwd_portable_key_pass']:.0f} µs with the portable one",
     )] + [Claim("docs/concepts/streamkl.md", f"the key pass: {kernel}× the portable pass's time on long-context shapes",
                 source)]
 

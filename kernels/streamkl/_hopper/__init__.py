@@ -3,8 +3,9 @@
 :func:`hopper_forward` picks the Hopper forward (:mod:`streamkl._hopper.forward`) for a problem, or returns None so
 that the portable kernel runs. Measured on an H100 (``benchmarks/bench_hopper.py``, docs/perf-notes.md v7) it is
 faster than the portable forward only where the products weigh as much as the exponentials, head dim 128, and only
-once the problem is large enough to hide its launch (host-side TMA descriptors and Gluon's launcher cost about
-0.2 ms per call), so it runs for head dim 128 (either side) at ``HOPPER_MIN_SCORES`` score elements and more.
+once the problem is large enough to hide its launch (building four TMA descriptors and launching a Gluon kernel
+takes about twice a portable launch's host time, v10), so it runs for head dim 128 (either side) at
+``HOPPER_MIN_SCORES`` score elements and more.
 
 :func:`hopper_key_pass` does the same for the backward's key pass when only side b needs gradients (a frozen
 teacher; :mod:`streamkl._hopper.backward`). Measured faster than the portable pass at head dims 64 and 128
