@@ -24,7 +24,6 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -35,7 +34,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from report import write_blocks  # noqa: E402
+from report import render_results  # noqa: E402
 
 #: (block_m, block_n, warps, stages) of the fused forward timed per head dim
 FUSED_CANDIDATES = {
@@ -221,11 +220,7 @@ def blocks(data: dict, tuning: dict) -> dict[str, str]:
 
 
 def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    with open(tuning_path) as f:
-        tuning = json.load(f)
-    write_blocks(doc, blocks(data, tuning))
+    render_results(doc, blocks, path, tuning_path)
 
 
 def main(argv: list[str] | None = None) -> None:

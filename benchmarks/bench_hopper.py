@@ -24,7 +24,6 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -37,7 +36,7 @@ sys.path.insert(0, HERE)
 
 from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
 from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
-from report import write_blocks  # noqa: E402
+from report import render_results  # noqa: E402
 
 #: (block_m, block_n, warps, stages) of the Hopper forward timed per head dim
 CANDIDATES = {
@@ -213,8 +212,10 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def tiles_table(data: dict) -> str:
-    lines = ["| shape | tile (block_m×block_n, warps, ring stages) | Hopper fwd ms |", "|---|---|---|"]
+def tiles_table(data: dict, tile: str = "block_m×block_n", timed: str = "Hopper fwd ms") -> str:
+    """Every candidate tile of a Hopper kernel's sweep (``row["tiles"]`` of each shape), fastest first per shape;
+    ``tile`` names the tile's first two sizes and ``timed`` the time column."""
+    lines = [f"| shape | tile ({tile}, warps, ring stages) | {timed} |", "|---|---|---|"]
     for r in data["shapes"]:
         for t in sorted(r.get("tiles", []), key=lambda t: t.get("ms", float("inf"))):
             bm, bn, w, s = t["tile"]
@@ -238,11 +239,7 @@ def blocks(data: dict, tuning: dict) -> dict[str, str]:
 
 
 def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    with open(tuning_path) as f:
-        tuning = json.load(f)
-    write_blocks(doc, blocks(data, tuning))
+    render_results(doc, blocks, path, tuning_path)
 
 
 def main(argv: list[str] | None = None) -> None:

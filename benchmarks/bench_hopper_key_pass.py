@@ -29,7 +29,6 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -43,7 +42,8 @@ sys.path.insert(0, HERE)
 from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
 from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
 from bench_hopper import _tensors  # noqa: E402  (the same inputs as the Hopper forward's benchmark)
-from report import write_blocks  # noqa: E402
+from bench_hopper import tiles_table as hopper_tiles_table  # noqa: E402
+from report import render_results  # noqa: E402
 
 #: (block_m, block_n, warps, stages) of the Hopper key pass timed with --tune: block_m queries per step, block_n keys
 CANDIDATES = [(32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 4, 6),
@@ -288,13 +288,7 @@ def table(data: dict) -> str:
 
 
 def tiles_table(data: dict) -> str:
-    lines = ["| shape | tile (queries × keys per step, warps, ring stages) | Hopper key pass ms |", "|---|---|---|"]
-    for r in data["shapes"]:
-        for t in sorted(r.get("tiles", []), key=lambda t: t.get("ms", float("inf"))):
-            bm, bn, w, s = t["tile"]
-            ms = f"{t['ms']:.3f}" if "ms" in t else "failed: " + t["error"].split(":")[0]
-            lines.append(f"| {r['name']} | {bm}×{bn}, {w}, {s} | {ms} |")
-    return "\n".join(lines)
+    return hopper_tiles_table(data, tile="queries × keys per step", timed="Hopper key pass ms")
 
 
 def checks_table(data: dict) -> str:
@@ -314,11 +308,8 @@ def blocks(data: dict, tuning: dict) -> dict[str, str]:
 
 
 def render(path: str, tuning_path: str = H100_TUNING, doc: str = DOC) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    with open(tuning_path) as f:
-        tuning = json.load(f)
-    write_blocks(doc, blocks(data, tuning))
+    render_results(doc, blocks, path, tuning_path)
+
 
 
 def main(argv: list[str] | None = None) -> None:

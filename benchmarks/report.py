@@ -482,6 +482,23 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote the bounds and tuning tables of docs/perf-notes.md")
 
 
+def render_results(doc: str, blocks, path: str, tuning_path: str | None = None) -> None:
+    """Write ``blocks(data, tuning)`` (name -> markdown) into ``doc``: ``data`` read from the results file ``path``,
+    ``tuning`` from ``tuning_path`` (the sweep's run; read once when it is ``path`` itself or None).
+
+    Example (not run: it writes a page)::
+
+        render_results("docs/perf-notes.md", bench_hopper.blocks, bench_hopper.H100_RESULT, bench_hopper.H100_TUNING)
+    """
+    with open(path) as f:
+        data = json.load(f)
+    tuning = data
+    if tuning_path is not None and os.path.abspath(tuning_path) != os.path.abspath(path):
+        with open(tuning_path) as f:
+            tuning = json.load(f)
+    write_blocks(doc, blocks(data, tuning))
+
+
 def load_package(path: str, name: str):
     """Import the package at ``path`` (a copy of an earlier version of one of ours, whose imports are relative) as
     ``name``, so that two versions run in one process on one machine for a paired comparison.

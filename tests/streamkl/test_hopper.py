@@ -34,6 +34,14 @@ def _inputs(*shape, dtype=torch.bfloat16, **extras) -> KLInputs:
     return KLInputs(**fields)
 
 
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.<name>`` so that every call appends to the returned list (how the tests see a kernel ran)."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
 def test_cpu_tensors_never_take_the_hopper_kernel():
     assert hopper.hopper_forward(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125)) is None
 
@@ -101,10 +109,7 @@ def test_hopper_forward_matches_the_oracle_and_runs(case: Case, dtype: torch.dty
     autograd (a frozen teacher's training forward is the fused one, :func:`streamkl.autograd.fuses_dq_b`), and the
     two-pass backward reads its log-sum-exps."""
     monkeypatch.setenv(hopper.ENV_SWITCH, "all")  # small shapes and head dim 64 too
-    module = hopper._module("forward")
-    calls = []
-    real = module.attention_kl_fwd_hopper
-    monkeypatch.setattr(module, "attention_kl_fwd_hopper", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = _count_calls(monkeypatch, hopper._module("forward"), "attention_kl_fwd_hopper")
     inputs = make_inputs(case, dtype, "cuda")
     ref_tensors = inputs.float64_copies()
     ref = attention_kl(**ref_tensors, reduction="none", backend="reference", **case.kwargs())
@@ -220,10 +225,7 @@ def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monk
     """The training call with a frozen teacher, bf16: the student's gradients match the float64 oracle with the
     Hopper key pass (forced onto these small shapes), as closely as with the portable pass; dQ_s (the forward's) is
     bitwise the same either way."""
-    module = hopper._module("backward")
-    calls = []
-    real = module.attention_kl_key_pass_hopper
-    monkeypatch.setattr(module, "attention_kl_key_pass_hopper", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
     inputs = make_inputs(case, torch.bfloat16, "cuda")
     inputs.tensors["q_s"].requires_grad_(True)
     inputs.tensors["k_s"].requires_grad_(True)
@@ -302,10 +304,7 @@ def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poiso
     the student's gradients are bitwise those of the portable pass, NaNs in the same places (the portable kernels'
     containment is tested in test_real_teacher.py and test_reliability.py); the poisoned rows are left out of the
     loss, as a user masking them would."""
-    module = hopper._module("backward")
-    calls = []
-    real = module.attention_kl_key_pass_hopper
-    monkeypatch.setattr(module, "attention_kl_key_pass_hopper", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
     g = torch.Generator(device="cuda").manual_seed(0)
     q_t, k_t, q_s, k_s = (torch.randn(1, 2, 300, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
     if poison == "future-keys":

@@ -20,6 +20,7 @@ small problems and the forward for head dim 64 (for measurements).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable
 
@@ -50,13 +51,9 @@ def _module(name: str = "forward"):
     are imported lazily: Gluon's Hopper API differs between Triton releases, and the portable kernels must never
     depend on it)."""
     try:
-        if name == "forward":
-            from . import forward as module
-        else:
-            from . import backward as module
+        return importlib.import_module(f".{name}", __name__)
     except (ImportError, AttributeError):
         return None
-    return module
 
 
 def _large_enough(inputs: KLInputs, mode: str) -> bool:

@@ -42,7 +42,7 @@ from .._problem import KLInputs, KLSpec
 from .._triton._helpers import LOG2E_C, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
-from .forward import HOPPER_HEAD_DIMS, _descriptor, _is_sm90, _tma_load, _tma_ready
+from .forward import HOPPER_HEAD_DIMS, _allocate_tiles, _descriptor, _is_sm90, _load_fixed, _tma_load, _tma_ready
 
 
 @gluon.jit
@@ -135,7 +135,6 @@ def _hopper_dk_kernel(
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
     D_B: gl.constexpr = qb_desc.block_type.shape[3]
-    dtype: gl.constexpr = qa_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -160,19 +159,8 @@ def _hopper_dk_kernel(
     n_tiles = gl.cdiv(N_Q, BLOCK_M) - first_tile  # >= 1: key n0 < N_K = N_Q + offset is seen by row N_Q - 1
     steps = heads * n_tiles
 
-    ka_smem = gl.allocate_shared_memory(dtype, ka_desc.block_type.shape, ka_desc.layout)
-    kb_smem = gl.allocate_shared_memory(dtype, kb_desc.block_type.shape, kb_desc.layout)
-    qa_ring = gl.allocate_shared_memory(dtype, [STAGES] + qa_desc.block_type.shape, qa_desc.layout)
-    qb_ring = gl.allocate_shared_memory(dtype, [STAGES] + qb_desc.block_type.shape, qb_desc.layout)
-    k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(k_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-
-    mbarrier.expect(k_bar, ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
-    _tma_load(ka_desc, [b, hk_a, n0, 0], k_bar, ka_smem)
-    _tma_load(kb_desc, [b, hk_b, n0, 0], k_bar, kb_smem)
+    ka_smem, kb_smem, qa_ring, qb_ring, k_bar, bars = _allocate_tiles(ka_desc, kb_desc, qa_desc, qb_desc, STAGES)
+    _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, n0, k_bar, ka_smem, kb_smem)
     for s in gl.static_range(STAGES):
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, h0, n_tiles, first_tile, BLOCK_M,
                       STAGES)

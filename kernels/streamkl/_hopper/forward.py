@@ -121,6 +121,32 @@ def _next_tile(qa, qb, ka_desc, kb_desc, ka_ring, kb_ring, bars, t, n_tiles, b, 
 
 
 @gluon.jit
+def _allocate_tiles(fixed_a_desc, fixed_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.constexpr):
+    """Shared memory of one program: a tile of each side that stays for the whole sweep (one ``mbarrier``) and a ring
+    of ``STAGES`` tiles of each side that streams through it (one ``mbarrier`` per slot), barriers initialised."""
+    dtype: gl.constexpr = fixed_a_desc.dtype
+    fixed_a = gl.allocate_shared_memory(dtype, fixed_a_desc.block_type.shape, fixed_a_desc.layout)
+    fixed_b = gl.allocate_shared_memory(dtype, fixed_b_desc.block_type.shape, fixed_b_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES] + ring_a_desc.block_type.shape, ring_a_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES] + ring_b_desc.block_type.shape, ring_b_desc.layout)
+    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    return fixed_a, fixed_b, ring_a, ring_b, fixed_bar, bars
+
+
+@gluon.jit
+def _load_fixed(a_desc, b_desc, b, h_a, h_b, row, bar, a_smem, b_smem):
+    """Start the TMA copies of both sides' fixed tiles (rows from ``row`` of heads ``h_a``, ``h_b`` of sequence
+    ``b``) on one barrier."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    _tma_load(a_desc, [b, h_a, row, 0], bar, a_smem)
+    _tma_load(b_desc, [b, h_b, row, 0], bar, b_smem)
+
+
+@gluon.jit
 def _hopper_fwd_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
@@ -131,7 +157,6 @@ def _hopper_fwd_kernel(
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
     D_B: gl.constexpr = qb_desc.block_type.shape[3]
-    dtype: gl.constexpr = qa_desc.dtype
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -155,19 +180,8 @@ def _hopper_fwd_kernel(
         n_full = N_K // BLOCK_N
     n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
 
-    qa_smem = gl.allocate_shared_memory(dtype, qa_desc.block_type.shape, qa_desc.layout)
-    qb_smem = gl.allocate_shared_memory(dtype, qb_desc.block_type.shape, qb_desc.layout)
-    ka_ring = gl.allocate_shared_memory(dtype, [STAGES] + ka_desc.block_type.shape, ka_desc.layout)
-    kb_ring = gl.allocate_shared_memory(dtype, [STAGES] + kb_desc.block_type.shape, kb_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-
-    mbarrier.expect(q_bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes)
-    _tma_load(qa_desc, [b, h, m_start, 0], q_bar, qa_smem)
-    _tma_load(qb_desc, [b, h, m_start, 0], q_bar, qb_smem)
+    qa_smem, qb_smem, ka_ring, kb_ring, q_bar, bars = _allocate_tiles(qa_desc, qb_desc, ka_desc, kb_desc, STAGES)
+    _load_fixed(qa_desc, qb_desc, b, h, h, m_start, q_bar, qa_smem, qb_smem)
     for s in gl.static_range(STAGES):
         _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, s, n_tiles, b, hk_a, hk_b, BLOCK_N, STAGES)
 
