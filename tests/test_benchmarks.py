@@ -444,3 +444,21 @@ def test_perf_notes_v8_table_is_bench_pairs_output():
 
     for name, pairs, b, h, n, d, _ in bench.SHAPES:  # the notes say every setup runs as one call (bf16: 2 bytes)
         assert 4 * pairs * b * h * n * d * 2 <= FUSE_MAX_BYTES, name
+
+
+def test_perf_notes_v11_tables_are_bench_lazy_frames_output():
+    """docs/perf-notes.md's v11 blocks are bench_lazy_frames.py's rendering of the committed H100 run (made with
+    ``--tune``), its checks and shapes are the script's, and the tiles that run tuned and used are the code's
+    defaults for the frozen-teacher forward, as v11 says."""
+    from dataclasses import asdict
+
+    from streamkl._triton.configs import _fused_forward_config, _width
+
+    bench = _load(ROOT / "benchmarks" / "bench_lazy_frames.py", "bench_lazy_frames")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_lazy_frames.py --render")
+    assert [c["case"] for c in data["checks"]] == [list(c) for c in bench.CHECKS]
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    assert set(data["tile_used"]) == {"64", "128"}
+    for d, tile in data["tile_used"].items():
+        assert asdict(_fused_forward_config(_width(int(d), int(d), 2), 2)) == tile, d

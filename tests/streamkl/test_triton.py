@@ -204,6 +204,40 @@ def test_query_gradient_keeps_its_precision_when_the_student_matches_the_teacher
     assert_close(k_s.grad, ref_k.grad, TOLERANCES[dtype][1], "dk_s")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("position, boost_t, boost_s, close", [
+    (0, 6.0, 0.0, False),  # an attention sink only the teacher has: the first tile's ratio of the sums is far off
+    (70, 9.0, 8.0, False),  # a late key far above every earlier score: both frames move mid-sweep (> 2^8)
+    (70, -30.0, 12.0, False),  # a late key the student attends to and the teacher ignores
+    (70, 9.0, 9.0, True),  # a student close to its teacher: the frames move and the ratio of the sums does not
+])
+def test_query_gradient_stays_exact_when_one_key_dominates(dtype, position, boost_t, boost_s, close):
+    """The frozen-teacher forward keeps ``dQ_s`` with a reference ratio of the running sums and lazily moved frames
+    (``_fused_dq_fold``): a key that moves the ratio or a row's max far must not cost precision. The key at
+    ``position`` gets ``boost`` added to every query's score (through a key component that all queries share), on the
+    teacher's and the student's side apart; the gradients are compared with float64 as users compute them."""
+    g = torch.Generator().manual_seed(11)
+    b, h, n, d = 1, 2, 150, 32
+    q_t, k_t, q_s, k_s = (torch.randn(b, h, n, d, generator=g) for _ in range(4))
+    if close:  # the same tensors, a 0.2 % sharper student (as in the test above)
+        q_s, k_s = q_t.clone(), k_t.clone()
+    scale = dict(scale_t=d**-0.5, scale_s=d**-0.5 * (1.002 if close else 1.0))
+    for q in (q_t, q_s):
+        q[..., 0] = 1.0
+    for k, boost in ((k_t, boost_t), (k_s, boost_s)):
+        k[..., 0] = 0.0
+        k[..., position, 0] = boost * d**0.5
+    q_t, k_t = q_t.to(DEVICE, dtype), k_t.to(DEVICE, dtype)
+    q_s, k_s = (x.to(DEVICE, dtype).requires_grad_(True) for x in (q_s, k_s))
+    loss_scale = 1024.0 if close else 64.0  # a GradScaler's: keeps fp16 gradients in range
+    (loss_scale * attention_kl(q_t, k_t, q_s, k_s, causal=True, backend="triton", **scale)).backward()
+    ref_q, ref_k = (x.detach().double().requires_grad_(True) for x in (q_s, k_s))
+    (loss_scale * attention_kl(q_t.double(), k_t.double(), ref_q, ref_k, causal=True, backend="reference",
+                               **scale)).backward()
+    assert_close(q_s.grad, ref_q.grad, TOLERANCES[dtype][1], "dq_s")
+    assert_close(k_s.grad, ref_k.grad, TOLERANCES[dtype][1], "dk_s")
+
+
 @pytest.mark.parametrize("dtype, narrow_bytes, saved", [
     (torch.bfloat16, None, torch.float32),  # a small buffer stays fp32: no narrowing copy on the host path
     (torch.bfloat16, 0, torch.bfloat16),  # at or above NARROW_DQ_MIN_BYTES: half the memory

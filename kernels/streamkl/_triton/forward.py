@@ -7,7 +7,7 @@ the running max and sum of each distribution plus the coupled accumulator
 ``[lo, b)`` and ``[c, hi)`` with masking, ``[b, c)`` without (:func:`_band`). Sinks are one more outcome per side,
 merged after the keys. It writes three fp32 numbers per row: the KL and both log-sum-exps, which is the whole
 state the two-pass backward needs. With ``FUSED_DQ`` (side a frozen) it also accumulates side b's query gradient per
-unit upstream gradient, two more products per key tile (:func:`_fused_dq_update`), so that the backward needs only
+unit upstream gradient, two more products per key tile (:func:`_fused_dq_fold`), so that the backward needs only
 its key pass. No ``N_q × N_k`` tile leaves the chip.
 """
 
@@ -41,39 +41,57 @@ from ._helpers import (
 from ._launch import KernelLauncher, tensor_geometry
 from .configs import LaunchConfig, forward_config, interpreting, padded_head_dim
 
+#: Lazy frames of the frozen-teacher forward (FUSED_DQ): a row's reference max moves only when a tile's max
+#: exceeds it by more than this many powers of two (probabilities stay <= 2^8: fine in fp32, bf16 and fp16).
+FRAME_SLACK = tl.constexpr(8.0)
+
 
 @triton.jit
-def _fused_dq_update(
-    u, w,  # [BLOCK_M, BLOCK_DB] fp32 accumulators
+def _lazy_max(m, tile_max, qk_scale):
+    """The reference pre-exponent max after a tile: moved to the running max only where the tile's max exceeds
+    the current reference by more than :data:`FRAME_SLACK` powers of two (FlashAttention-4's conditional
+    rescaling), so that on most tiles no row's frame moves. Returns ``(max, moved)``."""
+    moved = tile_max * qk_scale > tl.maximum(m * qk_scale, NEG_BIG) + FRAME_SLACK
+    return tl.where(moved, tl.maximum(m, tile_max), m), moved
+
+
+@triton.jit
+def _fused_dq_fold(
+    v, w, rho,  # [BLOCK_M, BLOCK_DB] fp32 accumulators and [BLOCK_M] ratio of the running sums before this tile
     p_a, p_b,  # [BLOCK_M, BLOCK_N] unnormalised probabilities of the tile (times 1 − tanh² on a soft-capped b)
     k_t,  # [BLOCK_N, BLOCK_DB] side b's key tile (input dtype)
-    z_a, z_a_new, z_b, z_b_new, alpha_a, alpha_b,  # [BLOCK_M] running sums before/after this step, rescalings
-    HAS_TILE: tl.constexpr, FP16: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    z_a, z_b, alpha_a, alpha_b,  # [BLOCK_M] running sums after this tile; rescalings of the frames by this tile
+    moved,  # [BLOCK_M] whether a row's frame moved (alpha != 1)
+    FP16: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Fold one key tile (without ``HAS_TILE``: only a rescaling, e.g. by a sink) into the running ``dQ_b``.
+    """Fold one key tile into the running ``dQ_b``; returns ``(v, w, rho)``.
 
     ``dQ_b ∝ Σ_j (P_b − P_a)_ij k_j``, and each side has its own running max and sum, so the difference is not one
     PV-style accumulator. Accumulating ``E_Pb[k]`` and ``E_Pa[k]`` apart would lose the gradient to cancellation
-    once the student is close to the teacher (each product rounds its P tile to the operand dtype). Instead, in
-    side a's unnormalised frame (divided by ``z_a`` at the end), with ``r = z_a / z_b`` of the running sums:
-    ``u = Σ p_a k`` and ``w = Σ (p_b·r − p_a) k``. When the maxima and sums move, ``u ← u·α_a`` and the b part
-    ``w + u ← (w + u)·γ`` with ``γ = α_b·r'/r``, i.e. ``w ← w·γ + u·(γ − α_a)``; then the tile's products are added.
-    The tile of ``w`` is the *difference* ``p_b·r' − p_a``, formed in fp32 and rounded once (fp16: scaled by a
-    power of two), so its rounding error is relative to the gradient, as in the two-pass backward.
+    once the student is close to the teacher (each product rounds its P tile to the operand dtype); the tile that
+    is rounded must be the *difference*. In side a's unnormalised frame, with ``r = z_a / z_b`` the ratio of the
+    running sums (the factor that takes side b's frame to side a's): ``v = Σ p_b k`` (side b's frame) and
+    ``w = Σ (p_b·r − p_a) k``. The tile of ``w``, ``p_b·r' − p_a`` with the ratio after this tile, is formed in fp32
+    and rounded once (fp16: scaled by a power of two), so its rounding error is relative to the gradient, as in the
+    two-pass backward. When the ratio moves from ``r`` to ``r'`` and the frames by ``α_a``, ``α_b``:
+    ``w ← α_a·w + (r'·α_b − r·α_a)·v`` and ``v ← α_b·v``. The frames move lazily (:func:`_lazy_max`), so on most
+    tiles ``α = 1`` and the ``[BLOCK_M, D]`` update is one FMA per element, ``w += (r' − r)·v`` (one scalar branch
+    per tile), where v10 and earlier rescaled both accumulators on every tile (three operations per element).
     """
-    seen = z_a > 0.0  # both sums are 0 until the row meets its first allowed key (the sides share the mask)
-    r_new = z_a_new / tl.where(z_b_new > 0.0, z_b_new, 1.0)
-    gamma = tl.where(seen, alpha_b * (z_a_new * z_b) / tl.where(seen, z_b_new * z_a, 1.0), 0.0)
-    w = w * gamma[:, None] + u * (gamma - alpha_a)[:, None]
-    u = u * alpha_a[:, None]
-    if HAS_TILE:
-        u += _dot(p_a.to(k_t.dtype), k_t, DOT_PRECISION, INTERPRET)
-        d, inv = _as_operand(p_b * r_new[:, None] - p_a, k_t.dtype, FP16)
-        if FP16:
-            w += _dot(d, k_t, DOT_PRECISION, INTERPRET) * inv
-        else:
-            w += _dot(d, k_t, DOT_PRECISION, INTERPRET)
-    return u, w
+    r = z_a / tl.where(z_b > 0.0, z_b, 1.0)
+    coef = r * alpha_b - rho * alpha_a
+    if tl.max(moved.to(tl.int32), 0) > 0:
+        w = w * alpha_a[:, None] + coef[:, None] * v
+        v = v * alpha_b[:, None]
+    else:
+        w += coef[:, None] * v
+    v += _dot(p_b.to(k_t.dtype), k_t, DOT_PRECISION, INTERPRET)
+    d, inv = _as_operand(p_b * r[:, None] - p_a, k_t.dtype, FP16)
+    if FP16:
+        w += _dot(d, k_t, DOT_PRECISION, INTERPRET) * inv
+    else:
+        w += _dot(d, k_t, DOT_PRECISION, INTERPRET)
+    return v, w, r
 
 
 @triton.jit
@@ -85,7 +103,7 @@ def _attention_kl_fwd_keys(
     am_ptr, stride_am_q, stride_am_k,  # general attn_mask of this (batch, head), or None
     offs_m, offs_n, da_in, db_in,  # local query rows [BLOCK_M]; key offsets [BLOCK_N]; head-dim masks
     m_a, z_a, acc, m_b, z_b,  # [BLOCK_M] running state: maxima of the pre-exponents, sums, coupled accumulator
-    u, w,  # [BLOCK_M, BLOCK_DB] fp32 dQ_b accumulators (FUSED_DQ, see _fused_dq_update), else placeholders
+    v, w, rho,  # [BLOCK_M, BLOCK_DB] fp32 dQ_b accumulators, [BLOCK_M] ratio (FUSED_DQ, see _fused_dq_fold), else 0
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b,
     n_q, n_k, left, right,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -128,13 +146,17 @@ def _attention_kl_fwd_keys(
             y = tl.where(allowed, y, float("-inf"))
             if MASKED:
                 diff = tl.where(allowed, diff, 0.0)
-        m_a_new = tl.maximum(m_a, tl.max(x, 1))
+        if FUSED_DQ:  # lazy frames: most tiles then leave the [BLOCK_M, D] accumulators alone
+            m_a_new, moved_a = _lazy_max(m_a, tl.max(x, 1), qk_scale_a)
+            m_b_new, moved_b = _lazy_max(m_b, tl.max(y, 1), qk_scale_b)
+        else:
+            m_a_new = tl.maximum(m_a, tl.max(x, 1))
+            m_b_new = tl.maximum(m_b, tl.max(y, 1))
         mc_a = tl.maximum(m_a_new * qk_scale_a, NEG_BIG)  # the clamp keeps an empty row finite for any scale
         alpha_a = tl.exp2(tl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
         p_a = tl.exp2(x * qk_scale_a - mc_a[:, None])  # exactly 0 on masked keys
         z_a_new = z_a * alpha_a + tl.sum(p_a, 1)
         acc = acc * alpha_a + tl.sum(p_a * diff, 1)
-        m_b_new = tl.maximum(m_b, tl.max(y, 1))
         mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
         alpha_b = tl.exp2(tl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
         p_b = tl.exp2(y * qk_scale_b - mc_b[:, None])
@@ -144,13 +166,13 @@ def _attention_kl_fwd_keys(
                 kv_b = tl.trans(_finite(k_b).to(k_b.dtype))
             else:
                 kv_b = tl.trans(k_b)
-            u, w = _fused_dq_update(u, w, p_a * cap_grad, p_b * cap_grad, kv_b, z_a, z_a_new, z_b, z_b_new,
-                                    alpha_a, alpha_b, True, FP16_B, DOT_PRECISION_B, INTERPRET)
+            v, w, rho = _fused_dq_fold(v, w, rho, p_a * cap_grad, p_b * cap_grad, kv_b, z_a_new, z_b_new, alpha_a,
+                                       alpha_b, moved_a | moved_b, FP16_B, DOT_PRECISION_B, INTERPRET)
         z_a = z_a_new
         z_b = z_b_new
         m_a = m_a_new
         m_b = m_b_new
-    return m_a, z_a, acc, m_b, z_b, u, w
+    return m_a, z_a, acc, m_b, z_b, v, w, rho
 
 
 @triton.jit
@@ -184,35 +206,37 @@ def _attention_kl_fwd_rows(
     z_b = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M,), tl.float32)
     if FUSED_DQ:
-        u = tl.zeros((BLOCK_M, BLOCK_DB), tl.float32)
+        v = tl.zeros((BLOCK_M, BLOCK_DB), tl.float32)
         w = tl.zeros((BLOCK_M, BLOCK_DB), tl.float32)
+        rho = tl.zeros((BLOCK_M,), tl.float32)
     else:
-        u = 0.0
+        v = 0.0
         w = 0.0
+        rho = 0.0
     last = tl.minimum(m_start + BLOCK_M, n_q) - 1
     lo, b_full, c_full, hi = _band(m_start, last, n_q, n_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
         b_full = hi
         c_full = hi
     if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
-        m_a, z_a, acc, m_b, z_b, u, w = _attention_kl_fwd_keys(
+        m_a, z_a, acc, m_b, z_b, v, w, rho = _attention_kl_fwd_keys(
             lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
             stride_am_k, offs_m, offs_n,
-            da_in, db_in, m_a, z_a, acc, m_b, z_b, u, w, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
+            da_in, db_in, m_a, z_a, acc, m_b, z_b, v, w, rho, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
             left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_ATTN_MASK,
             DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_N,
         )
-    m_a, z_a, acc, m_b, z_b, u, w = _attention_kl_fwd_keys(
+    m_a, z_a, acc, m_b, z_b, v, w, rho = _attention_kl_fwd_keys(
         b_full, c_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
             stride_am_k, offs_m,
-        offs_n, da_in, db_in, m_a, z_a, acc, m_b, z_b, u, w, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q,
+        offs_n, da_in, db_in, m_a, z_a, acc, m_b, z_b, v, w, rho, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q,
         n_k, left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, False, HAS_KEY_MASK, HAS_ATTN_MASK,
         DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_N,
     )
-    m_a, z_a, acc, m_b, z_b, u, w = _attention_kl_fwd_keys(
+    m_a, z_a, acc, m_b, z_b, v, w, rho = _attention_kl_fwd_keys(
         c_full, hi, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
             stride_am_k, offs_m, offs_n,
-        da_in, db_in, m_a, z_a, acc, m_b, z_b, u, w, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
+        da_in, db_in, m_a, z_a, acc, m_b, z_b, v, w, rho, qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, n_q, n_k,
         left, right, SOFTCAP_A, SOFTCAP_B, HAS_LEFT, HAS_RIGHT, True, HAS_KEY_MASK, HAS_ATTN_MASK,
         DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, FUSED_DQ, FP16_B, BLOCK_N,
     )
@@ -223,6 +247,8 @@ def _attention_kl_fwd_rows(
         valid = valid & (qm != 0)
     mc_a = tl.maximum(m_a * qk_scale_a, NEG_BIG)
     mc_b = tl.maximum(m_b * qk_scale_b, NEG_BIG)
+    sink_alpha_a = 1.0  # how a sink moves the frames of v and w (FUSED_DQ)
+    sink_alpha_b = 1.0
     if HAS_SINKS:  # one more outcome per side, never masked, merged like one more key
         s_a = tl.load(SINK_A + h).to(tl.float32) * LOG2E_C
         s_b = tl.load(SINK_B + h).to(tl.float32) * LOG2E_C
@@ -234,9 +260,8 @@ def _attention_kl_fwd_rows(
         mc_b_new = tl.maximum(mc_b, s_b)
         alpha_b = tl.exp2(mc_b - mc_b_new)
         z_b_new = z_b * alpha_b + tl.exp2(s_b - mc_b_new)
-        if FUSED_DQ:  # a sink has no key vector: it only moves both sums
-            u, w = _fused_dq_update(u, w, None, None, None, z_a, z_a_new, z_b, z_b_new, alpha_a, alpha_b, False,
-                                    FP16_B, DOT_PRECISION_B, INTERPRET)
+        sink_alpha_a = alpha_a  # a sink has no key vector: it only moves both frames and sums
+        sink_alpha_b = alpha_b
         z_a = z_a_new
         z_b = z_b_new
         mc_a = mc_a_new
@@ -251,7 +276,13 @@ def _attention_kl_fwd_rows(
     tl.store(LSE_A + out, tl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
     tl.store(LSE_B + out, tl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
     if FUSED_DQ:  # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j (0 on empty and excluded rows)
-        dq = tl.where(valid[:, None], w * (grad_scale_b / z_a_safe)[:, None], 0.0)
+        # a sink moves the ratio and the frames once more (_fused_dq_fold); without sinks coef is 0
+        coef = z_a_safe / z_b_safe * sink_alpha_b - rho * sink_alpha_a
+        if HAS_SINKS:
+            num = w * sink_alpha_a[:, None] + coef[:, None] * v
+        else:
+            num = w + coef[:, None] * v
+        dq = tl.where(valid[:, None], num * (grad_scale_b / z_a_safe)[:, None], 0.0)
         tl.store(DQ_B + out[:, None] * D_B + offs_db[None, :], dq, mask=row_in[:, None] & db_in[None, :])
 
 
