@@ -212,10 +212,11 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def tiles_table(data: dict, tile: str = "block_m×block_n", timed: str = "Hopper fwd ms") -> str:
-    """Every candidate tile of a Hopper kernel's sweep (``row["tiles"]`` of each shape), fastest first per shape;
-    ``tile`` names the tile's first two sizes and ``timed`` the time column."""
-    lines = [f"| shape | tile ({tile}, warps, ring stages) | {timed} |", "|---|---|---|"]
+def tiles_table(data: dict, tile: str = "block_m×block_n", timed: str = "Hopper fwd ms",
+                stages: str = "ring stages") -> str:
+    """Every candidate tile of a kernel's sweep (``row["tiles"]`` of each shape), fastest first per shape;
+    ``tile`` names the tile's first two sizes, ``stages`` its last and ``timed`` the time column."""
+    lines = [f"| shape | tile ({tile}, warps, {stages}) | {timed} |", "|---|---|---|"]
     for r in data["shapes"]:
         for t in sorted(r.get("tiles", []), key=lambda t: t.get("ms", float("inf"))):
             bm, bn, w, s = t["tile"]

@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_fused_dq import FUSED_CANDIDATES, SHAPES  # noqa: E402
+from bench_hopper import tiles_table as hopper_tiles_table  # noqa: E402
 from report import load_package, render_results, sign_test_p  # noqa: E402
 
 ROUNDS = 7
@@ -239,12 +240,9 @@ def op_table(data: dict) -> str:
 
 
 def tiles_table(data: dict) -> str:
-    lines = ["| shape | tile (block_m×block_n, warps, stages) | v11 fused fwd ms |", "|---|---|---|"]
-    for name in dict.fromkeys(t["shape"] for t in data.get("tiles", [])):
-        for t in sorted((t for t in data["tiles"] if t["shape"] == name and "ms" in t), key=lambda t: t["ms"]):
-            bm, bn, w, s = t["tile"]
-            lines.append(f"| {name} | {bm}×{bn}, {w}, {s} | {t['ms']:.3f} |")
-    return "\n".join(lines)
+    shapes = [{"name": name, "tiles": [t for t in data.get("tiles", []) if t["shape"] == name]}
+              for name in dict.fromkeys(t["shape"] for t in data.get("tiles", []))]
+    return hopper_tiles_table({"shapes": shapes}, timed="v11 fused fwd ms", stages="stages")
 
 
 def checks_table(data: dict) -> str:

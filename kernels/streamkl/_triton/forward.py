@@ -247,8 +247,6 @@ def _attention_kl_fwd_rows(
         valid = valid & (qm != 0)
     mc_a = tl.maximum(m_a * qk_scale_a, NEG_BIG)
     mc_b = tl.maximum(m_b * qk_scale_b, NEG_BIG)
-    sink_alpha_a = 1.0  # how a sink moves the frames of v and w (FUSED_DQ)
-    sink_alpha_b = 1.0
     if HAS_SINKS:  # one more outcome per side, never masked, merged like one more key
         s_a = tl.load(SINK_A + h).to(tl.float32) * LOG2E_C
         s_b = tl.load(SINK_B + h).to(tl.float32) * LOG2E_C
@@ -260,7 +258,7 @@ def _attention_kl_fwd_rows(
         mc_b_new = tl.maximum(mc_b, s_b)
         alpha_b = tl.exp2(mc_b - mc_b_new)
         z_b_new = z_b * alpha_b + tl.exp2(s_b - mc_b_new)
-        sink_alpha_a = alpha_a  # a sink has no key vector: it only moves both frames and sums
+        sink_alpha_a = alpha_a  # a sink has no key vector: it only moves both frames and sums (FUSED_DQ)
         sink_alpha_b = alpha_b
         z_a = z_a_new
         z_b = z_b_new
@@ -276,12 +274,11 @@ def _attention_kl_fwd_rows(
     tl.store(LSE_A + out, tl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
     tl.store(LSE_B + out, tl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
     if FUSED_DQ:  # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j (0 on empty and excluded rows)
-        # a sink moves the ratio and the frames once more (_fused_dq_fold); without sinks coef is 0
-        coef = z_a_safe / z_b_safe * sink_alpha_b - rho * sink_alpha_a
-        if HAS_SINKS:
+        if HAS_SINKS:  # a sink moves the ratio and the frames once more (_fused_dq_fold)
+            coef = z_a_safe / z_b_safe * sink_alpha_b - rho * sink_alpha_a
             num = w * sink_alpha_a[:, None] + coef[:, None] * v
-        else:
-            num = w + coef[:, None] * v
+        else:  # rho is already the final ratio of the sums
+            num = w
         dq = tl.where(valid[:, None], num * (grad_scale_b / z_a_safe)[:, None], 0.0)
         tl.store(DQ_B + out[:, None] * D_B + offs_db[None, :], dq, mask=row_in[:, None] & db_in[None, :])
 
