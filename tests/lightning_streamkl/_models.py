@@ -154,8 +154,27 @@ def loader(n: int = 8, batch_size: int = 4, length: int = 12, seed: int = 0) -> 
     return DataLoader(TokenDataset(n, length, seed), batch_size=batch_size, shuffle=False)
 
 
+class ShutDownProcessGroup(L.Callback):
+    """Destroys the process group when a spawned process's run ends (``ddp_spawn`` on CPU).
+
+    Lightning destroys only NCCL groups at exit; a gloo group is left to the interpreter's shutdown, and a spawned
+    process exits through it, tearing down gloo's worker threads in C++ static destructors. That aborted a spawned
+    process now and then after a successful run ("terminate called without an active exception", SIGABRT, seen once
+    in CI), so the spawn failed a test that had passed. Shutting the group down here joins those threads while the
+    interpreter is alive (after a barrier: no process leaves a collective behind).
+    """
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
 def trainer(**kwargs) -> L.Trainer:
+    """A quiet CPU ``Trainer``; a ``ddp_spawn`` one also gets :class:`ShutDownProcessGroup`."""
     defaults = dict(accelerator="cpu", devices=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     defaults.update(kwargs)
+    if defaults.get("strategy") == "ddp_spawn":
+        defaults["callbacks"] = [*defaults.get("callbacks", []), ShutDownProcessGroup()]
     return L.Trainer(**defaults)

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from lightning_streamkl import AttentionKLDivergence, StreamKLDistillation
 
-from ._models import VOCAB, CausalLM, loader, tiny_llama, trainer
+from ._models import VOCAB, CausalLM, ShutDownProcessGroup, loader, tiny_llama, trainer
 from .test_callback import LAST, make_student, make_teacher, manual_kl
 
 PAIRS = [LAST, {"teacher": 0, "student": 0, "name": "first", "weight": 0.5}]
@@ -129,7 +129,8 @@ def equivalence_runs(out: Path, *, accelerator: str = "cpu", dtype: torch.dtype 
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=-1)
     ddp = L.Trainer(accelerator=accelerator, devices=2, strategy="ddp_spawn", max_steps=STEPS, logger=False,
                     enable_progress_bar=False, enable_model_summary=False,
-                    callbacks=[StreamKLDistillation(copy.deepcopy(teacher), pairs=PAIRS), Probe(out, "ddp"), ckpt])
+                    callbacks=[StreamKLDistillation(copy.deepcopy(teacher), pairs=PAIRS), Probe(out, "ddp"), ckpt,
+                               ShutDownProcessGroup()])
     ddp.fit(initial, DataLoader(data, batch_size=ROWS_PER_PROCESS))  # Lightning adds its DistributedSampler
 
     records = [torch.load(out / f"{tag}.pt", weights_only=False) for tag in ("single-rank0", "ddp-rank0", "ddp-rank1")]
