@@ -80,6 +80,7 @@ GENERATED = {
     "key-pass:checks": "benchmarks/bench_hopper_key_pass.py",
     "pairs:step": "benchmarks/bench_pairs.py",
     "lazy:tiles": "benchmarks/bench_lazy_frames.py", "lazy:op": "benchmarks/bench_lazy_frames.py",
+    "gap": "benchmarks/report.py",
     "lazy:checks": "benchmarks/bench_lazy_frames.py",
 }
 
@@ -485,6 +486,30 @@ def lazy_frames_v11_claims() -> list[Claim]:
         f"p = {b['p']:.2f})",
         f"(with {data['rounds']} rounds the smallest possible p is "
         f"{report.sign_test_p(data['rounds'], data['rounds']):.2g})",
+    )]
+
+
+def training_gap_claims() -> list[Claim]:
+    """perf-notes "Where the remaining gap is (as of v11)": the training call and cuDNN's forward+backward against
+    their overlap and no-overlap bounds, without and with a causal mask, and where the issue's target sits."""
+    meta = report.load(report.PERF_NOTES_GRID)[0]
+    with open(report.PERF_NOTES_TRAINING) as f:
+        rows = report.training_gap_rows(meta["ceilings"], json.load(f))
+    dense = [r for r in rows if "causal" not in r["name"]]
+    causal = [r for r in rows if "causal" in r["name"]]
+
+    def pct(values) -> str:
+        low, high = round(100 * min(values)), round(100 * max(values))
+        return f"{low}%" if low == high else f"{low}–{high}%"
+
+    source = "benchmarks/results/nvidia-h100-80gb-hbm3-lazy-frames.json"
+    return [Claim("docs/perf-notes.md", t, source) for t in (
+        f"the frozen-teacher training call within {report.TRAINING_TARGET}× cuDNN attention's forward+backward",
+        f"the training call already runs at {pct([r['bound'][1] / r['ms'] for r in dense])} of its no-overlap sum, "
+        f"and the target sits at {pct([r['bound'][1] / r['target'] for r in dense])} of it",
+        f"at {pct([r['cudnn_bound'][1] / r['cudnn'] for r in dense])} of its own sum",
+        f"the call runs at {pct([r['bound'][1] / r['ms'] for r in causal])} of the sum, where the target needs "
+        f"{pct([r['bound'][1] / r['target'] for r in causal])}",
     )]
 
 
@@ -955,6 +980,7 @@ def claims(r: Results) -> list[Claim]:
     out += host_path_v9_claims()
     out += key_pass_v10_claims()
     out += lazy_frames_v11_claims()
+    out += training_gap_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

@@ -6,7 +6,8 @@ between the ``tuning`` markers of docs/perf-notes.md.
     python benchmarks/report.py benchmarks/results/nvidia-h100-80gb-hbm3.json
     python benchmarks/report.py --no-plots                        # the markdown only
 
-The bounds and tuning tables of docs/perf-notes.md always come from ``PERF_NOTES_GRID`` and ``PERF_NOTES_TUNING``.
+The bounds and tuning tables of docs/perf-notes.md always come from ``PERF_NOTES_GRID`` and ``PERF_NOTES_TUNING``, its
+remaining-gap table from ``PERF_NOTES_TRAINING`` and the grid's ceilings.
 
 Runs on any machine (no GPU needed). Every ratio in the tables compares numbers measured in the same run. Other
 JSON files under results/ (the ablation and continual results, ...) are not benchmark grids and are skipped.
@@ -32,6 +33,8 @@ PERF_NOTES = os.path.join(DOCS, "perf-notes.md")
 #: the last grid and tuning file found, so a run of another card never rewrites the H100 notes
 PERF_NOTES_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
 PERF_NOTES_TUNING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-tuning.json")
+#: the training call whose distance to its bounds the "remaining gap" section of docs/perf-notes.md renders (v11's run)
+PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-lazy-frames.json")
 
 
 def is_grid(raw) -> bool:
@@ -364,6 +367,63 @@ def bounds_table(meta: dict, h: int = 16, n: int = 8192) -> str:
     return "\n".join(lines)
 
 
+#: (QKᵀ-sized products, exp2) per score element: the frozen-teacher training call (the fused forward, 4 and 2, then
+#: the key pass, 3 and 2) and attention's forward+backward (forward 2 and 1, backward 5 and 1, as in FA2 and cuDNN)
+TRAINING_CALL_WORK, ATTENTION_WORK = (7, 4), (7, 2)
+#: issue 14's long-context target: the training call within this many times cuDNN attention's forward+backward
+TRAINING_TARGET = 1.15
+
+
+def work_bounds(shape: dict, ceilings: dict, work: tuple[int, int]) -> tuple[float, float]:
+    """``(max, sum)`` of the exponential time and the tensor-core time (ms) of ``work`` per score element on
+    ``shape`` (a results row's shape: b, h, n, d, causal) at the run's ceilings: the time with perfect overlap of the
+    two units, and without any.
+
+    Example:
+        >>> shape = dict(b=1, h=1, n=1000, d=64, causal=False)
+        >>> work_bounds(shape, {"exp2_per_s": 1e12, "bf16_matmul_flops": 1e14}, (1, 1))
+        (0.00128, 0.00228)
+    """
+    e = shape["b"] * shape["h"] * shape["n"] * shape["n"]
+    if shape["causal"]:
+        e = e * (shape["n"] + 1) / (2 * shape["n"])
+    products, exps = work
+    mm = products * 2 * shape["d"] * e / ceilings["bf16_matmul_flops"] * 1e3
+    ex = exps * e / ceilings["exp2_per_s"] * 1e3
+    return max(mm, ex), mm + ex
+
+
+def training_gap_rows(ceilings: dict, training: dict) -> list[dict]:
+    """Per long-context shape of ``training`` (bench_lazy_frames.py's results): the training call's median time (the
+    new version) and cuDNN attention's forward+backward, each with its bounds (:func:`work_bounds`), and the time the
+    issue's target (1.15× cuDNN's) allows."""
+    import statistics
+
+    rows = []
+    for r in training["rows"]:
+        if r["shape"]["n"] < 4096:
+            continue
+        ms = statistics.median(r["ms"]["training call new"])
+        rows.append(dict(name=r["shape"]["name"], ms=ms, bound=work_bounds(r["shape"], ceilings, TRAINING_CALL_WORK),
+                         cudnn=r["cudnn_fwd_bwd_ms"], cudnn_bound=work_bounds(r["shape"], ceilings, ATTENTION_WORK),
+                         target=TRAINING_TARGET * r["cudnn_fwd_bwd_ms"]))
+    return rows
+
+
+def training_gap_table(ceilings: dict, training: dict) -> str:
+    """The "remaining gap" table of docs/perf-notes.md (see :func:`training_gap_rows`)."""
+    lines = ["| shape | training call ms | its bound ms, overlap / none | % of overlap / none | cuDNN fwd+bwd ms | "
+             f"its bound ms, overlap / none | % of overlap / none | target ms ({TRAINING_TARGET}× cuDNN) | "
+             "% of the call's bound, overlap / none |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in training_gap_rows(ceilings, training):
+        (b_max, b_sum), (c_max, c_sum) = r["bound"], r["cudnn_bound"]
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {b_max:.3f} / {b_sum:.3f} | {100 * b_max / r['ms']:.0f}% / "
+                     f"{100 * b_sum / r['ms']:.0f}% | {r['cudnn']:.3f} | {c_max:.3f} / {c_sum:.3f} | "
+                     f"{100 * c_max / r['cudnn']:.0f}% / {100 * c_sum / r['cudnn']:.0f}% | {r['target']:.3f} | "
+                     f"{100 * b_max / r['target']:.0f}% / {100 * b_sum / r['target']:.0f}% |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------ tuning -> perf notes
 _KERNELS = {
     "fwd": "forward",
@@ -436,10 +496,15 @@ def write_blocks(path: str, blocks: dict[str, str]) -> None:
         f.write(text)
 
 
-def perf_notes(text: str, grid_path: str, tuning_path: str) -> str:
-    """``text`` (docs/perf-notes.md) with its bounds table rendered from ``grid_path`` and its tuning tables from
-    ``tuning_path``."""
-    text = replace_block(text, "bounds", bounds_table(load(grid_path)[0]))
+def perf_notes(text: str, grid_path: str, tuning_path: str, training_path: str | None = None) -> str:
+    """``text`` (docs/perf-notes.md) with its bounds table rendered from ``grid_path``, its tuning tables from
+    ``tuning_path`` and, given ``training_path``, its remaining-gap table from that training-call run and the grid's
+    ceilings."""
+    meta = load(grid_path)[0]
+    text = replace_block(text, "bounds", bounds_table(meta))
+    if training_path is not None:
+        with open(training_path) as f:
+            text = replace_block(text, "gap", training_gap_table(meta["ceilings"], json.load(f)))
     with open(tuning_path) as f:
         tuning = json.load(f)
     for name, table in TUNING_BLOCKS.items():
@@ -476,10 +541,10 @@ def main(argv: list[str] | None = None) -> None:
     print("wrote docs/benchmarks.md")
     if os.path.exists(PERF_NOTES_GRID) and os.path.exists(PERF_NOTES_TUNING):
         with open(PERF_NOTES) as f:
-            text = perf_notes(f.read(), PERF_NOTES_GRID, PERF_NOTES_TUNING)
+            text = perf_notes(f.read(), PERF_NOTES_GRID, PERF_NOTES_TUNING, PERF_NOTES_TRAINING)
         with open(PERF_NOTES, "w") as f:
             f.write(text)
-        print("wrote the bounds and tuning tables of docs/perf-notes.md")
+        print("wrote the bounds, tuning and remaining-gap tables of docs/perf-notes.md")
 
 
 def render_results(doc: str, blocks, path: str, tuning_path: str | None = None) -> None:

@@ -180,6 +180,21 @@ def test_perf_notes_tables_are_the_committed_json(report):
     assert edited != text and report.perf_notes(edited, grid, tuning) == text
 
 
+def test_perf_notes_gap_table_is_the_committed_runs(report):
+    """The remaining-gap table is report.py's rendering of v11's training-call run against the grid's ceilings, and
+    the work it charges the training call is the sum of the bounds table's fused forward and key pass."""
+    text = (ROOT / "docs" / "perf-notes.md").read_text()
+    assert "<!-- gap:start -->" in text
+    paths = report.PERF_NOTES_GRID, report.PERF_NOTES_TUNING, report.PERF_NOTES_TRAINING
+    assert report.perf_notes(text, *paths) == text
+    edited = text.replace("| N8192-D64 | 2.733 |", "| N8192-D64 | 2.700 |")
+    assert edited != text and report.perf_notes(edited, *paths) == text
+    work = {name: (products, exps) for name, products, exps in report.PASSES}
+    fused, key = work["forward accumulating dQ_s (v6, frozen teacher, with grad)"], \
+        work["backward after it: the key pass, student only"]
+    assert (fused[0] + key[0], fused[1] + key[1]) == report.TRAINING_CALL_WORK
+
+
 def test_perf_notes_conclusions_hold_in_the_tuning_json(report):
     """The tuning section's sentences without a number (figures.py checks the numbers) against the committed sweep."""
     text = re.sub(r"\s+", " ", (ROOT / "docs" / "perf-notes.md").read_text())
