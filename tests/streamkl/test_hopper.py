@@ -323,3 +323,30 @@ def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poiso
     assert not torch.isfinite(results["0"][0]).all(), "the poison reached no row: the test checks nothing"
     for name, hopper_value, portable_value in zip(("kl", "dq_s", "dk_s"), results["all"], results["0"]):
         torch.testing.assert_close(hopper_value, portable_value, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_hopper_causal_key_pass_in_longest_first_chunks_is_bitwise_the_one_chunk_pass(chunk, monkeypatch):
+    """The causal Hopper key pass runs its longest sweeps first in chunks of (sequence, key head, part) triples sized
+    from the L2 cache (v12). With the L2 size forced so that the 8 triples (2 sequences, 2 student key heads, a split
+    of 2) split into chunks of 1 and of 3 (the last one narrower), the student's key gradient is bitwise the one of a
+    single chunk: each program's work does not depend on when it runs, and none is skipped or repeated."""
+    from streamkl._hopper import backward
+
+    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
+    case = replace(H, b=2, h=8, h_kt=4, h_ks=2, n_q=1030, n_k=1030, causal=True)
+    calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
+    inputs = make_inputs(case, torch.bfloat16, "cuda")
+    inputs.tensors["k_s"].requires_grad_(True)
+
+    def key_gradient():
+        out = inputs.call(attention_kl, backend="triton", **case.kwargs())
+        return torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
+
+    whole = key_gradient()
+    query_bytes = (8 // 2 // 2) * 1030 * (64 + 64) * 2  # per program: 2 query heads, both sides' queries, bf16
+    monkeypatch.setattr(backward, "l2_cache_bytes", lambda index: 2 * chunk * query_bytes)
+    assert torch.equal(key_gradient(), whole)
+    assert len(calls) == 2

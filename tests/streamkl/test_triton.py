@@ -11,8 +11,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from streamkl import attention_kl
+from streamkl._triton._helpers import _longest_first
 from tests._helpers import assert_close
 from tests.streamkl.cases import BASE, ORACLE_CASES, REAL_TEACHER_CASES, Case, make_inputs, params
 from tests.streamkl.oracle import TOLERANCES, check_against_oracle
@@ -304,7 +307,6 @@ def test_cached_launch_passes_exactly_what_triton_passes():
     launched that specialisation: it must pass the same grid, stream and arguments as Triton's own path, and a
     new specialisation (another dtype, an unaligned pointer, a scalar equal to 1) must go back through Triton.
     A fake driver and a stand-in compiled kernel record the launches (no GPU, no compilation)."""
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -360,3 +362,52 @@ def test_cached_launch_passes_exactly_what_triton_passes():
         assert len(compiles) == 4
     finally:
         driver._active = previous
+
+
+@triton.jit
+def _order_kernel(out, n_tiles, chunk):
+    """Writes ``_longest_first``'s (rank, pair) of every program."""
+    pid = tl.program_id(0)
+    rank, pair = _longest_first(pid, n_tiles, chunk)
+    tl.store(out + 2 * pid, rank)
+    tl.store(out + 2 * pid + 1, pair)
+
+
+def test_longest_first_order_runs_every_tile_once_longest_first():
+    """``_longest_first`` maps a one-dimensional grid onto (rank, pair) one-to-one, in chunks of ``chunk`` consecutive
+    pairs (the last one narrower), rank-major within a chunk: every pair's rank 0 (its longest tile) before any
+    rank 1."""
+    for n_tiles, pairs, chunk in ((5, 7, 3), (4, 6, 2), (3, 4, 1), (6, 3, 12)):
+        out = torch.full((n_tiles * pairs, 2), -1, dtype=torch.int32, device=DEVICE)
+        _order_kernel[(n_tiles * pairs,)](out, n_tiles, chunk)
+        got = [tuple(x) for x in out.tolist()]
+        expected = [(rank, first + i) for first in range(0, pairs, chunk)
+                    for rank in range(n_tiles) for i in range(min(chunk, pairs - first))]
+        assert got == expected, (n_tiles, pairs, chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_causal_forward_runs_longest_first_in_chunks_of_heads(monkeypatch, request, chunk):
+    """A causal forward runs its grid longest first, in chunks of (sequence, head) pairs sized from the L2 cache.
+    With the L2 size forced so that 10 pairs split into chunks of 1, 2 and 5, every row and gradient still matches
+    the oracle (a tile the order skipped would leave NaN behind), with GQA, a window and the frozen-teacher forward."""
+    from streamkl._triton import forward
+
+    key_bytes = 40 * (16 * 4 * 1 + 16 * 4 * 5) // 5  # N_k = 40, D = 16, fp32, teacher 1 and student 5 key heads
+    monkeypatch.setattr(forward, "l2_cache_bytes", lambda index: int(2 * chunk * key_bytes))
+    forward._forward_plan.cache_clear()
+    request.addfinalizer(forward._forward_plan.cache_clear)
+    plans, original = [], forward._forward_plan
+
+    def recording(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(forward, "_forward_plan", recording)
+    case = replace(BASE, b=2, h=5, h_kt=1, h_ks=5, n_q=37, n_k=40, causal=True)
+    check_against_oracle(case, torch.float32, "triton", DEVICE, reduction_checks=False)
+    check_against_oracle(replace(case, teacher_grad=True, window=(9, 0)), torch.float32, "triton", DEVICE,
+                         reduction_checks=False)
+    check_against_oracle(replace(case, causal=False), torch.float32, "triton", DEVICE, reduction_checks=False)
+    orders = {(dict(meta)["LONGEST_FIRST"], grid[1], scalars[-1]) for grid, scalars, meta in plans}
+    assert orders == {(True, 1, chunk), (False, 10, 1)}  # causal: one-dimensional, chunked; not causal: unchanged

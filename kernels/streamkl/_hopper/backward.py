@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import LOG2E_C, side_scales
+from .._triton._helpers import LOG2E_C, l2_cache_bytes, longest_first_chunk, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
 from .forward import HOPPER_HEAD_DIMS, _allocate_tiles, _descriptor, _is_sm90, _load_fixed, _tma_load, _tma_ready
@@ -58,6 +58,18 @@ def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, 
     mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes, pred=pred)
     _tma_load(qa_desc, [b, h, m0, 0], bar, qa_ring.index(stage), pred=pred)
     _tma_load(qb_desc, [b, h, m0, 0], bar, qb_ring.index(stage), pred=pred)
+
+
+@gluon.jit
+def _longest_first(pid, n_tiles, chunk):
+    """Gluon's copy of :func:`streamkl._triton._helpers._longest_first` (a Gluon kernel cannot call a Triton
+    function): ``(rank, pair)`` of program ``pid``, pairs in chunks of ``chunk``, rank-major within a chunk."""
+    per_chunk = chunk * n_tiles
+    first = (pid // per_chunk) * chunk
+    width = gl.minimum(chunk, gl.num_programs(0) // n_tiles - first)
+    r = pid - first * n_tiles
+    rank = r // width
+    return rank, first + r - rank * width
 
 
 @gluon.jit
@@ -129,6 +141,7 @@ def _hopper_dk_kernel(
     DK_B,  # [B, H_KB, SPLIT, N_K, D_B] contiguous: the input dtype when SPLIT == 1, else fp32 parts to sum over SPLIT
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, lengths, query heads per key head of each side
     SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
+    order_chunk,  # (sequence, key head, part) triples per longest-first chunk (CAUSAL, see _longest_first)
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, num_warps: gl.constexpr,
@@ -141,8 +154,12 @@ def _hopper_dk_kernel(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D_B, 16])
     dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
 
-    n0 = gl.program_id(0) * BLOCK_N
-    pid_bh = gl.program_id(1)
+    if CAUSAL:  # key tile 0 is seen by every query row: the longest sweeps first, over all heads of a chunk
+        rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(N_K, BLOCK_N), order_chunk)
+        n0 = rank * BLOCK_N
+    else:
+        n0 = gl.program_id(0) * BLOCK_N
+        pid_bh = gl.program_id(1)
     part = pid_bh % SPLIT
     hk_b = (pid_bh // SPLIT) % H_KB
     b = pid_bh // (SPLIT * H_KB)
@@ -320,11 +337,16 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     cfg = config or hopper_key_pass_config(d_a, d_b, spec.window_right == 0)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid = (triton.cdiv(n_k, cfg.block_n), batch * h_kb * split)
+    order_chunk = 1
+    if spec.window_right == 0:  # causal: one-dimensional, longest sweeps first (_longest_first)
+        grid = (grid[0] * grid[1], 1)
+        query_bytes = (group_b // split) * n_q * (d_a + d_b) * q_a.element_size()  # the queries one program sweeps
+        order_chunk = longest_first_chunk(query_bytes, l2_cache_bytes(q_a.device.index))
     _launch_dk(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b),
-        (heads, h_kb, n_q, n_k, group_a, group_b, split, qk_a, qk_b, spec.grad_scale("b")),
+        (heads, h_kb, n_q, n_k, group_a, group_b, split, order_chunk, qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", spec.window_right == 0), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
          ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", cfg.num_warps)),
     )

@@ -9,6 +9,8 @@ read their sequence's offsets from ``cu_seqlens``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -153,6 +155,46 @@ def _offset(index, stride, WIDE: tl.constexpr):
         return tl.cast(index, tl.int64) * stride
     else:
         return index * stride
+
+
+@triton.jit
+def _longest_first(pid, n_tiles, chunk):
+    """``(rank, pair)`` of program ``pid`` of a one-dimensional grid of ``n_tiles`` tiles per (sequence, head) pair,
+    ordered so that the longest tiles run first: pairs go in chunks of ``chunk`` consecutive pairs (whose keys fit in
+    L2 together, :func:`longest_first_chunk`); within a chunk, rank 0 of every pair comes first, then rank 1, and so
+    on. The caller maps rank 0 to its longest tile. With the pairs in the slow grid dimension (the order before v12),
+    a causal grid ran the last head's longest tiles last, after the rest of the grid had drained (FlashAttention-3's
+    longest-processing-time-first scheduler does the same)."""
+    per_chunk = chunk * n_tiles
+    first = (pid // per_chunk) * chunk
+    width = tl.minimum(chunk, tl.num_programs(0) // n_tiles - first)
+    r = pid - first * n_tiles
+    rank = r // width
+    return rank, first + r - rank * width
+
+
+#: The share of L2 the keys of one chunk of (sequence, head) pairs may take (:func:`longest_first_chunk`).
+L2_SHARE = 0.5
+
+
+def longest_first_chunk(key_bytes_per_pair: int, l2_bytes: int) -> int:
+    """How many (sequence, head) pairs one longest-first chunk spans (:func:`_longest_first`): as many as have their
+    keys (both sides) within :data:`L2_SHARE` of the L2 cache, at least one.
+
+    Example:
+        >>> longest_first_chunk(2 << 20, 50 << 20)  # N = 8192, D = 64, bf16, both sides: 2 MiB of keys per head
+        12
+    """
+    return max(1, int(l2_bytes * L2_SHARE) // max(key_bytes_per_pair, 1))
+
+
+@functools.lru_cache(maxsize=16)
+def l2_cache_bytes(device_index: int) -> int:
+    """The L2 cache size of CUDA device ``device_index`` (50 MiB for a CPU tensor: only the programs' order depends on
+    it, and the interpreter runs them one at a time)."""
+    if device_index < 0:
+        return 50 << 20
+    return int(torch.cuda.get_device_properties(device_index).L2_cache_size)
 
 
 def needs_wide_offsets(*tensors: torch.Tensor) -> bool:

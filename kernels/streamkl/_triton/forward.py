@@ -29,12 +29,15 @@ from ._helpers import (
     _band,
     _dot,
     _finite,
+    _longest_first,
     _offset,
     _pre_exponent,
     _sequence,
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
+    l2_cache_bytes,
+    longest_first_chunk,
     side_scales,
     wide_offsets,
 )
@@ -304,16 +307,22 @@ def _attention_kl_fwd_kernel(
     cap_scale_a, cap_scale_b,  # soft-capped side: pre-exponent = tanh(raw * cap_scale)
     left, right,  # window bounds (used when HAS_LEFT / HAS_RIGHT)
     grad_scale_b,  # side b's ds/dr multiplier (KLSpec.grad_scale), folded into DQ_B
+    order_chunk,  # (sequence, head) pairs per longest-first chunk (LONGEST_FIRST, see _longest_first)
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
     HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr,
     HAS_ATTN_MASK: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
-    FUSED_DQ: tl.constexpr, FP16_B: tl.constexpr,
+    FUSED_DQ: tl.constexpr, FP16_B: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if LONGEST_FIRST:  # a right window bound (causal): the last row tile sees the most keys, so it goes first
+        n_row_tiles = tl.cdiv(N_Q, BLOCK_M)
+        rank, pid_bh = _longest_first(tl.program_id(0), n_row_tiles, order_chunk)
+        pid_m = n_row_tiles - 1 - rank
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     seq = pid_bh // H
     h = pid_bh % H
     q_start, n_q = _sequence(CU_Q, seq, N_Q, IS_VARLEN, N_Q)
@@ -378,9 +387,13 @@ def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=512)
 def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple, sequences: int, allow_tf32: bool,
-                  config: LaunchConfig | None, fused_dq: bool = False):
+                  config: LaunchConfig | None, fused_dq: bool = False, l2_bytes: int = 50 << 20):
     """``(grid, scalars, meta)`` of one forward launch: everything that depends only on shapes, strides, dtypes
-    and options, computed once per problem geometry (the per-call work is then allocation and the launch)."""
+    and options, computed once per problem geometry (the per-call work is then allocation and the launch).
+
+    With a right window bound (causal) and without packing, the grid is one-dimensional and runs the longest row
+    tiles first (``LONGEST_FIRST``, :func:`streamkl._triton._helpers._longest_first`) in chunks of heads whose keys
+    fit in half of ``l2_bytes``."""
     (qa_g, ka_g, qb_g, kb_g, km_g, qm_g, am_g) = geometry
     (_, heads, n_q, d_a), d_b, n_k = qa_g[0], qb_g[0][-1], ka_g[0][2]
     has_sinks, varlen = optional
@@ -391,11 +404,17 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     qm_strides = qm_g[1] if qm_g is not None else (0, 0)
     am_strides = broadcast_strides(am_g)
     grid = (max(triton.cdiv(spec.max_seqlen_q if varlen else n_q, cfg.block_m), 1), sequences * heads)
+    longest_first = spec.window_right >= 0 and not varlen
+    order_chunk = 1
+    if longest_first:
+        grid = (grid[0] * grid[1], 1)
+        key_bytes = n_k * (d_a * dtype_a.itemsize * ka_g[0][1] + d_b * dtype_b.itemsize * kb_g[0][1]) // heads
+        order_chunk = longest_first_chunk(key_bytes, l2_bytes)
     (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
     scalars = (
         *qa_g[1], *ka_g[1], *qb_g[1], *kb_g[1], *km_strides, *qm_strides, *am_strides,
         heads, n_q, n_k, heads // ka_g[0][1], heads // kb_g[0][1], qk_a, qk_b, cap_a, cap_b,
-        spec.window_left, spec.window_right, spec.grad_scale("b"),
+        spec.window_left, spec.window_right, spec.grad_scale("b"), order_chunk,
     )
     meta = dict(
         D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -405,7 +424,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b), HAS_ATTN_MASK=am_g is not None,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
         INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
-        FUSED_DQ=fused_dq, FP16_B=dtype_b == torch.float16,
+        FUSED_DQ=fused_dq, FP16_B=dtype_b == torch.float16, LONGEST_FIRST=longest_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return grid, scalars, tuple(meta.items())
@@ -445,7 +464,8 @@ def attention_kl_fwd(
     geometry = tensor_geometry(q_a, k_a, q_b, k_b, km, qm, am)
     sequences = cu_q.shape[0] - 1 if varlen else batch
     grid, scalars, meta = _forward_plan(geometry, (q_a.dtype, q_b.dtype), spec, (inputs.sink_a is not None, varlen),
-                                        sequences, allow_tf32, config, dq_b is not None)
+                                        sequences, allow_tf32, config, dq_b is not None,
+                                        l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1))
     tensors = (q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, cu_q,
                inputs.cu_seqlens_k, am, kl, lse_a, lse_b, dq_b)
     _launch_forward(grid, tensors, scalars, meta)
