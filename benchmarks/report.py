@@ -33,8 +33,8 @@ PERF_NOTES = os.path.join(DOCS, "perf-notes.md")
 #: the last grid and tuning file found, so a run of another card never rewrites the H100 notes
 PERF_NOTES_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
 PERF_NOTES_TUNING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-tuning.json")
-#: the training call whose distance to its bounds the "remaining gap" section of docs/perf-notes.md renders (v11's run)
-PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-lazy-frames.json")
+#: the training call whose distance to its bounds the "remaining gap" section of docs/perf-notes.md renders (v12's run)
+PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-causal-order.json")
 
 
 def is_grid(raw) -> bool:

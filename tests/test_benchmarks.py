@@ -187,7 +187,7 @@ def test_perf_notes_gap_table_is_the_committed_runs(report):
     assert "<!-- gap:start -->" in text
     paths = report.PERF_NOTES_GRID, report.PERF_NOTES_TUNING, report.PERF_NOTES_TRAINING
     assert report.perf_notes(text, *paths) == text
-    edited = text.replace("| N8192-D64 | 2.733 |", "| N8192-D64 | 2.700 |")
+    edited = report.replace_block(text, "gap", "| N8192-D64 | 2.700 |")
     assert edited != text and report.perf_notes(edited, *paths) == text
     work = {name: (products, exps) for name, products, exps in report.PASSES}
     fused, key = work["forward accumulating dQ_s (v6, frozen teacher, with grad)"], \
@@ -459,6 +459,16 @@ def test_perf_notes_v8_table_is_bench_pairs_output():
 
     for name, pairs, b, h, n, d, _ in bench.SHAPES:  # the notes say every setup runs as one call (bf16: 2 bytes)
         assert 4 * pairs * b * h * n * d * 2 <= FUSE_MAX_BYTES, name
+
+
+def test_perf_notes_v12_tables_are_bench_causal_order_output():
+    """docs/perf-notes.md's v12 blocks are bench_causal_order.py's rendering of the committed H100 run, whose checks
+    and shapes are the script's."""
+    bench = _load(ROOT / "benchmarks" / "bench_causal_order.py", "bench_causal_order")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_causal_order.py --render")
+    assert [c["case"] for c in data["checks"]] == [list(c) for c in bench.CHECKS]
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
 
 
 def test_perf_notes_v11_tables_are_bench_lazy_frames_output():
