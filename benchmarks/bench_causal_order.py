@@ -25,8 +25,10 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import statistics
 import sys
 
 import torch
@@ -35,13 +37,84 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_fused_dq import SHAPES as FUSED_SHAPES  # noqa: E402
-from bench_lazy_frames import CHECKS, ROUNDS, check, measure_shape, paired  # noqa: E402
-from report import load_package, render_results  # noqa: E402
+from bench_lazy_frames import CHECKS, ROUNDS, _bench, check, measure_shape, paired  # noqa: E402
+from report import load_package, render_results, write_blocks  # noqa: E402
 
 RESULT_NAME = "causal-order.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
 H100_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{RESULT_NAME}")
+PATHS_NAME = "causal-order-paths.json"
+H100_PATHS_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{PATHS_NAME}")
 SHAPES = [s for s in FUSED_SHAPES if not s[0].startswith("BERT")]
+
+
+#: the calls of the second run (``--paths``): the portable kernels' other callers, which v12 also orders longest first
+PATHS = ("reverse KL", "trainable teacher", "fp16 frozen teacher", "metric")
+PATH_SHAPES = [s for s in SHAPES if s[0].startswith("N8192-D64") or s[0] == "N8192-D128-causal"]
+
+
+def _path_calls(module, b, h, h_kt, n, d, causal) -> dict:
+    """One closure per :data:`PATHS` entry: the call as users make it through ``module`` (its backward included,
+    except for the metric, which runs under ``no_grad``)."""
+    def tensors(dtype, teacher_grad):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q_t = torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g, requires_grad=teacher_grad)
+        k_t = torch.randn(b, h_kt, n, d, device="cuda", dtype=dtype, generator=g, requires_grad=teacher_grad)
+        q_s, k_s = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+                    for _ in range(2))
+        return q_t, k_t, q_s, k_s
+
+    def step(dtype, teacher_grad, **kw):
+        q_t, k_t, q_s, k_s = tensors(dtype, teacher_grad)
+        wrt = (q_t, k_t, q_s, k_s) if teacher_grad else (q_s, k_s)
+        return lambda: torch.autograd.grad(module.attention_kl(q_t, k_t, q_s, k_s, causal=causal, **kw), wrt)
+
+    q_t, k_t, q_s, k_s = tensors(torch.bfloat16, False)
+
+    def metric():
+        with torch.no_grad():
+            return module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
+
+    return {"reverse KL": step(torch.bfloat16, False, direction="reverse"),
+            "trainable teacher": step(torch.bfloat16, True), "fp16 frozen teacher": step(torch.float16, False),
+            "metric": metric}
+
+
+def measure_paths(base, name, b, h, h_kt, n, d, causal) -> dict:
+    """Paired rounds (order alternating) of every :data:`PATHS` call through both versions."""
+    import streamkl
+
+    calls = {"new": _path_calls(streamkl, b, h, h_kt, n, d, causal),
+             "previous": _path_calls(base, b, h, h_kt, n, d, causal)}
+    times = {f"{path} {label}": [] for path in PATHS for label in ("new", "previous")}
+    for r in range(ROUNDS):
+        order = ("new", "previous") if r % 2 == 0 else ("previous", "new")
+        for path in PATHS:
+            for label in order:
+                times[f"{path} {label}"].append(_bench(calls[label][path]))
+    print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items()), flush=True)
+    return {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"), "ms": times}
+
+
+def run_paths(against: str) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = load_package(os.path.abspath(against), "streamkl_base")
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "host": platform.node(), "rounds": ROUNDS,
+            "rows": [measure_paths(base, *shape) for shape in PATH_SHAPES]}
+
+
+def paths_table(data: dict) -> str:
+    lines = ["| shape | " + " | ".join(f"{p}: ms, v11 → v12 (ratio, wins, sign test p)" for p in PATHS) + " |",
+             "|---|" + "---|" * len(PATHS)]
+    for row in data["rows"]:
+        cells = []
+        for path in PATHS:
+            x = paired(row, path)
+            cells.append(f"{x['previous']:.3f} → {x['new']:.3f} ({x['ratio']:.2f}×, {x['wins']}/{x['rounds']}, "
+                         f"{x['p']:.2g})")
+        lines.append(f"| {row['shape']['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def run(against: str) -> dict:
@@ -91,16 +164,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", help="a copy of the previous version's kernels/streamkl")
     parser.add_argument("--out", help="directory for <gpu>-causal-order.json")
+    parser.add_argument("--paths", action="store_true",
+                        help="time the portable kernels' other callers instead (reverse KL, a trainable teacher, fp16, "
+                             "the metric) -> <gpu>-causal-order-paths.json")
     parser.add_argument("--render", nargs="?", const=H100_RESULT,
                         help="write the tables of a results file into docs/perf-notes.md")
     args = parser.parse_args(argv)
     if args.render:
         render_results(DOC, blocks, args.render)
+        with open(H100_PATHS_RESULT) as f:
+            write_blocks(DOC, {"causal-order:paths": paths_table(json.load(f))})
         return
     if not args.against:
         parser.error("--against is required to measure (a copy of the previous version's kernels/streamkl)")
     from bench_attention_kl import gpu_tag, write_json
 
+    if args.paths:
+        data = run_paths(args.against)
+        out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{PATHS_NAME}")
+        write_json(out, data)
+        print(paths_table(data))
+        print(f"wrote {out}")
+        return
     data = run(args.against)
     out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{RESULT_NAME}")
     write_json(out, data)

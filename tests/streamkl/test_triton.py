@@ -387,27 +387,41 @@ def test_longest_first_order_runs_every_tile_once_longest_first():
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 5])
-def test_causal_forward_runs_longest_first_in_chunks_of_heads(monkeypatch, request, chunk):
-    """A causal forward runs its grid longest first, in chunks of (sequence, head) pairs sized from the L2 cache.
-    With the L2 size forced so that 10 pairs split into chunks of 1, 2 and 5, every row and gradient still matches
-    the oracle (a tile the order skipped would leave NaN behind), with GQA, a window and the frozen-teacher forward."""
-    from streamkl._triton import forward
+def test_causal_grids_run_longest_first_in_chunks_of_heads(monkeypatch, request, chunk):
+    """Causal forwards and backwards run their grids longest first, in chunks of (sequence, head) pairs sized from the
+    L2 cache. With the L2 size forced so that 10 pairs split into chunks of 1, 2 and 5 (the backward's key pass into
+    chunks of its own), every row and gradient still matches the oracle (a tile the order skipped would leave NaN
+    behind): GQA, a window, the frozen-teacher forward and both passes of the two-pass backward."""
+    from streamkl._triton import backward, forward
 
     key_bytes = 40 * (16 * 4 * 1 + 16 * 4 * 5) // 5  # N_k = 40, D = 16, fp32, teacher 1 and student 5 key heads
-    monkeypatch.setattr(forward, "l2_cache_bytes", lambda index: int(2 * chunk * key_bytes))
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "l2_cache_bytes", lambda index: int(2 * chunk * key_bytes))
     forward._forward_plan.cache_clear()
+    backward._backward_plan.cache_clear()
     request.addfinalizer(forward._forward_plan.cache_clear)
-    plans, original = [], forward._forward_plan
+    request.addfinalizer(backward._backward_plan.cache_clear)
+    plans = {"forward": [], "backward": []}
 
-    def recording(*args, **kwargs):
-        plans.append(original(*args, **kwargs))
-        return plans[-1]
+    def recording(name, original):
+        def plan(*args, **kwargs):
+            plans[name].append(original(*args, **kwargs))
+            return plans[name][-1]
+        return plan
 
-    monkeypatch.setattr(forward, "_forward_plan", recording)
+    monkeypatch.setattr(forward, "_forward_plan", recording("forward", forward._forward_plan))
+    monkeypatch.setattr(backward, "_backward_plan", recording("backward", backward._backward_plan))
     case = replace(BASE, b=2, h=5, h_kt=1, h_ks=5, n_q=37, n_k=40, causal=True)
     check_against_oracle(case, torch.float32, "triton", DEVICE, reduction_checks=False)
     check_against_oracle(replace(case, teacher_grad=True, window=(9, 0)), torch.float32, "triton", DEVICE,
                          reduction_checks=False)
+    check_against_oracle(replace(case, direction="reverse"), torch.float32, "triton", DEVICE, reduction_checks=False)
     check_against_oracle(replace(case, causal=False), torch.float32, "triton", DEVICE, reduction_checks=False)
-    orders = {(dict(meta)["LONGEST_FIRST"], grid[1], scalars[-1]) for grid, scalars, meta in plans}
+    orders = {(dict(meta)["LONGEST_FIRST"], grid[1], scalars[-1]) for grid, scalars, meta in plans["forward"]}
     assert orders == {(True, 1, chunk), (False, 10, 1)}  # causal: one-dimensional, chunked; not causal: unchanged
+    for dk_grid, dk_scalars, dk_meta, dq_grid, dq_scalars, dq_meta, _ in plans["backward"]:
+        causal = dict(dk_meta)["LONGEST_FIRST"]
+        assert dict(dq_meta)["LONGEST_FIRST"] == causal and (dk_grid[1] == dq_grid[1] == 1) == causal
+        assert dq_scalars[-1] == (chunk if causal else 1)
+        assert 1 <= dk_scalars[-1] <= (chunk if causal else 1)  # the key pass's queries weigh more than the keys
+    assert {dict(p[2])["LONGEST_FIRST"] for p in plans["backward"]} == {True, False}

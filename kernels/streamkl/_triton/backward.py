@@ -50,12 +50,15 @@ from ._helpers import (
     _band,
     _dot,
     _finite,
+    _longest_first,
     _offset,
     _pre_exponent,
     _sequence,
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
+    l2_cache_bytes,
+    longest_first_chunk,
     side_scales,
     wide_offsets,
 )
@@ -311,6 +314,7 @@ def _attention_kl_bwd_dk_kernel(
     H_KG,  # key heads of the grouping side: one program per (key tile, sequence, grouping key head)
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b,
     left, right,
+    order_chunk,  # pairs per longest-first chunk (LONGEST_FIRST, see _longest_first)
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_QUERY_MASK: tl.constexpr,
@@ -318,10 +322,13 @@ def _attention_kl_bwd_dk_kernel(
     DK_A_PER_HEAD: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
-    SCALAR_GRAD: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bg = tl.program_id(1)
+    if LONGEST_FIRST:  # a right window bound (causal): key tile 0 is seen by the most rows, so it goes first
+        pid_n, pid_bg = _longest_first(tl.program_id(0), tl.cdiv(N_K, BLOCK_N), order_chunk)
+    else:
+        pid_n = tl.program_id(0)
+        pid_bg = tl.program_id(1)
     seq = pid_bg // H_KG
     hg = pid_bg % H_KG
     heads_per_group = H // H_KG
@@ -519,16 +526,22 @@ def _attention_kl_bwd_dq_kernel(
     GROUP_A, GROUP_B,
     qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b,
     left, right,
+    order_chunk,  # (sequence, head) pairs per longest-first chunk (LONGEST_FIRST, see _longest_first)
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BANDED: tl.constexpr,
     HAS_ATTN_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
     SOFTCAP_A: tl.constexpr, SOFTCAP_B: tl.constexpr, FP16_A: tl.constexpr, FP16_B: tl.constexpr,
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
-    SCALAR_GRAD: tl.constexpr,
+    SCALAR_GRAD: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if LONGEST_FIRST:  # a right window bound (causal): the last row tile sees the most keys, so it goes first
+        n_row_tiles = tl.cdiv(N_Q, BLOCK_M)
+        rank, pid_bh = _longest_first(tl.program_id(0), n_row_tiles, order_chunk)
+        pid_m = n_row_tiles - 1 - rank
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     seq = pid_bh // H
     h = pid_bh % H
     q_start, n_q = _sequence(CU_Q, seq, N_Q, IS_VARLEN, N_Q)
@@ -588,9 +601,13 @@ def _attention_kl_bwd_dq_kernel(
 
 @functools.lru_cache(maxsize=512)
 def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, sequences: int, allow_tf32: bool,
-                   dk_launch: LaunchConfig | None, dq_launch: LaunchConfig | None):
+                   dk_launch: LaunchConfig | None, dq_launch: LaunchConfig | None, l2_bytes: int = 50 << 20):
     """Everything of one backward that depends only on shapes, strides, dtypes and options: the two grids, the
-    scalar arguments and the constexprs of each pass. Computed once per problem geometry."""
+    scalar arguments and the constexprs of each pass. Computed once per problem geometry.
+
+    With a right window bound (causal) and without packing, both grids are one-dimensional and run their longest
+    tiles first (``LONGEST_FIRST``, as the forward: :func:`streamkl._triton.forward._forward_plan`), in chunks whose
+    queries (key pass) or keys (query pass) fit in half of ``l2_bytes``."""
     qa_g, ka_g, qb_g, kb_g, km_g, am_g = geometry
     need_grad_a, need_grad_b, deterministic, has_query_mask, varlen, scalar_grad = flags
     (_, heads, n_q, d_a), d_b = qa_g[0], qb_g[0][-1]
@@ -618,6 +635,7 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
         FP16_A=dtype_a == torch.float16, FP16_B=dtype_b == torch.float16,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
         INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g), SCALAR_GRAD=scalar_grad,
+        LONGEST_FIRST=spec.window_right >= 0 and not varlen,
     )
     max_k = spec.max_seqlen_k if varlen else n_k
     max_q = spec.max_seqlen_q if varlen else n_q
@@ -627,7 +645,13 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
     dq_grid = (max(triton.cdiv(max_q, cfg_q.block_m), 1), sequences * heads)
     dq_meta = dict(BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BANDED=spec.banded, **common,
                    num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages)
-    return (dk_grid, (*scalars, h_kg, *scales), tuple(dk_meta.items()), dq_grid, (*scalars, *scales),
+    chunk_k = chunk_q = 1
+    if common["LONGEST_FIRST"]:
+        dk_grid, dq_grid = (dk_grid[0] * dk_grid[1], 1), (dq_grid[0] * dq_grid[1], 1)
+        query_bytes = heads // h_kg * n_q * (d_a * dtype_a.itemsize + d_b * dtype_b.itemsize)
+        key_bytes = n_k * (d_a * dtype_a.itemsize * h_ka + d_b * dtype_b.itemsize * h_kb) // heads
+        chunk_k, chunk_q = longest_first_chunk(query_bytes, l2_bytes), longest_first_chunk(key_bytes, l2_bytes)
+    return (dk_grid, (*scalars, h_kg, *scales, chunk_k), tuple(dk_meta.items()), dq_grid, (*scalars, *scales, chunk_q),
             tuple(dq_meta.items()), dk_a_per_head)
 
 
@@ -688,7 +712,8 @@ def attention_kl_bwd(
     flags = (need_grad_a, need_grad_b, deterministic, inputs.query_mask is not None, varlen, scalar_grad)
     sequences = cu_q.shape[0] - 1 if varlen else batch
     dk_grid, dk_scalars, dk_meta, dq_grid, dq_scalars, dq_meta, dk_a_per_head = _backward_plan(
-        geometry, (q_a.dtype, q_b.dtype), spec, flags, sequences, allow_tf32, dk_launch, dq_launch)
+        geometry, (q_a.dtype, q_b.dtype), spec, flags, sequences, allow_tf32, dk_launch, dq_launch,
+        l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1))
     atomic = not deterministic
     # packed tokens outside every sequence (none when the offsets are valid) get zero gradients
     alloc = torch.zeros if varlen else torch.empty
