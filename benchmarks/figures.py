@@ -82,6 +82,7 @@ GENERATED = {
     "lazy:tiles": "benchmarks/bench_lazy_frames.py", "lazy:op": "benchmarks/bench_lazy_frames.py",
     "gap": "benchmarks/report.py",
     "causal-order:op": "benchmarks/bench_causal_order.py", "causal-order:checks": "benchmarks/bench_causal_order.py",
+    "causal-order:paths": "benchmarks/bench_causal_order.py",
     "lazy:checks": "benchmarks/bench_lazy_frames.py",
 }
 
@@ -557,7 +558,23 @@ def causal_order_v12_claims() -> list[Claim]:
         f"show no difference the sign test finds significant (p ≥ "
         f"{min(min(kernel[n]['p'], train[n]['p']) for n in unchanged):.2g})",
         f"The long-context target (≤ {report.TRAINING_TARGET}×) stays unmet",
-    )]
+    )] + [Claim("docs/perf-notes.md", t, "benchmarks/results/nvidia-h100-80gb-hbm3-causal-order-paths.json")
+          for t in path_claims(bench, _json("nvidia-h100-80gb-hbm3-causal-order-paths.json"))]
+
+
+def path_claims(bench, data: dict) -> list[str]:
+    """perf-notes v12's other callers (``bench_causal_order.py --paths``): the causal calls that run the portable
+    kernels against v11, and the metric at head dim 128 (the unchanged Hopper forward)."""
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    stats = {(n, p): bench.paired(rows[n], p) for n in rows for p in bench.PATHS}
+    hopper = ("N8192-D128-causal", "metric")
+    changed = [x for (n, p), x in stats.items() if n.endswith("causal") and (n, p) != hopper]
+    unchanged = [x for (n, p), x in stats.items() if not n.endswith("causal") or (n, p) == hopper]
+    assert all(x["wins"] == x["rounds"] for x in changed) and all(x["p"] >= 0.05 for x in unchanged)
+    low, high = min(x["ratio"] for x in changed), max(x["ratio"] for x in changed)
+    return [f"The other causal calls took {low:.2f}–{high:.2f}× v11's time ({changed[0]['wins']} of "
+            f"{changed[0]['rounds']} rounds each)",
+            f"({stats[hopper]['ratio']:.2f}×, not significant"]
 
 
 def key_pass_v10_claims() -> list[Claim]:

@@ -469,6 +469,11 @@ def test_perf_notes_v12_tables_are_bench_causal_order_output():
     _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_causal_order.py --render")
     assert [c["case"] for c in data["checks"]] == [list(c) for c in bench.CHECKS]
     assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    paths = json.loads(Path(bench.H100_PATHS_RESULT).read_text())
+    _assert_perf_notes_blocks({"causal-order:paths": bench.paths_table(paths)},
+                              "benchmarks/bench_causal_order.py --render")
+    assert [r["shape"]["name"] for r in paths["rows"]] == [s[0] for s in bench.PATH_SHAPES]
+    assert {k.rsplit(" ", 1)[0] for k in paths["rows"][0]["ms"]} == set(bench.PATHS)
 
 
 def test_perf_notes_v11_tables_are_bench_lazy_frames_output():
