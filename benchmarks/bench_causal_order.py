@@ -37,7 +37,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_fused_dq import SHAPES as FUSED_SHAPES  # noqa: E402
-from bench_lazy_frames import CHECKS, ROUNDS, _bench, check, measure_shape, paired  # noqa: E402
+from bench_lazy_frames import (  # noqa: E402
+    CHECKS,  # noqa: F401 (this run's exactness cases, named here for its tests)
+    ROUNDS,
+    _bench,
+    exactness,
+    measure_shape,
+    paired,
+)
+from bench_lazy_frames import checks_table as lazy_checks_table  # noqa: E402
+from bench_lazy_frames import op_table as lazy_op_table  # noqa: E402
 from report import load_package, render_results, write_blocks  # noqa: E402
 
 RESULT_NAME = "causal-order.json"
@@ -124,35 +133,16 @@ def run(against: str) -> dict:
             "triton": __import__("triton").__version__, "host": platform.node(), "rounds": ROUNDS,
             "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size}
     data["rows"] = [measure_shape(base, *shape) for shape in SHAPES]
-    data["checks"] = []
-    for case in CHECKS:
-        errs = {label: check(module, *case) for label, module in (("new", sys.modules["streamkl"]),
-                                                                   ("previous", base))}
-        data["checks"].append(dict(case=list(case), **errs))
-        print(f"check {case[0]}: {errs}", flush=True)
+    data["checks"] = exactness(base)
     return data
 
 
 def op_table(data: dict) -> str:
-    lines = ["| shape | fused fwd ms, v11 → v12 | v12 / v11 (wins, sign test p) | training call ms, v11 → v12 | "
-             "v12 / v11 (wins, sign test p) | training call / cuDNN fwd+bwd, v11 → v12 |",
-             "|---|---|---|---|---|---|"]
-    for row in data["rows"]:
-        k, t = paired(row, "fused fwd"), paired(row, "training call")
-        cudnn = row["cudnn_fwd_bwd_ms"]
-        lines.append(f"| {row['shape']['name']} | {k['previous']:.3f} → {k['new']:.3f} | {k['ratio']:.2f}× "
-                     f"({k['wins']}/{k['rounds']}, {k['p']:.2g}) | {t['previous']:.3f} → {t['new']:.3f} | "
-                     f"{t['ratio']:.2f}× ({t['wins']}/{t['rounds']}, {t['p']:.2g}) | "
-                     f"{t['previous'] / cudnn:.2f}× → {t['new'] / cudnn:.2f}× |")
-    return "\n".join(lines)
+    return lazy_op_table(data, "v11", "v12")
 
 
 def checks_table(data: dict) -> str:
-    lines = ["| case (B, H, N, D, causal, inputs) | dQ_s v12 vs float64 | dQ_s v11 vs float64 |", "|---|---|---|"]
-    for c in data["checks"]:
-        _, b, h, n, d, causal, kind = c["case"]
-        lines.append(f"| {b}, {h}, {n}, {d}, {causal}, {kind} | {c['new']:.1e} | {c['previous']:.1e} |")
-    return "\n".join(lines)
+    return lazy_checks_table(data, "v11", "v12")
 
 
 def blocks(data: dict, _tuning=None) -> dict[str, str]:

@@ -216,18 +216,26 @@ def run(against: str, do_tune: bool) -> dict:
         data["tile_used"] = {str(d): asdict(cfg) for d, cfg in best.items()}
         use_tiles(best)
     data["rows"] = [measure_shape(base, *shape) for shape in SHAPES]
-    data["checks"] = []
-    for case in CHECKS:
-        errs = {label: check(module, *case) for label, module in (("new", sys.modules["streamkl"]),
-                                                                   ("previous", base))}
-        data["checks"].append(dict(case=list(case), **errs))
-        print(f"check {case[0]}: {errs}", flush=True)
+    data["checks"] = exactness(base)
     return data
 
 
-def op_table(data: dict) -> str:
-    lines = ["| shape | fused fwd ms, v10 → v11 | v11 / v10 (wins, sign test p) | training call ms, v10 → v11 | "
-             "v11 / v10 (wins, sign test p) | training call / cuDNN fwd+bwd, v10 → v11 |",
+def exactness(base) -> list[dict]:
+    """:data:`CHECKS` through the new package and ``base``: each case's relative error of both (:func:`check`)."""
+    checks = []
+    for case in CHECKS:
+        errs = {label: check(module, *case) for label, module in (("new", sys.modules["streamkl"]),
+                                                                   ("previous", base))}
+        checks.append(dict(case=list(case), **errs))
+        print(f"check {case[0]}: {errs}", flush=True)
+    return checks
+
+
+def op_table(data: dict, previous: str = "v10", new: str = "v11") -> str:
+    """The paired fused-forward and training-call table of a run of ``new`` against ``previous``."""
+    lines = [f"| shape | fused fwd ms, {previous} → {new} | {new} / {previous} (wins, sign test p) | training call ms, "
+             f"{previous} → {new} | {new} / {previous} (wins, sign test p) | training call / cuDNN fwd+bwd, "
+             f"{previous} → {new} |",
              "|---|---|---|---|---|---|"]
     for row in data["rows"]:
         k, t = paired(row, "fused fwd"), paired(row, "training call")
@@ -245,8 +253,9 @@ def tiles_table(data: dict) -> str:
     return hopper_tiles_table({"shapes": shapes}, timed="v11 fused fwd ms", stages="stages")
 
 
-def checks_table(data: dict) -> str:
-    lines = ["| case (B, H, N, D, causal, inputs) | dQ_s v11 vs float64 | dQ_s v10 vs float64 |", "|---|---|---|"]
+def checks_table(data: dict, previous: str = "v10", new: str = "v11") -> str:
+    lines = [f"| case (B, H, N, D, causal, inputs) | dQ_s {new} vs float64 | dQ_s {previous} vs float64 |",
+             "|---|---|---|"]
     for c in data["checks"]:
         _, b, h, n, d, causal, kind = c["case"]
         lines.append(f"| {b}, {h}, {n}, {d}, {causal}, {kind} | {c['new']:.1e} | {c['previous']:.1e} |")

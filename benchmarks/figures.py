@@ -176,6 +176,12 @@ def _pct(x: float, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f}"
 
 
+def _pct_span(values) -> str:
+    """Fractions as a whole-percent range, one value when both ends round alike: "88%", "73–83%"."""
+    low, high = round(100 * min(values)), round(100 * max(values))
+    return f"{low}%" if low == high else f"{low}–{high}%"
+
+
 def _p(p: float) -> str:
     return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
@@ -500,18 +506,15 @@ def training_gap_claims() -> list[Claim]:
     dense = [r for r in rows if "causal" not in r["name"]]
     causal = [r for r in rows if "causal" in r["name"]]
 
-    def pct(values) -> str:
-        low, high = round(100 * min(values)), round(100 * max(values))
-        return f"{low}%" if low == high else f"{low}–{high}%"
-
     source = "benchmarks/results/nvidia-h100-80gb-hbm3-lazy-frames.json"
     return [Claim("docs/perf-notes.md", t, source) for t in (
         f"the frozen-teacher training call within {report.TRAINING_TARGET}× cuDNN attention's forward+backward",
-        f"the training call already runs at {pct([r['bound'][1] / r['ms'] for r in dense])} of its no-overlap sum, "
-        f"and the target sits at {pct([r['bound'][1] / r['target'] for r in dense])} of it",
-        f"at {pct([r['cudnn_bound'][1] / r['cudnn'] for r in dense])} of its own sum",
-        f"the call runs at {pct([r['bound'][1] / r['ms'] for r in causal])} of the sum, where the target needs "
-        f"{pct([r['bound'][1] / r['target'] for r in causal])}",
+        f"the training call already runs at {_pct_span([r['bound'][1] / r['ms'] for r in dense])} of its no-overlap "
+        f"sum, "
+        f"and the target sits at {_pct_span([r['bound'][1] / r['target'] for r in dense])} of it",
+        f"at {_pct_span([r['cudnn_bound'][1] / r['cudnn'] for r in dense])} of its own sum",
+        f"the call runs at {_pct_span([r['bound'][1] / r['ms'] for r in causal])} of the sum, where the target needs "
+        f"{_pct_span([r['bound'][1] / r['target'] for r in causal])}",
     )]
 
 
@@ -540,17 +543,13 @@ def causal_order_v12_claims() -> list[Claim]:
         low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
         return f"{low}{unit}" if low == high else f"{low}–{high}{unit}"
 
-    def pct(values):
-        low, high = round(100 * min(values)), round(100 * max(values))
-        return f"{low}%" if low == high else f"{low}–{high}%"
-
     cudnn = lambda label: [train[n][label] / rows[n]["cudnn_fwd_bwd_ms"] for n in causal8k]
     source = "benchmarks/results/nvidia-h100-80gb-hbm3-causal-order.json"
     v11_causal = [r["bound"][1] / r["ms"] for r in before if r["name"].startswith("N8192") and "causal" in r["name"]]
     v11_dense = [r["bound"][1] / r["ms"] for r in before if "causal" not in r["name"]]
     return [Claim("docs/perf-notes.md", t, source) for t in (
-        f"with a causal mask the training call ran at {pct(v11_causal)}\n  of its no-overlap bound at N = 8192, "
-        f"against {pct(v11_dense)} without a mask",
+        f"with a causal mask the training call ran at {_pct_span(v11_causal)}\n  of its no-overlap bound at N = 8192, "
+        f"against {_pct_span(v11_dense)} without a mask",
         f"the fused forward took {span([kernel[n]['ratio'] for n in causal8k])} v11's time and the training call\n  "
         f"{span([train[n]['ratio'] for n in causal8k])} ({wins.pop()} of {data['rounds']} rounds each, p = "
         f"{ps.pop():.2g}), which moves the training call from {span(cudnn('previous'))} to {span(cudnn('new'))} "

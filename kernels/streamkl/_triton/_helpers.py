@@ -173,6 +173,15 @@ def _longest_first(pid, n_tiles, chunk):
     return rank, first + r - rank * width
 
 
+@triton.jit
+def _longest_row_tile_first(pid, N_Q, BLOCK_M: tl.constexpr, chunk):
+    """``(row tile, pair)`` of program ``pid`` of a causal query-stationary grid (:func:`_longest_first`): the last
+    row tile sees the most keys, so it is rank 0."""
+    n_row_tiles = tl.cdiv(N_Q, BLOCK_M)
+    rank, pair = _longest_first(pid, n_row_tiles, chunk)
+    return n_row_tiles - 1 - rank, pair
+
+
 #: The share of L2 the keys of one chunk of (sequence, head) pairs may take (:func:`longest_first_chunk`).
 L2_SHARE = 0.5
 
@@ -186,6 +195,17 @@ def longest_first_chunk(key_bytes_per_pair: int, l2_bytes: int) -> int:
         12
     """
     return max(1, int(l2_bytes * L2_SHARE) // max(key_bytes_per_pair, 1))
+
+
+def key_bytes_per_head(n_k: int, heads: int, *sides: tuple[int, torch.dtype, int]) -> int:
+    """The bytes of keys one query head reads, over ``sides`` given as ``(head dim, dtype, key heads)``: a key head
+    is shared by ``heads / key heads`` query heads, which a longest-first chunk runs together.
+
+    Example:
+        >>> key_bytes_per_head(8192, 16, (64, torch.bfloat16, 16), (64, torch.bfloat16, 16)) == 2 << 20
+        True
+    """
+    return n_k * sum(d * dtype.itemsize * key_heads for d, dtype, key_heads in sides) // heads
 
 
 @functools.lru_cache(maxsize=16)

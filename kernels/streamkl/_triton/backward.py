@@ -51,12 +51,14 @@ from ._helpers import (
     _dot,
     _finite,
     _longest_first,
+    _longest_row_tile_first,
     _offset,
     _pre_exponent,
     _sequence,
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
+    key_bytes_per_head,
     l2_cache_bytes,
     longest_first_chunk,
     side_scales,
@@ -535,10 +537,8 @@ def _attention_kl_bwd_dq_kernel(
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
     SCALAR_GRAD: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    if LONGEST_FIRST:  # a right window bound (causal): the last row tile sees the most keys, so it goes first
-        n_row_tiles = tl.cdiv(N_Q, BLOCK_M)
-        rank, pid_bh = _longest_first(tl.program_id(0), n_row_tiles, order_chunk)
-        pid_m = n_row_tiles - 1 - rank
+    if LONGEST_FIRST:  # a right window bound (causal): the longest row tiles first
+        pid_m, pid_bh = _longest_row_tile_first(tl.program_id(0), N_Q, BLOCK_M, order_chunk)
     else:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -649,7 +649,7 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
     if common["LONGEST_FIRST"]:
         dk_grid, dq_grid = (dk_grid[0] * dk_grid[1], 1), (dq_grid[0] * dq_grid[1], 1)
         query_bytes = heads // h_kg * n_q * (d_a * dtype_a.itemsize + d_b * dtype_b.itemsize)
-        key_bytes = n_k * (d_a * dtype_a.itemsize * h_ka + d_b * dtype_b.itemsize * h_kb) // heads
+        key_bytes = key_bytes_per_head(n_k, heads, (d_a, dtype_a, h_ka), (d_b, dtype_b, h_kb))
         chunk_k, chunk_q = longest_first_chunk(query_bytes, l2_bytes), longest_first_chunk(key_bytes, l2_bytes)
     return (dk_grid, (*scalars, h_kg, *scales, chunk_k), tuple(dk_meta.items()), dq_grid, (*scalars, *scales, chunk_q),
             tuple(dq_meta.items()), dk_a_per_head)

@@ -29,13 +29,14 @@ from ._helpers import (
     _band,
     _dot,
     _finite,
-    _longest_first,
+    _longest_row_tile_first,
     _offset,
     _pre_exponent,
     _sequence,
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
+    key_bytes_per_head,
     l2_cache_bytes,
     longest_first_chunk,
     side_scales,
@@ -316,10 +317,8 @@ def _attention_kl_fwd_kernel(
     DOT_PRECISION_A: tl.constexpr, DOT_PRECISION_B: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
     FUSED_DQ: tl.constexpr, FP16_B: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    if LONGEST_FIRST:  # a right window bound (causal): the last row tile sees the most keys, so it goes first
-        n_row_tiles = tl.cdiv(N_Q, BLOCK_M)
-        rank, pid_bh = _longest_first(tl.program_id(0), n_row_tiles, order_chunk)
-        pid_m = n_row_tiles - 1 - rank
+    if LONGEST_FIRST:  # a right window bound (causal): the longest row tiles first
+        pid_m, pid_bh = _longest_row_tile_first(tl.program_id(0), N_Q, BLOCK_M, order_chunk)
     else:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -408,7 +407,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     order_chunk = 1
     if longest_first:
         grid = (grid[0] * grid[1], 1)
-        key_bytes = n_k * (d_a * dtype_a.itemsize * ka_g[0][1] + d_b * dtype_b.itemsize * kb_g[0][1]) // heads
+        key_bytes = key_bytes_per_head(n_k, heads, (d_a, dtype_a, ka_g[0][1]), (d_b, dtype_b, kb_g[0][1]))
         order_chunk = longest_first_chunk(key_bytes, l2_bytes)
     (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
     scalars = (
