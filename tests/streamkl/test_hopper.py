@@ -350,3 +350,52 @@ def test_hopper_causal_key_pass_in_longest_first_chunks_is_bitwise_the_one_chunk
     monkeypatch.setattr(backward, "l2_cache_bytes", lambda index: 2 * chunk * query_bytes)
     assert torch.equal(key_gradient(), whole)
     assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("grad", ["scalar", "per row"])
+@pytest.mark.parametrize("case", [c for c, _ in KEY_PASS_CASES], ids=lambda c: c.id)
+def test_warp_specialised_key_pass_is_bitwise_the_one_warpgroup_pass(case: Case, grad: str):
+    """The warp-specialised key pass (v13) and the one-warpgroup pass (v10) accumulate each key's products in the same
+    order, so the student's key gradient is bitwise the same, causal or not, with a key-head split, odd lengths, both
+    layouts; each kernel with its own default tiles (the two consumers' different first query tiles, a second
+    consumer past the last key)."""
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    tensors = make_inputs(case, torch.bfloat16, "cuda").tensors
+    views = [tensors[name] for name in ("q_t", "k_t", "q_s", "k_s")]
+    if case.layout == "bnhd":
+        views = [x.transpose(1, 2) for x in views]
+    inputs = KLInputs(*views, None, None, None, None, None, None)
+    spec = KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_right=0 if case.causal else -1)
+    assert _backward.in_scope(inputs, spec, False, True)
+    kl, lse_a, lse_b = attention_kl_fwd(inputs, spec, dq_b=new_dq_b_buffer(inputs))
+    g = torch.full((1,), 1.0 / kl.numel(), device="cuda") if grad == "scalar" else torch.rand(kl.shape, device="cuda")
+    one = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False)
+    ws = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=True)
+    assert torch.isfinite(ws).all() and ws.abs().max() > 0
+    assert torch.equal(ws, one)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_training_call_runs_the_warp_specialised_key_pass_with_a_causal_mask(causal, monkeypatch):
+    """By default the key pass of a causal training call runs the warp-specialised kernel and a non-causal one the
+    one-warpgroup kernel (docs/perf-notes.md v13), and the gradients match the float64 oracle."""
+    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
+    ws_calls, one_calls = [], []
+    real_ws, real_one = _backward._launch_ws, _backward._launch_dk
+    monkeypatch.setattr(_backward, "_launch_ws", lambda *a: (ws_calls.append(1), real_ws(*a))[1])
+    monkeypatch.setattr(_backward, "_launch_dk", lambda *a: (one_calls.append(1), real_one(*a))[1])
+    case = replace(H, h=4, n_q=700, n_k=700, causal=causal)
+    inputs = make_inputs(case, torch.bfloat16, "cuda")
+    inputs.tensors["k_s"].requires_grad_(True)
+    ref_tensors = inputs.float64_copies()
+    out = inputs.call(attention_kl, backend="triton", **case.kwargs())
+    ref = attention_kl(**ref_tensors, backend="reference", **case.kwargs())
+    dk = torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
+    dk_ref = torch.autograd.grad(ref, (ref_tensors["k_s"],))[0]
+    assert (len(ws_calls), len(one_calls)) == ((1, 0) if causal else (0, 1))
+    assert_close(dk, dk_ref, TOLERANCES[torch.bfloat16][1], "dk_s")

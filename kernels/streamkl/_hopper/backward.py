@@ -28,6 +28,9 @@ query heads per key head than the student, or fewer: then each student key head 
 per teacher key head, whose fp32 parts are summed in a fixed order, so the result stays deterministic). Gluon kernels
 have no CPU interpreter: CI checks :func:`in_scope`, the GPU suite checks this pass against the portable one and the
 float64 oracle.
+
+With a causal mask :func:`attention_kl_key_pass_hopper` launches the warp-specialised kernel of
+:mod:`streamkl._hopper.key_pass_ws` instead (same scope, bitwise the same gradient; :func:`warp_specialised`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,17 @@ from .._problem import KLInputs, KLSpec
 from .._triton._helpers import LOG2E_C, l2_cache_bytes, longest_first_chunk, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
-from .forward import HOPPER_HEAD_DIMS, _allocate_tiles, _descriptor, _is_sm90, _load_fixed, _tma_load, _tma_ready
+from .forward import (
+    HOPPER_HEAD_DIMS,
+    _allocate_tiles,
+    _descriptor,
+    _is_sm90,
+    _load_fixed,
+    _longest_first,
+    _tma_load,
+    _tma_ready,
+)
+from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
 
 @gluon.jit
@@ -58,18 +71,6 @@ def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, 
     mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes, pred=pred)
     _tma_load(qa_desc, [b, h, m0, 0], bar, qa_ring.index(stage), pred=pred)
     _tma_load(qb_desc, [b, h, m0, 0], bar, qb_ring.index(stage), pred=pred)
-
-
-@gluon.jit
-def _longest_first(pid, n_tiles, chunk):
-    """Gluon's copy of :func:`streamkl._triton._helpers._longest_first` (a Gluon kernel cannot call a Triton
-    function): ``(rank, pair)`` of program ``pid``, pairs in chunks of ``chunk``, rank-major within a chunk."""
-    per_chunk = chunk * n_tiles
-    first = (pid // per_chunk) * chunk
-    width = gl.minimum(chunk, gl.num_programs(0) // n_tiles - first)
-    r = pid - first * n_tiles
-    rank = r // width
-    return rank, first + r - rank * width
 
 
 @gluon.jit
@@ -243,6 +244,7 @@ def _hopper_dk_kernel(
 
 
 _launch_dk = KernelLauncher(_hopper_dk_kernel)
+_launch_ws = KernelLauncher(_ws_dk_kernel)
 
 
 def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
@@ -310,11 +312,26 @@ def supports(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: boo
         and in_scope(inputs, spec, need_grad_a, need_grad_b)
 
 
+def warp_specialised(spec: KLSpec) -> bool:
+    """Whether :func:`attention_kl_key_pass_hopper` runs the warp-specialised kernel
+    (:mod:`streamkl._hopper.key_pass_ws`) for this problem: with a causal mask, where it measured faster than this
+    module's one-warpgroup kernel at every long-context shape; without one it measured slower at head dim 64 and level
+    at head dim 128 (docs/perf-notes.md v13).
+
+    Example:
+        >>> warp_specialised(KLSpec(0.125, 0.125, window_right=0)), warp_specialised(KLSpec(0.125, 0.125))
+        (True, False)
+    """
+    return spec.window_right == 0
+
+
 def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
-                                 lse_b: torch.Tensor, config: LaunchConfig | None = None) -> torch.Tensor:
-    """Side b's key gradient ``dK_b`` (input dtype, shaped like ``k_b``) of the portable key pass, on the Hopper kernel;
+                                 lse_b: torch.Tensor, config: LaunchConfig | None = None,
+                                 specialised: bool | None = None) -> torch.Tensor:
+    """Side b's key gradient ``dK_b`` (input dtype, shaped like ``k_b``) of the portable key pass, on a Hopper kernel;
     only for problems :func:`supports` accepts. ``grad_kl`` is fp32: one number (a stride-0 view, as the portable
-    backward passes it) or ``[B, H, N_q]`` contiguous.
+    backward passes it) or ``[B, H, N_q]`` contiguous. ``specialised`` picks the warp-specialised kernel (default:
+    :func:`warp_specialised`); ``config`` its tiles (default: the kernel's own choice).
 
     Example (on an H100)::
 
@@ -334,20 +351,27 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
                        device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(k_b.dtype)
-    cfg = config or hopper_key_pass_config(d_a, d_b, spec.window_right == 0)
+    causal = spec.window_right == 0
+    specialised = warp_specialised(spec) if specialised is None else specialised
+    if specialised:  # two consumers of block_n keys each per program
+        launch, cfg = _launch_ws, config or ws_key_pass_config(d_a, d_b)
+        keys_per_program, extra = 2 * cfg.block_n, (("num_warps", 4), ("maxnreg", KERNEL_REGS))
+    else:
+        launch, cfg = _launch_dk, config or hopper_key_pass_config(d_a, d_b, causal)
+        keys_per_program, extra = cfg.block_n, (("num_warps", cfg.num_warps),)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
-    grid = (triton.cdiv(n_k, cfg.block_n), batch * h_kb * split)
+    grid = (triton.cdiv(n_k, keys_per_program), batch * h_kb * split)
     order_chunk = 1
-    if spec.window_right == 0:  # causal: one-dimensional, longest sweeps first (_longest_first)
+    if causal:  # one-dimensional, longest sweeps first (_longest_first)
         grid = (grid[0] * grid[1], 1)
         query_bytes = (group_b // split) * n_q * (d_a + d_b) * q_a.element_size()  # the queries one program sweeps
         order_chunk = longest_first_chunk(query_bytes, l2_cache_bytes(q_a.device.index))
-    _launch_dk(
+    launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b),
         (heads, h_kb, n_q, n_k, group_a, group_b, split, order_chunk, qk_a, qk_b, spec.grad_scale("b")),
-        (("CAUSAL", spec.window_right == 0), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
-         ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", cfg.num_warps)),
+        (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
+         ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages)) + extra,
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(k_b.dtype)

@@ -121,6 +121,18 @@ def _next_tile(qa, qb, ka_desc, kb_desc, ka_ring, kb_ring, bars, t, n_tiles, b, 
 
 
 @gluon.jit
+def _longest_first(pid, n_tiles, chunk):
+    """Gluon's copy of :func:`streamkl._triton._helpers._longest_first` (a Gluon kernel cannot call a Triton
+    function): ``(rank, pair)`` of program ``pid``, pairs in chunks of ``chunk``, rank-major within a chunk."""
+    per_chunk = chunk * n_tiles
+    first = (pid // per_chunk) * chunk
+    width = gl.minimum(chunk, gl.num_programs(0) // n_tiles - first)
+    r = pid - first * n_tiles
+    rank = r // width
+    return rank, first + r - rank * width
+
+
+@gluon.jit
 def _allocate_tiles(fixed_a_desc, fixed_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.constexpr):
     """Shared memory of one program: a tile of each side that stays for the whole sweep (one ``mbarrier``) and a ring
     of ``STAGES`` tiles of each side that streams through it (one ``mbarrier`` per slot), barriers initialised."""
