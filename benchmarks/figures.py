@@ -84,6 +84,8 @@ GENERATED = {
     "causal-order:op": "benchmarks/bench_causal_order.py", "causal-order:checks": "benchmarks/bench_causal_order.py",
     "causal-order:paths": "benchmarks/bench_causal_order.py",
     "lazy:checks": "benchmarks/bench_lazy_frames.py",
+    "ws:tiles": "benchmarks/bench_ws_key_pass.py", "ws:op": "benchmarks/bench_ws_key_pass.py",
+    "ws:checks": "benchmarks/bench_ws_key_pass.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -180,6 +182,12 @@ def _pct_span(values) -> str:
     """Fractions as a whole-percent range, one value when both ends round alike: "88%", "73–83%"."""
     low, high = round(100 * min(values)), round(100 * max(values))
     return f"{low}%" if low == high else f"{low}–{high}%"
+
+
+def _ratio_span(values) -> str:
+    """Ratios to two decimals as a range, one value when both ends round alike: "0.85–0.90×", "0.93×"."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}×" if low == high else f"{low}–{high}×"
 
 
 def _p(p: float) -> str:
@@ -498,7 +506,7 @@ def lazy_frames_v11_claims() -> list[Claim]:
 
 
 def training_gap_claims() -> list[Claim]:
-    """perf-notes "Where the remaining gap is (as of v11)": the training call and cuDNN's forward+backward against
+    """perf-notes "Where the remaining gap is (as of v13)": the training call and cuDNN's forward+backward against
     their overlap and no-overlap bounds, without and with a causal mask, and where the issue's target sits."""
     meta = report.load(report.PERF_NOTES_GRID)[0]
     with open(report.PERF_NOTES_TRAINING) as f:
@@ -506,7 +514,7 @@ def training_gap_claims() -> list[Claim]:
     dense = [r for r in rows if "causal" not in r["name"]]
     causal = [r for r in rows if "causal" in r["name"]]
 
-    source = "benchmarks/results/nvidia-h100-80gb-hbm3-lazy-frames.json"
+    source = os.path.relpath(report.PERF_NOTES_TRAINING, ROOT)
     return [Claim("docs/perf-notes.md", t, source) for t in (
         f"the frozen-teacher training call within {report.TRAINING_TARGET}× cuDNN attention's forward+backward",
         f"the training call already runs at {_pct_span([r['bound'][1] / r['ms'] for r in dense])} of its no-overlap "
@@ -516,6 +524,47 @@ def training_gap_claims() -> list[Claim]:
         f"the call runs at {_pct_span([r['bound'][1] / r['ms'] for r in causal])} of the sum, where the target needs "
         f"{_pct_span([r['bound'][1] / r['target'] for r in causal])}",
     )]
+
+
+def ws_key_pass_v13_claims() -> list[Claim]:
+    """perf-notes v13: the warp-specialised key pass against v12 in paired rounds (which differences the sign test
+    finds significant), the forced kernel without a mask, the ratios to cuDNN and the GPU tests' count."""
+    import bench_ws_key_pass as bench
+
+    data = _json("nvidia-h100-80gb-hbm3-ws-key-pass.json")
+    assert all(c["bitwise_equal"] and c["finite"] for c in data["checks"]), "v13 says the two kernels agree bitwise"
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    causal = [n for n in rows if n.endswith("causal")]
+    causal8k = [n for n in causal if n.startswith("N8192")]
+    dense = [n for n in rows if n not in causal]
+    assert all(rows[n]["default_is_warp_specialised"] == (n in causal) for n in rows)
+    key, forced, train = ({n: bench.paired(rows[n], what) for n in rows}
+                          for what in ("key pass", "forced key pass", "training call"))
+    assert all(train[n]["p"] < 0.05 and train[n]["wins"] == train[n]["rounds"] for n in causal8k)
+    gqa = [n for n in causal if n not in causal8k]
+    assert all(train[n]["p"] >= 0.05 and forced[n]["wins"] == forced[n]["rounds"] for n in gqa)
+    assert all(forced[n]["wins"] == 0 for n in dense)
+    cudnn = {n: (train[n]["previous"] / rows[n]["cudnn_fwd_bwd_ms"], train[n]["new"] / rows[n]["cudnn_fwd_bwd_ms"])
+             for n in rows}
+    d64, d128 = "N8192-D64-causal", "N8192-D128-causal"
+    (g,) = gqa
+    with open(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-hopper-tests-v13.log")) as f:
+        log = f.read()
+    assert re.search(r"\d+ passed", log) and "failed" not in log, "v13 says every Hopper test passed"
+    texts = [
+        f"the key pass took {_ratio_span([key[n]['ratio'] for n in causal])} v12's time, and the training call "
+        f"{train[d64]['ratio']:.2f}× and {train[d128]['ratio']:.2f}× at",
+        f"N = 8192 ({train[d64]['wins']} of {train[d64]['rounds']} rounds, p = {train[d64]['p']:.2g}), which moves it "
+        f"from {cudnn[d64][0]:.2f}× to {cudnn[d64][1]:.2f}× cuDNN attention's forward+backward at head",
+        f"from {cudnn[d128][0]:.2f}× to {cudnn[d128][1]:.2f}× at head dim 128",
+        f"the forced kernel was faster in {forced[g]['wins']} of {forced[g]['rounds']}",
+        f"training call's {train[g]['ratio']:.2f}× ({train[g]['wins']} of {train[g]['rounds']}, "
+        f"p = {train[g]['p']:.2g})",
+        f"the kernel took {_ratio_span([forced[n]['ratio'] for n in dense])} v12's "
+        f"({max(forced[n]['wins'] for n in dense)} of {forced[dense[0]]['rounds']} rounds faster)",
+    ]
+    return [Claim("docs/perf-notes.md", t, "benchmarks/results/nvidia-h100-80gb-hbm3-ws-key-pass.json")
+            for t in texts]
 
 
 def causal_order_v12_claims() -> list[Claim]:
@@ -1045,6 +1094,7 @@ def claims(r: Results) -> list[Claim]:
     out += lazy_frames_v11_claims()
     out += training_gap_claims()
     out += causal_order_v12_claims()
+    out += ws_key_pass_v13_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

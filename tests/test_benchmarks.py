@@ -492,3 +492,21 @@ def test_perf_notes_v11_tables_are_bench_lazy_frames_output():
     assert set(data["tile_used"]) == {"64", "128"}
     for d, tile in data["tile_used"].items():
         assert asdict(_fused_forward_config(_width(int(d), int(d), 2), 2)) == tile, d
+
+
+def test_perf_notes_v13_tables_are_bench_ws_key_pass_output():
+    """docs/perf-notes.md's v13 blocks are bench_ws_key_pass.py's rendering of the committed H100 run, whose shapes
+    are the script's, whose checks are the script's cases in the kernels' scope, and whose default tiles are the ones
+    the code uses for the warp-specialised key pass."""
+    from streamkl._hopper.key_pass_ws import ws_key_pass_config
+
+    bench = _load(ROOT / "benchmarks" / "bench_ws_key_pass.py", "bench_ws_key_pass")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_ws_key_pass.py --render")
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    assert {tuple(c["case"][:9]) for c in data["checks"]} <= {tuple(c[:9]) for c in bench.CHECKS}
+    for row in data["rows"]:
+        if row["shape"]["causal"] and row["shape"]["n"] == 8192:  # the sweep ws_key_pass_config names
+            best = min(row["tiles"], key=lambda t: t["ms"])["tile"]
+            d = row["shape"]["d"]
+            assert best == list(vars(ws_key_pass_config(d, d)).values()), row["shape"]["name"]
