@@ -231,6 +231,12 @@ def exactness(base) -> list[dict]:
     return checks
 
 
+def paired_cell(x: dict) -> str:
+    """A :func:`paired` comparison as a table cell: "0.93× (7/7, 0.016)" (ratio, wins of the new version, sign test
+    p)."""
+    return f"{x['ratio']:.2f}× ({x['wins']}/{x['rounds']}, {x['p']:.2g})"
+
+
 def op_table(data: dict, previous: str = "v10", new: str = "v11") -> str:
     """The paired fused-forward and training-call table of a run of ``new`` against ``previous``."""
     lines = [f"| shape | fused fwd ms, {previous} → {new} | {new} / {previous} (wins, sign test p) | training call ms, "
@@ -240,9 +246,8 @@ def op_table(data: dict, previous: str = "v10", new: str = "v11") -> str:
     for row in data["rows"]:
         k, t = paired(row, "fused fwd"), paired(row, "training call")
         cudnn = row["cudnn_fwd_bwd_ms"]
-        lines.append(f"| {row['shape']['name']} | {k['previous']:.3f} → {k['new']:.3f} | {k['ratio']:.2f}× "
-                     f"({k['wins']}/{k['rounds']}, {k['p']:.2g}) | {t['previous']:.3f} → {t['new']:.3f} | "
-                     f"{t['ratio']:.2f}× ({t['wins']}/{t['rounds']}, {t['p']:.2g}) | "
+        lines.append(f"| {row['shape']['name']} | {k['previous']:.3f} → {k['new']:.3f} | {paired_cell(k)} | "
+                     f"{t['previous']:.3f} → {t['new']:.3f} | {paired_cell(t)} | "
                      f"{t['previous'] / cudnn:.2f}× → {t['new'] / cudnn:.2f}× |")
     return "\n".join(lines)
 

@@ -39,9 +39,10 @@ sys.path.insert(0, HERE)
 
 from bench_fused_dq import _rel  # noqa: E402
 from bench_hopper import _tensors  # noqa: E402
+from bench_hopper import tiles_table as hopper_tiles_table  # noqa: E402
 from bench_hopper_key_pass import CHECKS  # noqa: E402
 from bench_hopper_key_pass import SHAPES as KEY_PASS_SHAPES  # noqa: E402
-from bench_lazy_frames import ROUNDS, _bench, paired  # noqa: E402
+from bench_lazy_frames import ROUNDS, _bench, paired, paired_cell  # noqa: E402
 from report import load_package, render_results  # noqa: E402
 
 RESULT_NAME = "ws-key-pass.json"
@@ -170,22 +171,15 @@ def op_table(data: dict) -> str:
         k, f, t = (paired(row, what) for what in ("key pass", "forced key pass", "training call"))
         cudnn = row["cudnn_fwd_bwd_ms"]
         kind = "warp-specialised" if row["default_is_warp_specialised"] else "one warpgroup (v12's)"
-        lines.append(f"| {row['shape']['name']} | {kind} | {k['previous']:.3f} → {k['new']:.3f} | {k['ratio']:.2f}× "
-                     f"({k['wins']}/{k['rounds']}, {k['p']:.2g}) | {f['ratio']:.2f}× ({f['wins']}/{f['rounds']}, "
-                     f"{f['p']:.2g}) | {t['previous']:.3f} → {t['new']:.3f} | {t['ratio']:.2f}× "
-                     f"({t['wins']}/{t['rounds']}, {t['p']:.2g}) | {t['previous'] / cudnn:.2f}× → "
-                     f"{t['new'] / cudnn:.2f}× |")
+        lines.append(f"| {row['shape']['name']} | {kind} | {k['previous']:.3f} → {k['new']:.3f} | {paired_cell(k)} | "
+                     f"{paired_cell(f)} | {t['previous']:.3f} → {t['new']:.3f} | {paired_cell(t)} | "
+                     f"{t['previous'] / cudnn:.2f}× → {t['new'] / cudnn:.2f}× |")
     return "\n".join(lines)
 
 
 def tiles_table(data: dict) -> str:
-    lines = ["| shape | tile (queries × keys per consumer, warps per consumer, ring stages) | key pass ms |",
-             "|---|---|---|"]
-    for row in data["rows"]:
-        for t in sorted(row.get("tiles", []), key=lambda t: t["ms"]):
-            bm, bn, w, s = t["tile"]
-            lines.append(f"| {row['shape']['name']} | {bm}×{bn}, {w}, {s} | {t['ms']:.3f} |")
-    return "\n".join(lines)
+    return hopper_tiles_table({"shapes": [dict(name=r["shape"]["name"], tiles=r["tiles"]) for r in data["rows"]
+                                          if "tiles" in r]}, tile="queries × keys per consumer", timed="key pass ms")
 
 
 def checks_table(data: dict) -> str:

@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import LOG2E_C, l2_cache_bytes, longest_first_chunk, side_scales
+from .._triton._helpers import l2_cache_bytes, longest_first_chunk, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
 from .forward import (
@@ -55,6 +55,7 @@ from .forward import (
     _tma_load,
     _tma_ready,
 )
+from .key_pass_tiles import _ds_tile, _row_state, _store_dk
 from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
 
@@ -85,39 +86,6 @@ def _issue_scores(ka, kb, qa_ring, qb_ring, bars, step, zero,
     x = warpgroup_mma(ka, qa, zero, use_acc=False, is_async=True)
     y = warpgroup_mma(kb, qb, zero, use_acc=False, is_async=True)
     return x, y
-
-
-@gluon.jit
-def _row_state(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, offs_m,
-               BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
-    """Base-2 log-sum-exps of both sides and the upstream gradient of ``step``'s query rows (a column of the
-    transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
-    h = h0 + step // n_tiles
-    rows = (first_tile + step % n_tiles) * BLOCK_M + offs_m
-    row_in = rows < N_Q
-    at = (b.to(gl.int64) * H + h) * N_Q + rows
-    lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C
-    lse2_b = gl.load(LSE_B + at, mask=row_in, other=float("inf")) * LOG2E_C
-    if SCALAR_GRAD:  # applied once to dK at the end
-        g = lse2_a  # unused
-    else:
-        g = gl.load(GRAD + at, mask=row_in, other=0.0)
-    return lse2_a, lse2_b, g, rows
-
-
-@gluon.jit
-def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
-             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr):
-    """``dSᵀ`` of one transposed tile ([keys, queries], fp32): ``g·(P_b − P_a)``, zero where the causal mask forbids
-    the pair (``MASKED``); without ``SCALAR_GRAD`` the per-row ``g`` is applied here."""
-    p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(lse2_a, 0))
-    p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(lse2_b, 0))
-    ds = p_b - p_a
-    if not SCALAR_GRAD:
-        ds = ds * gl.expand_dims(g, 0)
-    if MASKED:
-        ds = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + offset, ds, 0.0)
-    return ds
 
 
 @gluon.jit
@@ -234,13 +202,7 @@ def _hopper_dk_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    scale = grad_scale_b
-    if SCALAR_GRAD:
-        scale = scale * gl.load(GRAD)
-    out_keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
-    cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
-    at = (pid_bh.to(gl.int64) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
-    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
+    _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD)
 
 
 _launch_dk = KernelLauncher(_hopper_dk_kernel)

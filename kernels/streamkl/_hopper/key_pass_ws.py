@@ -29,9 +29,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .._triton._helpers import LOG2E_C
 from .._triton.configs import LaunchConfig
 from .forward import _longest_first, _tma_load
+from .key_pass_tiles import _causal_mask, _ds_tile, _row_state, _store_dk
 
 #: Registers per thread of each consumer warpgroup and of the producer (``setmaxnreg``); the kernel's limit is set
 #: so that one program (three warpgroups) fills the register file: 2·240 + 24 = 3·168.
@@ -62,23 +62,16 @@ def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_
 
 
 @gluon.jit
-def _ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
-             qk_scale_a, qk_scale_b, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-             SCALAR_GRAD: gl.constexpr):
-    """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles: ``g·(P_b − P_a)``, zero where the causal
-    mask forbids the pair; rows past ``N_Q`` read lse = +inf (P = 0)."""
-    h = h0 + t // n_tiles
-    tile = first_tile + t % n_tiles
-    rows = tile * BLOCK_M + offs_m
-    row_in = rows < N_Q
-    at = (b.to(gl.int64) * H + h) * N_Q + rows
-    lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C
-    lse2_b = gl.load(LSE_B + at, mask=row_in, other=float("inf")) * LOG2E_C
-    ds = gl.exp2(y * qk_scale_b - gl.expand_dims(lse2_b, 0)) - gl.exp2(x * qk_scale_a - gl.expand_dims(lse2_a, 0))
-    if not SCALAR_GRAD:
-        ds = ds * gl.expand_dims(gl.load(GRAD + at, mask=row_in, other=0.0), 0)
-    if CAUSAL and tile < full_from:
-        ds = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + offset, ds, 0.0)
+def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+                qk_scale_a, qk_scale_b, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                SCALAR_GRAD: gl.constexpr):
+    """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles, masked on the steps before ``full_from``
+    (a consumer's steps are the first consumer's, so whether a step is masked is known only here)."""
+    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, offs_m, BLOCK_M,
+                                         SCALAR_GRAD)
+    ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, False, SCALAR_GRAD)
+    if CAUSAL and first_tile + t % n_tiles < full_from:
+        ds = _causal_mask(ds, keys, rows, offset)
     return ds
 
 
@@ -136,7 +129,7 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
                       is_async=True)
     mbarrier.arrive(turns.index(OTHER))
     x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-    ds = _ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+    ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
                   qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
     ds = gl.convert_layout(ds.to(qb_ring.dtype), dot_layout)
     for t in range(1, steps):
@@ -152,7 +145,7 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
         mbarrier.arrive(turns.index(OTHER))
         x, y, dk = warpgroup_mma_wait(num_outstanding=0, deps=(x, y, dk))
         mbarrier.arrive(empty.index(prev))  # both products of step t - 1 are done with its slot
-        ds = _ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+        ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
                       qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
         ds = gl.convert_layout(ds.to(qb_ring.dtype), dot_layout)
     last = (steps - 1) % STAGES
@@ -160,38 +153,6 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
     mbarrier.arrive(empty.index(last))
     return dk
-
-
-@gluon.jit
-def _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
-              dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr):
-    scale = grad_scale_b
-    if SCALAR_GRAD:
-        scale = scale * gl.load(GRAD)
-    out_keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
-    cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
-    at = (pid_bh.to(gl.int64) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
-    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
-
-
-@gluon.jit
-def _consumer_0(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, LSE_A, LSE_B, GRAD, DK_B, b, h0,
-                H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b, grad_scale_b,
-                CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):
-    _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B, b, h0,
-              H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b, grad_scale_b,
-              CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)
-
-
-@gluon.jit
-def _consumer_1(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, LSE_A, LSE_B, GRAD, DK_B, b, h0,
-                H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b, grad_scale_b,
-                CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):
-    _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B, b, h0,
-              H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b, grad_scale_b,
-              CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -241,12 +202,12 @@ def _ws_dk_kernel(
 
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
-        (_consumer_0, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, LSE_A, LSE_B, GRAD, DK_B, b,
-                       h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
-                       grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
-        (_consumer_1, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, LSE_A, LSE_B, GRAD, DK_B, b,
-                       h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
-                       grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
+        (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
+                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
+                     grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
+        (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
+                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
+                     grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
                      turns, b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,64 @@
+"""Gluon pieces both Hopper key passes share (:mod:`streamkl._hopper.backward`, the one-warpgroup kernel, and
+:mod:`streamkl._hopper.key_pass_ws`, the warp-specialised one): the row state of a step's queries, a transposed
+``dSᵀ`` tile, the causal mask and the ``dK_b`` store. Keeping one copy keeps the two kernels' arithmetic the same,
+which is what makes their gradients bitwise equal."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .._triton._helpers import LOG2E_C
+
+
+@gluon.jit
+def _row_state(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, offs_m,
+               BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """Base-2 log-sum-exps of both sides and the upstream gradient of ``step``'s query rows (a column of the
+    transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
+    h = h0 + step // n_tiles
+    rows = (first_tile + step % n_tiles) * BLOCK_M + offs_m
+    row_in = rows < N_Q
+    at = (b.to(gl.int64) * H + h) * N_Q + rows
+    lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C
+    lse2_b = gl.load(LSE_B + at, mask=row_in, other=float("inf")) * LOG2E_C
+    if SCALAR_GRAD:  # applied once to dK at the end
+        g = lse2_a  # unused
+    else:
+        g = gl.load(GRAD + at, mask=row_in, other=0.0)
+    return lse2_a, lse2_b, g, rows
+
+
+@gluon.jit
+def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """``dSᵀ`` of one transposed tile ([keys, queries], fp32): ``g·(P_b − P_a)``, zero where the causal mask forbids
+    the pair (``MASKED``); without ``SCALAR_GRAD`` the per-row ``g`` is applied here."""
+    p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(lse2_a, 0))
+    p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(lse2_b, 0))
+    ds = p_b - p_a
+    if not SCALAR_GRAD:
+        ds = ds * gl.expand_dims(g, 0)
+    if MASKED:
+        ds = _causal_mask(ds, keys, rows, offset)
+    return ds
+
+
+@gluon.jit
+def _causal_mask(ds, keys, rows, offset):
+    """``ds`` ([keys, queries]) with zeros where key ``keys[i]`` lies past query ``rows[j]``'s diagonal."""
+    return gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + offset, ds, 0.0)
+
+
+@gluon.jit
+def _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
+              dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """Store ``dK_b`` of keys ``k0 ..`` (fp32 ``dk``, ``dk_layout``) times side b's scale and, with
+    ``SCALAR_GRAD``, the one upstream gradient; keys past ``N_K`` are left out."""
+    scale = grad_scale_b
+    if SCALAR_GRAD:
+        scale = scale * gl.load(GRAD)
+    out_keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+    cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
+    at = (pid_bh.to(gl.int64) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
+    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
