@@ -10,9 +10,10 @@ takes about twice a portable launch's host time, v10), so it runs for head dim 1
 :func:`hopper_key_pass` does the same for the backward's key pass when only side b needs gradients (a frozen
 teacher; :mod:`streamkl._hopper.backward`). Measured faster than the portable pass at head dims 64 and 128
 (``benchmarks/bench_hopper_key_pass.py``, docs/perf-notes.md v10), it runs for both at ``HOPPER_MIN_SCORES`` score
-elements and more. With a causal mask that pass runs the
-warp-specialised kernel (:mod:`streamkl._hopper.key_pass_ws`: a producer warp and two consumer warpgroups taking
-turns on the tensor cores), measured faster there (``benchmarks/bench_ws_key_pass.py``, docs/perf-notes.md v13).
+elements and more. With a causal mask and head dim 128 that pass runs the warp-specialised kernel
+(:mod:`streamkl._hopper.key_pass_ws`: a producer warp and two consumer warpgroups taking turns on the tensor cores),
+measured faster there (``benchmarks/bench_ws_key_pass.py``, ``benchmarks/bench_peeled_key_pass.py``,
+docs/perf-notes.md v13 and v14).
 
 Neither runs on other GPUs, under the interpreter, outside its kernel's scope, when the installed Triton has no usable
 Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects them for

@@ -19,7 +19,10 @@ same thing with
 * ``dSᵀ`` rounded to the input dtype in registers and fed to the tensor cores as the register operand of
   ``dK_b += dSᵀ · Q_b`` (no shared-memory round trip);
 * a scalar upstream gradient (``reduction="mean"``/``"sum"``) applied once to ``dK_b`` at the end instead of to every
-  element (bf16 has fp32's range, so nothing underflows either way).
+  element (bf16 has fp32's range, so nothing underflows either way);
+* with a causal mask, the program's diagonal tiles (masked) swept first, one at a time, then the full tiles through
+  the pipelined loop, which never masks: both tile codes live in one loop would not fit 64-query steps in the
+  registers (v14).
 
 Scope (anything else runs the portable pass, :func:`in_scope`): bf16 inputs on both sides, dense ``(B, H, N, D)``
 tensors TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
@@ -29,8 +32,11 @@ per teacher key head, whose fp32 parts are summed in a fixed order, so the resul
 have no CPU interpreter: CI checks :func:`in_scope`, the GPU suite checks this pass against the portable one and the
 float64 oracle.
 
-With a causal mask :func:`attention_kl_key_pass_hopper` launches the warp-specialised kernel of
-:mod:`streamkl._hopper.key_pass_ws` instead (same scope, bitwise the same gradient; :func:`warp_specialised`).
+With a causal mask and a head dim above 64, :func:`attention_kl_key_pass_hopper` launches the warp-specialised kernel
+of :mod:`streamkl._hopper.key_pass_ws` instead (same scope; :func:`warp_specialised`). The two kernels' key gradients
+are bitwise equal wherever both sweep the query tiles in the same order: without a mask, or when a program sweeps one
+query head; with a causal mask and several query heads per program this kernel sweeps every head's diagonal first,
+which changes the order of the fp32 sums (both match the float64 oracle equally).
 """
 
 from __future__ import annotations
@@ -55,23 +61,30 @@ from .forward import (
     _tma_load,
     _tma_ready,
 )
-from .key_pass_tiles import _ds_tile, _row_state, _store_dk
+from .key_pass_tiles import _ds_tile, _row_state, _step_tile, _store_dk
 from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
 
 @gluon.jit
-def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, n_tiles, first_tile,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA copies of both sides' query tiles of ``step`` (query head ``h0 + step // n_tiles``, query tile
-    ``first_tile + step % n_tiles``) into its ring slot; nothing past the last step."""
+def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, n_tiles, first_tile, masked_steps,
+                  n_masked, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PEELED: gl.constexpr):
+    """Start the TMA copies of both sides' query tiles of ``step`` (its head and tile from :func:`_step_tile`) into
+    its ring slot; nothing past the last step."""
     stage = step % STAGES
     pred = step < steps
-    h = h0 + step // n_tiles
-    m0 = (first_tile + step % n_tiles) * BLOCK_M
+    h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED)
     bar = bars.index(stage)
     mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes, pred=pred)
-    _tma_load(qa_desc, [b, h, m0, 0], bar, qa_ring.index(stage), pred=pred)
-    _tma_load(qb_desc, [b, h, m0, 0], bar, qb_ring.index(stage), pred=pred)
+    _tma_load(qa_desc, [b, h, tile * BLOCK_M, 0], bar, qa_ring.index(stage), pred=pred)
+    _tma_load(qb_desc, [b, h, tile * BLOCK_M, 0], bar, qb_ring.index(stage), pred=pred)
+
+
+@gluon.jit
+def _step_rows(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, offs_m,
+               BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
+    """:func:`_row_state` of ``step``'s query rows."""
+    h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED)
+    return _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M, SCALAR_GRAD)
 
 
 @gluon.jit
@@ -89,15 +102,12 @@ def _issue_scores(ka, kb, qa_ring, qb_ring, bars, step, zero,
 
 
 @gluon.jit
-def _fold_step(x, y, dk, qb_ring, step, full, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+def _fold_step(x, y, dk, qb_ring, step, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
                dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr):
-    """``dK_b += dSᵀ · Q_b`` for one step whose score tiles ``x``, ``y`` are complete; masked only on causal tiles
-    that are not ``full``."""
-    if CAUSAL and not full:
-        ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, True, SCALAR_GRAD)
-    else:
-        ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, False, SCALAR_GRAD)
+               MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """``dK_b += dSᵀ · Q_b`` for one step whose score tiles ``x``, ``y`` are complete (``MASKED``: a causal
+    diagonal tile)."""
+    ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, MASKED, SCALAR_GRAD)
     qb = qb_ring.index(step % STAGES).reshape([BLOCK_M, D_B])
     dk = warpgroup_mma(gl.convert_layout(ds.to(qb_ring.dtype), dot_layout), qb, dk, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -136,20 +146,23 @@ def _hopper_dk_kernel(
     h0 = hk_b * GROUP_B + part * heads  # the query heads h0 .. h0 + heads - 1 share this student key head
     hk_a = h0 // GROUP_A  # and one teacher key head (SPLIT makes it so, see in_scope)
     offset = N_K - N_Q
+    q_tiles = gl.cdiv(N_Q, BLOCK_M)
     if CAUSAL:  # query tiles from the first row that sees key n0; full from the first that sees the whole tile
         first_tile = gl.maximum(n0 - offset, 0) // BLOCK_M
-        full_from = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M)
+        full_from = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), q_tiles)
     else:
         first_tile = 0
         full_from = 0
-    n_tiles = gl.cdiv(N_Q, BLOCK_M) - first_tile  # >= 1: key n0 < N_K = N_Q + offset is seen by row N_Q - 1
+    n_tiles = q_tiles - first_tile  # >= 1: key n0 < N_K = N_Q + offset is seen by row N_Q - 1
+    n_masked = full_from - first_tile  # diagonal tiles per query head
+    masked_steps = heads * n_masked  # swept first, one at a time; then the full ones, pipelined
     steps = heads * n_tiles
 
     ka_smem, kb_smem, qa_ring, qb_ring, k_bar, bars = _allocate_tiles(ka_desc, kb_desc, qa_desc, qb_desc, STAGES)
     _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, n0, k_bar, ka_smem, kb_smem)
     for s in gl.static_range(STAGES):
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, h0, n_tiles, first_tile, BLOCK_M,
-                      STAGES)
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, h0, n_tiles, first_tile, masked_steps,
+                      n_masked, BLOCK_M, STAGES, CAUSAL)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -159,45 +172,26 @@ def _hopper_dk_kernel(
     mbarrier.wait(k_bar, 0)
     ka = ka_smem.reshape([BLOCK_N, D_A])
     kb = kb_smem.reshape([BLOCK_N, D_B])
-    x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, 0, zero, BLOCK_M, D_A, D_B, STAGES)
-    lse2_a0, lse2_b0, g0, rows0 = _row_state(LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, offs_m,
-                                             BLOCK_M, SCALAR_GRAD)
-    # Even steps in (x0, y0), odd ones in (x1, y1): the products in flight never share registers with the tiles
-    # being folded (a loop-carried in-flight accumulator makes ptxas serialise every wgmma, its warning C7514).
-    pairs = (steps - 1) // 2
-    for p in range(pairs):
-        t = 2 * p
-        x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
-        x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 1, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a1, lse2_b1, g1, rows1 = _row_state(LSE_A, LSE_B, GRAD, t + 1, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 offs_m, BLOCK_M, SCALAR_GRAD)
-        dk = _fold_step(x0, y0, dk, qb_ring, t, first_tile + t % n_tiles >= full_from, lse2_a0, lse2_b0, g0, rows0,
-                        keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES, CAUSAL, SCALAR_GRAD)
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
-                      BLOCK_M, STAGES)
-        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
-        x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 2, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a0, lse2_b0, g0, rows0 = _row_state(LSE_A, LSE_B, GRAD, t + 2, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 offs_m, BLOCK_M, SCALAR_GRAD)
-        dk = _fold_step(x1, y1, dk, qb_ring, t + 1, first_tile + (t + 1) % n_tiles >= full_from, lse2_a1, lse2_b1,
-                        g1, rows1, keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES, CAUSAL,
-                        SCALAR_GRAD)
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, h0, n_tiles, first_tile,
-                      BLOCK_M, STAGES)
-    # One or two steps are left: step 2·pairs is in flight in (x0, y0); its successor, if any, is the last step.
-    last = 2 * pairs
-    has_odd = last + 1 < steps
-    x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
-    dk = _fold_step(x0, y0, dk, qb_ring, last, first_tile + last % n_tiles >= full_from, lse2_a0, lse2_b0, g0, rows0,
-                    keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES, CAUSAL, SCALAR_GRAD)
-    if has_odd:
-        x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, last + 1, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a1, lse2_b1, g1, rows1 = _row_state(LSE_A, LSE_B, GRAD, last + 1, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 offs_m, BLOCK_M, SCALAR_GRAD)
-        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
-        dk = _fold_step(x1, y1, dk, qb_ring, last + 1, first_tile + (last + 1) % n_tiles >= full_from, lse2_a1,
-                        lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_B, STAGES,
-                        CAUSAL, SCALAR_GRAD)
+    if CAUSAL:
+        # The diagonal first, one step at a time: its masked tile code is never live beside the pipelined loop's
+        # two register sets (with both, 64-query steps spill).
+        for t in range(masked_steps):
+            x, y = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t, zero, BLOCK_M, D_A, D_B, STAGES)
+            lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, CAUSAL)
+            x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
+            dk = _fold_step(x, y, dk, qb_ring, t, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+                            dot_layout, BLOCK_M, D_B, STAGES, True, SCALAR_GRAD)
+            _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
+                          masked_steps, n_masked, BLOCK_M, STAGES, CAUSAL)
+        if masked_steps < steps:
+            dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B,
+                             GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a,
+                             qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL)
+    else:
+        dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                         b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b,
+                         offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL)
     mbarrier.invalidate(k_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -205,20 +199,64 @@ def _hopper_dk_kernel(
     _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD)
 
 
+@gluon.jit
+def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b, offset,
+                dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
+    """``dK_b`` after the unmasked steps ``masked_steps .. steps - 1`` (at least one), each step's score products
+    issued before the previous step's exponentials."""
+    start = masked_steps
+    x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, start, zero, BLOCK_M, D_A, D_B, STAGES)
+    lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, start, b, h0, H, N_Q, n_tiles, first_tile,
+                                             masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+    # Even steps in (x0, y0), odd ones in (x1, y1): the products in flight never share registers with the tiles
+    # being folded (a loop-carried in-flight accumulator makes ptxas serialise every wgmma, its warning C7514).
+    pairs = (steps - start - 1) // 2
+    for p in range(pairs):
+        t = start + 2 * p
+        x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
+        x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 1, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, t + 1, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+        dk = _fold_step(x0, y0, dk, qb_ring, t, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
+                        dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
+                      masked_steps, n_masked, BLOCK_M, STAGES, PEELED)
+        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
+        x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 2, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, t + 2, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+        dk = _fold_step(x1, y1, dk, qb_ring, t + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b, offset,
+                        dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, h0, n_tiles, first_tile,
+                      masked_steps, n_masked, BLOCK_M, STAGES, PEELED)
+    # One or two steps are left: step start + 2·pairs is in flight in (x0, y0); its successor, if any, is the last.
+    last = start + 2 * pairs
+    x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
+    dk = _fold_step(x0, y0, dk, qb_ring, last, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
+                    dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+    if last + 1 < steps:
+        x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, last + 1, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, last + 1, b, h0, H, N_Q, n_tiles, first_tile,
+                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+        x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
+        dk = _fold_step(x1, y1, dk, qb_ring, last + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b,
+                        offset, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+    return dk
+
+
 _launch_dk = KernelLauncher(_hopper_dk_kernel)
 _launch_ws = KernelLauncher(_ws_dk_kernel)
 
 
 def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
-    """Tiles of the Hopper key pass, the fastest of ``benchmarks/bench_hopper_key_pass.py``'s sweep (H100, bf16,
-    N = 8192): ``block_n`` keys per program (64, one warpgroup), ``block_m`` queries per step, ``num_stages`` the
-    depth of the query ring. With a causal mask, 32-query steps and a ring of 4 (64-query steps spill there: the
-    masked and unmasked tile code are both live); without one, 64-query steps, with a ring of 6 at head dim 64 and of
-    2 at head dim 128 (a deeper ring leaves room for one program per SM only)."""
-    if causal:
-        return LaunchConfig(32, 64, 4, 4)
+    """Tiles of the one-warpgroup key pass, the fastest of the H100 sweeps (``benchmarks/bench_hopper_key_pass.py``,
+    ``benchmarks/bench_peeled_key_pass.py``; bf16, N = 8192): ``block_n`` keys per program (64, one warpgroup),
+    ``block_m`` queries per step, ``num_stages`` the depth of the query ring. 64-query steps, with a ring of 6 at head
+    dim 64 (3 with a causal mask) and of 2 at head dim 128 (a deeper ring leaves room for one program per SM only)."""
     if max(d_a, d_b) <= 64:
-        return LaunchConfig(64, 64, 4, 6)
+        return LaunchConfig(64, 64, 4, 3 if causal else 6)
     return LaunchConfig(64, 64, 4, 2)
 
 
@@ -274,17 +312,20 @@ def supports(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: boo
         and in_scope(inputs, spec, need_grad_a, need_grad_b)
 
 
-def warp_specialised(spec: KLSpec) -> bool:
+def warp_specialised(spec: KLSpec, d_a: int, d_b: int) -> bool:
     """Whether :func:`attention_kl_key_pass_hopper` runs the warp-specialised kernel
-    (:mod:`streamkl._hopper.key_pass_ws`) for this problem: with a causal mask, where it measured faster than this
-    module's one-warpgroup kernel at every long-context shape; without one it measured slower at head dim 64 and level
-    at head dim 128 (docs/perf-notes.md v13).
+    (:mod:`streamkl._hopper.key_pass_ws`) for this problem (``d_a``, ``d_b``: the head dims): with a causal mask and
+    a head dim above 64, where it measured faster than this module's one-warpgroup kernel (docs/perf-notes.md v13,
+    v14). At head dim 64 the one-warpgroup kernel's 64-query steps fit its registers once the causal diagonal is swept
+    apart (v14) and it is the faster one; without a mask the warp-specialised kernel measured slower at head dim 64
+    and level at head dim 128 (v13).
 
     Example:
-        >>> warp_specialised(KLSpec(0.125, 0.125, window_right=0)), warp_specialised(KLSpec(0.125, 0.125))
-        (True, False)
+        >>> causal, dense = KLSpec(0.125, 0.125, window_right=0), KLSpec(0.125, 0.125)
+        >>> warp_specialised(causal, 128, 128), warp_specialised(causal, 64, 64), warp_specialised(dense, 128, 128)
+        (True, False, False)
     """
-    return spec.window_right == 0
+    return spec.window_right == 0 and max(d_a, d_b) > 64
 
 
 def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
@@ -314,7 +355,7 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(k_b.dtype)
     causal = spec.window_right == 0
-    specialised = warp_specialised(spec) if specialised is None else specialised
+    specialised = warp_specialised(spec, d_a, d_b) if specialised is None else specialised
     if specialised:  # two consumers of block_n keys each per program
         launch, cfg = _launch_ws, config or ws_key_pass_config(d_a, d_b)
         keys_per_program, extra = 2 * cfg.block_n, (("num_warps", 4), ("maxnreg", KERNEL_REGS))

@@ -12,12 +12,25 @@ from .._triton._helpers import LOG2E_C
 
 
 @gluon.jit
-def _row_state(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, offs_m,
-               BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
-    """Base-2 log-sum-exps of both sides and the upstream gradient of ``step``'s query rows (a column of the
-    transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
-    h = h0 + step // n_tiles
-    rows = (first_tile + step % n_tiles) * BLOCK_M + offs_m
+def _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED: gl.constexpr):
+    """Query head and query tile of a program's ``step``: head by head from ``first_tile``, or, ``PEELED``, its
+    ``masked_steps`` (``n_masked`` causal diagonal tiles per query head, from ``first_tile``) first, then every head's
+    full tiles."""
+    if not PEELED:
+        return h0 + step // n_tiles, first_tile + step % n_tiles
+    n_full = n_tiles - n_masked
+    rest = step - masked_steps
+    on_diagonal = step < masked_steps
+    h = gl.where(on_diagonal, step // gl.maximum(n_masked, 1), rest // gl.maximum(n_full, 1))
+    tile = gl.where(on_diagonal, step % gl.maximum(n_masked, 1), n_masked + rest % gl.maximum(n_full, 1))
+    return h0 + h, first_tile + tile
+
+
+@gluon.jit
+def _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """Base-2 log-sum-exps of both sides and the upstream gradient of the query rows of head ``h``'s query tile
+    ``tile`` (a column of the transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
+    rows = tile * BLOCK_M + offs_m
     row_in = rows < N_Q
     at = (b.to(gl.int64) * H + h) * N_Q + rows
     lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C

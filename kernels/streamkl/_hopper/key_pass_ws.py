@@ -67,8 +67,8 @@ def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
                 SCALAR_GRAD: gl.constexpr):
     """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles, masked on the steps before ``full_from``
     (a consumer's steps are the first consumer's, so whether a step is masked is known only here)."""
-    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, offs_m, BLOCK_M,
-                                         SCALAR_GRAD)
+    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, first_tile + t % n_tiles, b, H, N_Q,
+                                         offs_m, BLOCK_M, SCALAR_GRAD)
     ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, False, SCALAR_GRAD)
     if CAUSAL and first_tile + t % n_tiles < full_from:
         ds = _causal_mask(ds, keys, rows, offset)
