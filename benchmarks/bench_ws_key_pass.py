@@ -65,7 +65,10 @@ def _problem(module, b, h, h_kt, h_ks, n_q, n_k, d_t, d_s, causal, sharpness, la
     return (inputs, spec, *forward.attention_kl_fwd(inputs, spec, dq_b=forward.new_dq_b_buffer(inputs)))
 
 
-def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
+def measure_shape(base, name, b, h, h_kt, n, d, causal, candidates=CANDIDATES, specialised: bool = True) -> dict:
+    """One shape's row: the ``candidates`` tiles of the kernel ``specialised`` picks (causal shapes), the paired rounds
+    of both packages' default key pass, of that kernel forced, and of the training call, and cuDNN's
+    forward+backward."""
     import streamkl
     from streamkl._hopper.backward import attention_kl_key_pass_hopper, warp_specialised
     from streamkl._triton.configs import LaunchConfig
@@ -74,13 +77,14 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
     inputs, spec, kl, lse_a, lse_b = _problem(streamkl, b, h, h_kt, h, n, n, d, d, causal, 1.0, "bhnd", 1)
     g = torch.full((1,), 1.0 / kl.numel(), device="cuda")  # reduction="mean"'s gradient, as the backward passes it
     row = {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"),
-           "default_is_warp_specialised": warp_specialised(spec)}
+           "default_is_warp_specialised": warp_specialised(spec, d, d)}
     if causal:
         row["tiles"] = []
-        for cand in CANDIDATES:
+        for cand in candidates:
             cfg = LaunchConfig(*cand)
             row["tiles"].append(dict(tile=list(cand), ms=_bench(
-                lambda cfg=cfg: attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, cfg, specialised=True))))
+                lambda cfg=cfg: attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, cfg,
+                                                             specialised=specialised))))
     q_t, k_t, q_s, k_s = inputs.q_a, inputs.k_a, inputs.q_b.detach().requires_grad_(True), \
         inputs.k_b.detach().requires_grad_(True)
 
@@ -93,7 +97,8 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
     calls = {
         "key pass new": lambda: attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b),
         "key pass previous": lambda: base_pass(g, inputs, spec, lse_a, lse_b),
-        "forced key pass new": lambda: attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=True),
+        "forced key pass new": lambda: attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b,
+                                                                    specialised=specialised),
         "forced key pass previous": lambda: base_pass(g, inputs, spec, lse_a, lse_b),
         "training call new": train(streamkl),
         "training call previous": train(base),
@@ -161,25 +166,27 @@ def run(against: str) -> dict:
     return data
 
 
-def op_table(data: dict) -> str:
-    """The paired key-pass and training-call table (v12 → v13)."""
-    lines = ["| shape | v13 key pass | key pass ms, v12 → v13 | v13 / v12 (wins, sign test p) | warp-specialised "
-             "forced / v12 (wins, p) | training call ms, v12 → v13 | v13 / v12 (wins, p) | training call / cuDNN "
-             "fwd+bwd, v12 → v13 |",
+def op_table(data: dict, old: str = "v12", new: str = "v13", forced: str = "warp-specialised",
+             one: str = "one warpgroup (v12's)") -> str:
+    """The paired key-pass and training-call table (``old`` → ``new``; ``forced``: the kernel forced in its column,
+    ``one``: how the one-warpgroup kernel is named)."""
+    lines = [f"| shape | {new} key pass | key pass ms, {old} → {new} | {new} / {old} (wins, sign test p) | {forced} "
+             f"forced / {old} (wins, p) | training call ms, {old} → {new} | {new} / {old} (wins, p) | training call / "
+             f"cuDNN fwd+bwd, {old} → {new} |",
              "|---|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
         k, f, t = (paired(row, what) for what in ("key pass", "forced key pass", "training call"))
         cudnn = row["cudnn_fwd_bwd_ms"]
-        kind = "warp-specialised" if row["default_is_warp_specialised"] else "one warpgroup (v12's)"
+        kind = "warp-specialised" if row["default_is_warp_specialised"] else one
         lines.append(f"| {row['shape']['name']} | {kind} | {k['previous']:.3f} → {k['new']:.3f} | {paired_cell(k)} | "
                      f"{paired_cell(f)} | {t['previous']:.3f} → {t['new']:.3f} | {paired_cell(t)} | "
                      f"{t['previous'] / cudnn:.2f}× → {t['new'] / cudnn:.2f}× |")
     return "\n".join(lines)
 
 
-def tiles_table(data: dict) -> str:
+def tiles_table(data: dict, tile: str = "queries × keys per consumer") -> str:
     return hopper_tiles_table({"shapes": [dict(name=r["shape"]["name"], tiles=r["tiles"]) for r in data["rows"]
-                                          if "tiles" in r]}, tile="queries × keys per consumer", timed="key pass ms")
+                                          if "tiles" in r]}, tile=tile, timed="key pass ms")
 
 
 def checks_table(data: dict) -> str:

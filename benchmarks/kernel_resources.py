@@ -6,6 +6,8 @@ read for free before spending GPU time:
 
     TRITON_INTERPRET=0 python benchmarks/kernel_resources.py                  # default configs, sm_90
     TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --sweep-forward   # candidate forward tiles
+    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --hopper-key-pass --against <copy of v13's
+        kernels/streamkl> --out benchmarks/results   # the Gluon one-warpgroup key pass, this version and v13's
 
 Counts are per kernel (whole SASS), with the instruction classes that matter for this op: MUFU.EX2 (the
 exponential unit), HGMMA/HMMA (tensor cores), FFMA/FADD/FMUL/FMNMX (FMA pipe) and local-memory traffic.
@@ -139,13 +141,73 @@ FORWARD_CANDIDATES = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64,
                       (256, 64, 8, 2)]
 
 
+#: (head dim, causal, block_m, ring stages) of the one-warpgroup Hopper key pass compiled by ``--hopper-key-pass``
+HOPPER_KEY_PASS_CASES = [(d, causal, bm, stages) for d in (64, 128) for causal in (False, True)
+                         for bm, stages in ((32, 4), (64, 2), (64, 3), (64, 6))]
+
+
+def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stages: int) -> dict:
+    """Resources of ``package``'s one-warpgroup Gluon key pass (``_hopper.backward._hopper_dk_kernel``), bf16 on both
+    sides, 64 keys per program, 4 warps, a scalar upstream gradient."""
+    import importlib
+
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = importlib.import_module(f"{package.__name__}._hopper.backward")._hopper_dk_kernel
+
+    def descriptor(block):
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+        return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+    types = {"qa_desc": descriptor((1, 1, block_m, d)), "qb_desc": descriptor((1, 1, block_m, d)),
+             "ka_desc": descriptor((1, 1, 64, d)), "kb_desc": descriptor((1, 1, 64, d)), "GRAD": "*fp32",
+             "LSE_A": "*fp32", "LSE_B": "*fp32", "DK_B": "*bf16", "qk_scale_a": "fp32", "qk_scale_b": "fp32",
+             "grad_scale_b": "fp32"}
+    constexprs = dict(CAUSAL=causal, SCALAR_GRAD=True, BLOCK_M=block_m, BLOCK_N=64, STAGES=stages, num_warps=4)
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    src = GluonASTSource(fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in
+                                                              constexprs.items()}, attrs={})
+    return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
+
+
+def hopper_key_pass_table(against: str | None) -> dict:
+    """:data:`HOPPER_KEY_PASS_CASES` compiled from this checkout's package and, with ``against``, from a copy of an
+    earlier one."""
+    from report import load_package
+
+    import streamkl
+
+    packages = {"this": streamkl}
+    if against:
+        packages["against"] = load_package(os.path.abspath(against), "streamkl_base")
+    rows = []
+    for label, package in packages.items():
+        for d, causal, block_m, stages in HOPPER_KEY_PASS_CASES:
+            row = dict(package=label, d=d, causal=causal, block_m=block_m, stages=stages,
+                       **hopper_key_pass_resources(package, d, causal, block_m, stages))
+            print(row, flush=True)
+            rows.append(row)
+    return {"triton": triton.__version__, "target": "sm_90", "against": against, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hopper-key-pass", action="store_true", help="the one-warpgroup Gluon key pass's tiles")
+    parser.add_argument("--against", help="with --hopper-key-pass: also a copy of an earlier kernels/streamkl")
+    parser.add_argument("--out", help="with --hopper-key-pass: directory for kernel-resources-hopper-key-pass.json")
     parser.add_argument("--sweep-forward", action="store_true")
     parser.add_argument("--sweep-backward", action="store_true")
     parser.add_argument("--fused-dq", action="store_true", help="with --sweep-forward: the forward that also "
                         "accumulates side b's query gradient")
     args = parser.parse_args()
+    if args.hopper_key_pass:
+        data = hopper_key_pass_table(args.against)
+        if args.out:
+            from bench_attention_kl import write_json
+
+            write_json(os.path.join(args.out, "kernel-resources-hopper-key-pass.json"), data)
+        return
     if args.sweep_forward:
         for d in (64, 128):
             for bm, bn, w, s in FORWARD_CANDIDATES:

@@ -34,7 +34,7 @@ PERF_NOTES = os.path.join(DOCS, "perf-notes.md")
 PERF_NOTES_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
 PERF_NOTES_TUNING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-tuning.json")
 #: the training call whose distance to its bounds the "remaining gap" section of docs/perf-notes.md renders (v12's run)
-PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-ws-key-pass.json")
+PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-peeled-key-pass.json")
 
 
 def is_grid(raw) -> bool:

@@ -181,7 +181,8 @@ def test_perf_notes_tables_are_the_committed_json(report):
 
 
 def test_perf_notes_gap_table_is_the_committed_runs(report):
-    """The remaining-gap table is report.py's rendering of v11's training-call run against the grid's ceilings, and
+    """The remaining-gap table is report.py's rendering of the latest training-call run (``PERF_NOTES_TRAINING``)
+    against the grid's ceilings, and
     the work it charges the training call is the sum of the bounds table's fused forward and key pass."""
     text = (ROOT / "docs" / "perf-notes.md").read_text()
     assert "<!-- gap:start -->" in text
@@ -421,8 +422,9 @@ def test_perf_notes_v10_tables_are_bench_hopper_key_pass_output():
     """docs/perf-notes.md's v10 blocks are bench_hopper_key_pass.py's rendering of the committed H100 run (``--render``
     writes them; the run was made with ``--tune``, so it holds the tile sweep too); in that run every check ran the
     Hopper key pass, was as exact as the portable pass and left dQ_s bitwise unchanged, the default tile of every
-    swept shape is among the candidates it timed, and the default selection took the Hopper pass exactly for the
-    shapes of at least 2^28 score elements."""
+    swept shape is among the candidates it timed (without a mask still the code's; the causal tiles moved in v14, whose
+    run checks them), and the default selection took the Hopper pass exactly for the shapes of at least 2^28 score
+    elements."""
     bench = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass")
     data = json.loads(Path(bench.H100_RESULT).read_text())
     _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_hopper_key_pass.py --render")
@@ -434,12 +436,38 @@ def test_perf_notes_v10_tables_are_bench_hopper_key_pass_output():
     module = _module("backward")  # None without a usable Gluon: the tiles of the code are then not checked
     for row in data["shapes"]:
         assert row["default_picks_hopper"] == (row["b"] * row["h"] * row["n"] ** 2 >= HOPPER_MIN_SCORES), row["name"]
-        if module is not None:  # the run used the tiles the code picks now
+        if module is not None and not row["causal"]:  # the run used the tiles the code picks now (causal: v14's)
             tile = module.hopper_key_pass_config(row["d"], row["d"], row["causal"])
             assert row["default_tile"] == list(vars(tile).values()), row["name"]
         if "tiles" in row:
             assert row["default_tile"] in [t["tile"] for t in row["tiles"]], row["name"]
             assert all(t["rel_vs_portable"] < 1e-2 for t in row["tiles"]), row["name"]
+
+
+def test_perf_notes_v14_tables_are_bench_peeled_key_pass_output():
+    """docs/perf-notes.md's v14 blocks are bench_peeled_key_pass.py's rendering of the committed H100 run, whose shapes
+    and checks are the scripts'; the one-warpgroup kernel's causal tile at head dim 64 is the code's and was the
+    fastest of its sweep; and the offline resource file holds every case kernel_resources.py compiles, for this
+    version and v13's."""
+    bench = _load(ROOT / "benchmarks" / "bench_peeled_key_pass.py", "bench_peeled_key_pass")
+    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
+    checks = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass").CHECKS
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_peeled_key_pass.py --render")
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    assert {tuple(c["case"][:9]) for c in data["checks"]} <= {tuple(c[:9]) for c in checks}
+    (d64,) = [r for r in data["rows"] if r["shape"]["name"] == "N8192-D64-causal"]
+    assert [t["tile"] for t in d64["tiles"]] == [list(t) for t in bench.CANDIDATES[64]]
+    from streamkl._hopper import _module
+
+    module = _module("backward")
+    if module is not None:
+        best = min(d64["tiles"], key=lambda t: t["ms"])["tile"]
+        assert best == list(vars(module.hopper_key_pass_config(64, 64, True)).values())
+    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-key-pass.json").read_text())
+    for package in ("this", "against"):
+        cases = [(r["d"], r["causal"], r["block_m"], r["stages"]) for r in compiled["rows"] if r["package"] == package]
+        assert cases == resources.HOPPER_KEY_PASS_CASES, package
 
 
 def test_perf_notes_v8_table_is_bench_pairs_output():
