@@ -44,7 +44,7 @@ def _triton_kernels():
 
 
 def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
-    """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, an fp32 buffer from
+    """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, a buffer from
     :func:`streamkl._triton.forward.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit
     upstream gradient (see :func:`fused_forward`)."""
     if backend == "triton":
@@ -74,11 +74,8 @@ def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool
     """``(kl, lse_a, lse_b, dq_b)``: the forward that also accumulates side b's query gradient per unit upstream
     gradient (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
     (:func:`streamkl._triton.forward.saved_dq_b_dtype`)."""
-    forward = _triton_kernels()[0]
-    buffer = forward.new_dq_b_buffer(inputs)
-    kl, lse_a, lse_b = forward_impl(inputs, spec, backend, allow_tf32, buffer)
-    dtype = forward.saved_dq_b_dtype(inputs.q_b.dtype, buffer.numel())
-    return kl, lse_a, lse_b, buffer if dtype == buffer.dtype else buffer.to(dtype)
+    buffer = _triton_kernels()[0].new_dq_b_buffer(inputs)
+    return (*forward_impl(inputs, spec, backend, allow_tf32, buffer), buffer)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from streamkl import attention_kl
-from streamkl._triton._helpers import _longest_first
+from streamkl._triton._helpers import _longest_first, _to_bf16_nearest_even
 from tests._helpers import assert_close
 from tests.streamkl.cases import BASE, ORACLE_CASES, REAL_TEACHER_CASES, Case, make_inputs, params
 from tests.streamkl.oracle import TOLERANCES, check_against_oracle
@@ -242,7 +242,7 @@ def test_query_gradient_stays_exact_when_one_key_dominates(dtype, position, boos
 
 
 @pytest.mark.parametrize("dtype, narrow_bytes, saved", [
-    (torch.bfloat16, None, torch.float32),  # a small buffer stays fp32: no narrowing copy on the host path
+    (torch.bfloat16, None, torch.float32),  # a small buffer stays fp32: one rounding fewer
     (torch.bfloat16, 0, torch.bfloat16),  # at or above NARROW_DQ_MIN_BYTES: half the memory
     (torch.float16, 0, torch.float32),
     (torch.float32, 0, torch.float32),
@@ -267,6 +267,53 @@ def test_the_forward_accumulated_query_gradient_is_saved_like_the_queries(monkey
     ref_q = q_s.detach().double().requires_grad_(True)
     attention_kl(q_t.double(), k_t.double(), ref_q, k_s.detach().double(), backend="reference").backward()
     assert_close(q_s.grad, ref_q.grad, TOLERANCES[dtype][1], "dq_s")
+
+
+@triton.jit
+def _round_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, _to_bf16_nearest_even(tl.load(X + i)))
+
+
+def test_bf16_rounding_is_torchs_to_nearest_even():
+    """The kernels' fp32 -> bf16 rounding gives torch's bits on ties (both directions), carries into the exponent,
+    overflow to inf, infinities, signed zeros, subnormals, NaN and random values."""
+    one_ulp = 2.0 ** -7
+    special = [1.0 + one_ulp / 2, 1.0 + 3 * one_ulp / 2, -(1.0 + one_ulp / 2), 1.0 + one_ulp / 2 + 2.0 ** -20,
+               2.0 - 2.0 ** -20, 3.4e38, float("inf"), float("-inf"), 0.0, -0.0, 1e-40, -3e-39, float("nan")]
+    x = torch.cat([torch.tensor(special), torch.randn(256 - len(special), generator=torch.Generator().manual_seed(0))
+                   * 10.0 ** torch.randint(-30, 30, (256 - len(special),), generator=torch.Generator().manual_seed(1))])
+    x = x.to(DEVICE, torch.float32)
+    y = torch.empty(256, dtype=torch.bfloat16, device=DEVICE)
+    _round_kernel[(1,)](x, y, 256)
+    expected = x.to(torch.bfloat16)
+    same = (y.view(torch.int16) == expected.view(torch.int16)) | (y.isnan() & expected.isnan())
+    assert same.all(), x[~same]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernel_writes_a_bf16_query_gradient_as_rounding_its_fp32_one_would(monkeypatch, causal):
+    """v15: from NARROW_DQ_MIN_BYTES up the fused forward writes dQ_s as bf16 itself, with no fp32 buffer and no copy
+    kernel; the values are bitwise the fp32 buffer's rounded to nearest even by torch (the copy it replaces), on odd
+    lengths, a key-head split and a rescaled frame (a dominant late key)."""
+    from streamkl._problem import KLInputs, KLSpec
+    from streamkl._triton import forward
+
+    g = torch.Generator().manual_seed(5)
+    q_t, q_s = (torch.randn(1, 4, 37, 16, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    k_t, k_s = (torch.randn(1, 2, 37, 16, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    k_s[0, :, 30] *= 6.0  # moves the student's frame late in the sweep
+    inputs = KLInputs(q_t, k_t, q_s, k_s, *[None] * 6)
+    spec = KLSpec(0.25, 0.25, window_right=0 if causal else -1)
+    wide = forward.new_dq_b_buffer(inputs)
+    assert wide.dtype == torch.float32
+    outputs_wide = forward.attention_kl_fwd(inputs, spec, dq_b=wide)
+    monkeypatch.setattr(forward, "NARROW_DQ_MIN_BYTES", 0)
+    narrow = forward.new_dq_b_buffer(inputs)
+    assert narrow.dtype == torch.bfloat16
+    outputs_narrow = forward.attention_kl_fwd(inputs, spec, dq_b=narrow)
+    assert torch.equal(narrow, wide.to(torch.bfloat16)) and wide.abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(outputs_narrow, outputs_wide))
 
 
 def test_a_frozen_teacher_gets_bitwise_reproducible_gradients_even_with_deterministic_false():

@@ -148,6 +148,17 @@ def _as_operand(ds, dtype: tl.constexpr, FP16: tl.constexpr):
 
 
 @triton.jit
+def _to_bf16_nearest_even(x):
+    """fp32 ``x`` rounded to bf16, to nearest with ties to even, NaN kept NaN: the rounding of ``tensor.to(bfloat16)``
+    in torch, written with integer operations so that Triton's interpreter (whose casts truncate) gives the GPU's
+    bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # a NaN's payload could otherwise carry into the exponent
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _offset(index, stride, WIDE: tl.constexpr):
     """``index * stride`` inside one (batch, head) slice; 64-bit only when the slice can exceed 2^31
     elements (decided on the host by :func:`needs_wide_offsets`), 32-bit otherwise (fewer registers)."""

@@ -33,6 +33,7 @@ from ._helpers import (
     _offset,
     _pre_exponent,
     _sequence,
+    _to_bf16_nearest_even,
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
@@ -284,6 +285,8 @@ def _attention_kl_fwd_rows(
         else:  # rho is already the final ratio of the sums
             num = w
         dq = tl.where(valid[:, None], num * (grad_scale_b / z_a_safe)[:, None], 0.0)
+        if DQ_B.dtype.element_ty == tl.bfloat16:  # a large buffer (saved_dq_b_dtype)
+            dq = _to_bf16_nearest_even(dq)
         tl.store(DQ_B + out[:, None] * D_B + offs_db[None, :], dq, mask=row_in[:, None] & db_in[None, :])
 
 
@@ -295,7 +298,8 @@ def _attention_kl_fwd_kernel(
     CU_Q, CU_K,  # [S + 1] int32 packed-sequence offsets, or None (then a "sequence" is a batch row)
     ATTN_MASK,  # [B or 1, H or 1, N_Q, N_K] uint8 general mask (1 = allowed) or None
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32, contiguous: per-row KL (nats) and log-sum-exps (nats, +inf if empty)
-    DQ_B,  # [B, H, N_Q, D_B] fp32 contiguous: side b's query gradient per unit upstream gradient (FUSED_DQ), or None
+    DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16 (saved_dq_b_dtype): side b's query gradient per unit upstream
+    # gradient (FUSED_DQ), or None
     stride_qa_b, stride_qa_h, stride_qa_n, stride_qa_d,
     stride_ka_b, stride_ka_h, stride_ka_n, stride_ka_d,
     stride_qb_b, stride_qb_h, stride_qb_n, stride_qb_d,
@@ -471,20 +475,22 @@ def attention_kl_fwd(
     return kl, lse_a, lse_b
 
 
-#: Saved query gradients (the fp32 buffer of the frozen-teacher forward) of at least this many bytes are narrowed to
-#: bf16 for bf16 inputs; smaller ones stay fp32: there the copy kernel's host time (~10-25 µs) outweighs the memory.
+#: Saved query gradients (the buffer the frozen-teacher forward fills) of at least this many bytes in fp32 are
+#: written as bf16 for bf16 inputs; smaller ones stay fp32, where the memory saved is small and one rounding fewer
+#: keeps them bitwise the two-pass backward's.
 NARROW_DQ_MIN_BYTES = 32 << 20
 
 
 def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
     """The dtype the forward-accumulated query gradient of ``numel`` elements is *saved* in for inputs of ``dtype``.
 
-    bf16 for bf16 inputs when its fp32 buffer has at least :data:`NARROW_DQ_MIN_BYTES` (fp32's range; the backward's
-    one multiplication by the upstream gradient runs in fp32 and rounds once more, so the result is within one bf16
-    ulp of the two-pass backward's, at half the saved memory); fp32 for smaller buffers, where the narrowing copy
-    costs more host time than the memory is worth, and for every other dtype (fp16's range would flush the small
-    gradients of a student close to its teacher). The kernel always writes fp32: a bf16 store in its epilogue made
-    the D = 128 kernel spill (benchmarks/kernel_resources.py), so the narrowing is a separate elementwise copy.
+    bf16 for bf16 inputs when its fp32 buffer would have at least :data:`NARROW_DQ_MIN_BYTES` (fp32's range; the
+    backward's one multiplication by the upstream gradient runs in fp32 and rounds once more, so the result is within
+    one bf16 ulp of the two-pass backward's, at half the saved memory); fp32 for smaller buffers and for every other
+    dtype (fp16's range would flush the small gradients of a student close to its teacher). The kernel writes this
+    dtype directly (rounding to nearest even, as a copy would): a bf16 store adds a few spills to the D = 64 kernel,
+    all outside its key loop (``benchmarks/kernel_resources.py``), and saves the fp32 buffer and the narrowing copy
+    kernel that ran after it up to v14 (docs/perf-notes.md v15).
 
     Example:
         >>> saved_dq_b_dtype(torch.bfloat16, 1 << 30), saved_dq_b_dtype(torch.bfloat16, 1024)
@@ -496,8 +502,15 @@ def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
 
 
 def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
-    """The fp32 buffer :func:`attention_kl_fwd` fills with side b's query gradient per unit upstream gradient,
-    contiguous, shaped like ``q_b`` (zeroed for packed inputs, whose tokens outside every sequence are never
-    written)."""
+    """The buffer :func:`attention_kl_fwd` fills with side b's query gradient per unit upstream gradient, in the dtype
+    it is saved in (:func:`saved_dq_b_dtype`), contiguous, shaped like ``q_b`` (zeroed for packed inputs, whose tokens
+    outside every sequence are never written).
+
+    Example:
+        >>> q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+        >>> new_dq_b_buffer(KLInputs(q, q, q, q, *[None] * 6)).dtype  # small: fp32
+        torch.float32
+    """
+    q_b = inputs.q_b
     alloc = torch.zeros if inputs.cu_seqlens_q is not None else torch.empty
-    return alloc(inputs.q_b.shape, dtype=torch.float32, device=inputs.q_b.device)
+    return alloc(q_b.shape, dtype=saved_dq_b_dtype(q_b.dtype, q_b.numel()), device=q_b.device)
