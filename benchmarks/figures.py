@@ -88,6 +88,8 @@ GENERATED = {
     "ws:checks": "benchmarks/bench_ws_key_pass.py",
     "peeled:tiles": "benchmarks/bench_peeled_key_pass.py", "peeled:op": "benchmarks/bench_peeled_key_pass.py",
     "peeled:checks": "benchmarks/bench_peeled_key_pass.py",
+    "bf16-dq:op": "benchmarks/bench_bf16_dq.py", "bf16-dq:memory": "benchmarks/bench_bf16_dq.py",
+    "bf16-dq:checks": "benchmarks/bench_bf16_dq.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -646,6 +648,44 @@ def peeled_key_pass_v14_claims() -> list[Claim]:
                                                                            source)]
 
 
+def bf16_dq_v15_claims() -> list[Claim]:
+    """perf-notes v15: bitwise-equal gradients, the training forward's transient memory and the whole call's peak,
+    which time differences the sign test finds significant, and the same code's ratio to cuDNN in two runs."""
+    import bench_lazy_frames as bench
+
+    data = _json("nvidia-h100-80gb-hbm3-bf16-dq.json")
+    assert all(c["bitwise_equal"] and c["finite"] for c in data["checks"]), "v15 says v14's gradients, bitwise"
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    peak = {n: r["peak_mib"] for n, r in rows.items()}
+    assert all(p["new"]["training call"] == p["previous"]["training call"] for p in peak.values())
+    train, fused = ({n: bench.paired(rows[n], what) for n in rows} for what in ("training call", "fused fwd"))
+    d128c, d64c, bert = "N8192-D128-causal", "N8192-D64-causal", "BERT-B8-H12-N512-D64"
+    assert [n for n in rows if train[n]["p"] < 0.05] == [d128c] and all(f["p"] >= 0.05 for f in fused.values())
+    rest = [n for n in rows if n not in (d128c, bert)]
+    v14_run = {r["shape"]["name"]: r for r in _json("nvidia-h100-80gb-hbm3-peeled-key-pass.json")["rows"]}[d64c]
+    v14_here = train[d64c]["previous"] / rows[d64c]["cudnn_fwd_bwd_ms"]
+    v14_there = statistics.median(v14_run["ms"]["training call new"]) / v14_run["cudnn_fwd_bwd_ms"]
+
+    moved = round(100 * max(abs(1 - train[n]["ratio"]) for n in rows if n != bert))
+
+    def mib(name, what="forward"):
+        return f"{peak[name]['previous'][what]:.1f} → {peak[name]['new'][what]:.1f} MiB"
+
+    texts = [
+        f"bitwise v14's on all {len(data['checks'])} checks",
+        f"({mib('N8192-D64')} at N = 8192, head dim 64; {mib('N16384-D128-H32-GQA8-causal')} at the GQA shape)",
+        f"the training call took {train[d128c]['ratio']:.2f}× v14's at N8192-D128-causal ({train[d128c]['wins']} of "
+        f"{train[d128c]['rounds']} rounds, p = {train[d128c]['p']:.2g})",
+        f"({_ratio_span([train[n]['ratio'] for n in rest])}, and {train[bert]['ratio']:.2f}× at the BERT-sized shape",
+        f"v14's code took {v14_here:.2f}× cuDNN's\n  forward+backward at N8192-D64-causal here and {v14_there:.2f}× in "
+        "v14's run",
+        f"the same code measured {v14_here:.2f}× in v15's run",
+        f"v15 changed the long-context training calls by {moved}% or less",
+    ]
+    source = "benchmarks/results/nvidia-h100-80gb-hbm3-bf16-dq.json"
+    return [Claim("docs/perf-notes.md", t, source) for t in texts]
+
+
 def causal_order_v12_claims() -> list[Claim]:
     """perf-notes v12: where the causal rows stood against their bounds in v11's run, and v12's longest-first order
     against v11 in paired rounds (which differences the sign test finds significant)."""
@@ -1175,6 +1215,7 @@ def claims(r: Results) -> list[Claim]:
     out += causal_order_v12_claims()
     out += ws_key_pass_v13_claims()
     out += peeled_key_pass_v14_claims()
+    out += bf16_dq_v15_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

@@ -470,6 +470,19 @@ def test_perf_notes_v14_tables_are_bench_peeled_key_pass_output():
         assert cases == resources.HOPPER_KEY_PASS_CASES, package
 
 
+def test_perf_notes_v15_tables_are_bench_bf16_dq_output():
+    """docs/perf-notes.md's v15 blocks are bench_bf16_dq.py's rendering of the committed H100 run, whose shapes are
+    the script's and whose checks cover v11's cases (the bf16 path forced) and every N = 8192 shape (by default)."""
+    bench = _load(ROOT / "benchmarks" / "bench_bf16_dq.py", "bench_bf16_dq")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_bf16_dq.py --render")
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    forced = [c["case"] for c in data["checks"] if c["narrowing"] == "forced"]
+    default = [c["case"][0] for c in data["checks"] if c["narrowing"] == "default"]
+    assert forced == [list(c) for c in bench.CHECKS]
+    assert default == [s[0] for s in bench.SHAPES if s[0].startswith("N8192")]
+
+
 def test_perf_notes_v8_table_is_bench_pairs_output():
     """docs/perf-notes.md's v8 block is bench_pairs.py's rendering of the committed H100 run (``--render`` writes
     it); in that run every setup was measured three times per column and the fused loss agreed with one call per
