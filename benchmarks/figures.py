@@ -686,6 +686,29 @@ def bf16_dq_v15_claims() -> list[Claim]:
     return [Claim("docs/perf-notes.md", t, source) for t in texts]
 
 
+def short_context_v15_claims() -> list[Claim]:
+    """perf-notes "Where the remaining gap is": the short-context targets measured on v15 (overhead.py, paired with a
+    copy of v14, SDPA in every round)."""
+    data = _json("nvidia-h100-80gb-hbm3-overhead-v15.json")
+    paired, bert, host = data["against"]["bert_fwd_bwd_ms"], data["bert_fwd_bwd_ms"], data["host"]
+    sdpa = [r["bert_fwd_bwd_ms_sdpa"] for r in data["against"]["per_round"]]
+    assert paired["sign_test_p"] >= 0.05 and host["host_sync_free"]
+    v9 = _json("nvidia-h100-80gb-hbm3-overhead-v9.json")["against"]["bert_fwd_bwd_ms"]
+    texts = [
+        f"over {paired['rounds']} rounds the training\n  call's forward+backward took a median "
+        f"{paired['median_new_over_sdpa']:.2f}× SDPA's in the same rounds",
+        f"which is why v9's run, with a slower SDPA,\n  read {v9['median_new_over_sdpa']:.2f}×)",
+        f"({paired['rounds_new_faster']} of {paired['rounds']} rounds faster, p = {paired['sign_test_p']:.1g})",
+        f"the call is {bert['naive_compile_over_streamkl']:.2f}×\n  faster than the naive loss",
+        f"it is {bert['naive_compile_over_streamkl_cuda_graph']:.2f}× faster than the graphed naive loss and "
+        f"{bert['streamkl_over_sdpa_cuda_graph']:.2f}× SDPA's",
+        f"forward+backward is {host['streamkl_fwd_bwd_us']:.0f} µs, against SDPA's {host['sdpa_fwd_bwd_us']:.0f} µs",
+        f"SDPA itself took {min(sdpa):.2f}–{max(sdpa):.2f} ms",
+    ]
+    source = "benchmarks/results/nvidia-h100-80gb-hbm3-overhead-v15.json"
+    return [Claim("docs/perf-notes.md", t, source) for t in texts]
+
+
 def causal_order_v12_claims() -> list[Claim]:
     """perf-notes v12: where the causal rows stood against their bounds in v11's run, and v12's longest-first order
     against v11 in paired rounds (which differences the sign test finds significant)."""
@@ -1216,6 +1239,7 @@ def claims(r: Results) -> list[Claim]:
     out += ws_key_pass_v13_claims()
     out += peeled_key_pass_v14_claims()
     out += bf16_dq_v15_claims()
+    out += short_context_v15_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]
