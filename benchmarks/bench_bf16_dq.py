@@ -24,7 +24,6 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import platform
@@ -37,7 +36,7 @@ sys.path.insert(0, HERE)
 
 from bench_fused_dq import SHAPES  # noqa: E402
 from bench_lazy_frames import CHECKS, ROUNDS, _rel, _tensors, measure_shape, op_table  # noqa: E402
-from report import load_package, render_results  # noqa: E402
+from report import load_package, paired_run_main  # noqa: E402
 
 RESULT_NAME = "bf16-dq.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
@@ -163,26 +162,7 @@ def blocks(data: dict, _tuning=None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", help="a copy of the previous version's kernels/streamkl")
-    parser.add_argument("--out", help="directory for <gpu>-bf16-dq.json")
-    parser.add_argument("--render", nargs="?", const=H100_RESULT,
-                        help="write the tables of a results file into docs/perf-notes.md")
-    args = parser.parse_args(argv)
-    if args.render:
-        render_results(DOC, blocks, args.render)
-        return
-    if not args.against:
-        parser.error("--against is required to measure (a copy of the previous version's kernels/streamkl)")
-    from bench_attention_kl import gpu_tag, write_json
-
-    data = run(args.against)
-    out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{RESULT_NAME}")
-    write_json(out, data)
-    for table in blocks(data).values():
-        print(table)
-    print(f"wrote {out}")
-
+    paired_run_main(argv, __doc__, run, blocks, RESULT_NAME, H100_RESULT, DOC)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,6 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import platform
@@ -43,7 +42,7 @@ from bench_hopper import tiles_table as hopper_tiles_table  # noqa: E402
 from bench_hopper_key_pass import CHECKS  # noqa: E402
 from bench_hopper_key_pass import SHAPES as KEY_PASS_SHAPES  # noqa: E402
 from bench_lazy_frames import ROUNDS, _bench, paired, paired_cell  # noqa: E402
-from report import load_package, render_results  # noqa: E402
+from report import load_package, paired_run_main  # noqa: E402
 
 RESULT_NAME = "ws-key-pass.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
@@ -205,27 +204,7 @@ def blocks(data: dict, _tuning=None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", help="a copy of the previous version's kernels/streamkl")
-    parser.add_argument("--out", help="directory for <gpu>-ws-key-pass.json")
-    parser.add_argument("--render", nargs="?", const=H100_RESULT,
-                        help="write the tables of a results file into docs/perf-notes.md")
-    args = parser.parse_args(argv)
-    if args.render:
-        render_results(DOC, blocks, args.render)
-        return
-    if not args.against:
-        parser.error("--against is required to measure (a copy of the previous version's kernels/streamkl)")
-    from bench_attention_kl import gpu_tag, write_json
-
-    data = run(args.against)
-    out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{RESULT_NAME}")
-    write_json(out, data)
-    print(op_table(data))
-    print(tiles_table(data))
-    print(checks_table(data))
-    print(f"wrote {out}")
-
+    paired_run_main(argv, __doc__, run, blocks, RESULT_NAME, H100_RESULT, DOC)
 
 if __name__ == "__main__":
     main()

@@ -606,6 +606,37 @@ def render_results(doc: str, blocks, path: str, tuning_path: str | None = None) 
     write_blocks(doc, blocks(data, tuning))
 
 
+def paired_run_main(argv, description: str, run, blocks, result_name: str, h100_result: str,
+                    doc: str = PERF_NOTES) -> None:
+    """The command line of a script that measures this version against a copy of an earlier one and renders its
+    tables into ``doc``: ``--against DIR`` runs ``run(DIR)`` and writes ``<out>/<gpu>-<result_name>`` (default
+    ``benchmarks/results``); ``--render [FILE]`` writes ``blocks`` of ``FILE`` (default ``h100_result``) into ``doc``.
+
+    Example (not run: it measures on a GPU)::
+
+        paired_run_main(None, __doc__, run, blocks, "bf16-dq.json", H100_RESULT)
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", help="a copy of the previous version's kernels/streamkl")
+    parser.add_argument("--out", help=f"directory for <gpu>-{result_name}")
+    parser.add_argument("--render", nargs="?", const=h100_result,
+                        help=f"write the tables of a results file into docs/{os.path.basename(doc)}")
+    args = parser.parse_args(argv)
+    if args.render:
+        render_results(doc, blocks, args.render)
+        return
+    if not args.against:
+        parser.error("--against is required to measure (a copy of the previous version's kernels/streamkl)")
+    from bench_attention_kl import gpu_tag, write_json
+
+    data = run(args.against)
+    out = os.path.join(args.out or RESULTS, f"{gpu_tag(data['device'])}-{result_name}")
+    write_json(out, data)
+    for table in blocks(data).values():
+        print(table)
+    print(f"wrote {out}")
+
+
 def load_package(path: str, name: str):
     """Import the package at ``path`` (a copy of an earlier version of one of ours, whose imports are relative) as
     ``name``, so that two versions run in one process on one machine for a paired comparison.
