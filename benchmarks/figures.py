@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import fnmatch
+import inspect
 import json
 import math
 import os
@@ -90,6 +91,7 @@ GENERATED = {
     "peeled:checks": "benchmarks/bench_peeled_key_pass.py",
     "bf16-dq:op": "benchmarks/bench_bf16_dq.py", "bf16-dq:memory": "benchmarks/bench_bf16_dq.py",
     "bf16-dq:checks": "benchmarks/bench_bf16_dq.py",
+    "profile:kernels": "benchmarks/kernel_profile.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -689,6 +691,72 @@ def bf16_dq_v15_claims() -> list[Claim]:
     return [Claim("docs/perf-notes.md", t, source) for t in texts]
 
 
+def kernel_profile_claims() -> list[Claim]:
+    """perf-notes after v15: the hardware-counter reading of the training call's kernels and cuDNN's
+    (benchmarks/kernel_profile.py)."""
+    import kernel_profile
+
+    data = _json("nvidia-h100-80gb-hbm3-kernel-profile.json")
+    rows = kernel_profile.kernel_rows(data)
+
+    def pick(kernel, *shapes):
+        return [r for r in rows if r["kernel"] == kernel and (not shapes or r["shape"] in shapes)]
+
+    def stall(r, name):
+        return dict(r["stalls"])[name]
+
+    def _pcts(values):  # ncu's percentages
+        return _pct_span([v / 100 for v in values])
+
+    ours = [r for r in rows if not r["kernel"].startswith("cuDNN")]
+    cudnn = [r for r in rows if r["kernel"].startswith("cuDNN")]
+    d64, d128 = ("N8192-D64", "N8192-D64-causal"), ("N8192-D128", "N8192-D128-causal")
+    fwd64, cfwd64 = pick("fused forward", *d64), pick("cuDNN forward", *d64)
+    fwd128, cfwd128 = pick("fused forward", *d128), pick("cuDNN forward", *d128)
+    (plain64,) = pick("fused forward", "N8192-D64")
+    (cudnn64,) = pick("cuDNN forward", "N8192-D64")
+    (key128,) = pick("key pass", "N8192-D128")
+    (ws128,) = pick("key pass", "N8192-D128-causal")
+    assert all(r["stalls"][0][0] == "wait" for r in fwd64), "the fused forward's largest stall at head dim 64"
+    assert all(r["stalls"][0][0] == "barrier" for r in fwd128 + [ws128]) and key128["stalls"][0][0] == "long_scoreboard"
+    spill = [r for r in _json("kernel-resources-hopper-key-pass.json")["rows"]
+             if r["package"] == "this" and (r["d"], r["causal"], r["block_m"], r["stages"]) == (128, False, 64, 2)]
+    texts = [
+        f"Nsight Compute {data['ncu'].split()[1].rsplit('.', 1)[0]}",
+        f"kernels under {inspect.signature(kernel_profile.kernel_rows).parameters['min_share'].default:.0%} of their "
+        "call's time are left out",
+        f"the schedulers issue on {_pcts([r['issue'] for r in rows])} of cycles",
+        f"the tensor pipe is busy {_pcts([r['tensor'] for r in rows])} of the time",
+        f"at most {max(r['xu'] for r in rows):.0f}%",
+        f"ours {min(r['warps'] for r in ours):.1f}–{max(r['warps'] for r in ours):.0f} warps per SM, cuDNN's "
+        f"{min(r['warps'] for r in cudnn):.0f}–{max(r['warps'] for r in cudnn):.0f}",
+        f"the fused forward issues on {_pcts([r['issue'] for r in fwd64])} of cycles against cuDNN's forward's "
+        f"{_pcts([r['issue'] for r in cfwd64])}",
+        f"its tensor pipe {_pcts([r['tensor'] for r in fwd64])} and XU pipe {_pcts([r['xu'] for r in fwd64])} "
+        "busy",
+        f"It takes {plain64['ms'] / cudnn64['ms']:.1f}× cuDNN's forward's time",
+        f"a dependent arithmetic result ({_span_2([stall(r, 'wait') for r in fwd64])} cycles per issue)",
+        f"its {max(r['regs'] for r in fwd64):.0f} registers",
+        "the CTA barrier (" + " and ".join(f"{stall(r, 'barrier'):.2f}" for r in fwd128) + " cycles per issue)",
+        f"it issues on {_pcts([r['issue'] for r in fwd128])} of cycles",
+        f"cuDNN's forward keeps its tensor pipe {_pcts([r['tensor'] for r in cfwd128])} busy there against the "
+        f"fused forward's {_pcts([r['tensor'] for r in fwd128])}",
+        f"waits on memory ({stall(key128, 'long_scoreboard'):.2f} cycles per issue)",
+        f"at {key128['regs']:.0f} registers",
+        f"a {spill[0]['stack']}-byte stack",
+        f"issues on {key128['issue']:.0f}% of cycles",
+        f"its turn-taking ({stall(ws128, 'barrier'):.2f} cycles per issue) and issues on {ws128['issue']:.0f}%",
+    ]
+    source = "benchmarks/results/nvidia-h100-80gb-hbm3-kernel-profile.json"
+    return [Claim("docs/perf-notes.md", t, source) for t in texts]
+
+
+def _span_2(values) -> str:
+    """Two-decimal values as a range, one value when both ends round alike: "0.87", "1.18–1.28"."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}–{high}"
+
+
 def short_context_v15_claims() -> list[Claim]:
     """perf-notes "Where the remaining gap is": the short-context targets measured on v15 (overhead.py, paired with a
     copy of v14, SDPA in every round)."""
@@ -1243,6 +1311,7 @@ def claims(r: Results) -> list[Claim]:
     out += peeled_key_pass_v14_claims()
     out += bf16_dq_v15_claims()
     out += short_context_v15_claims()
+    out += kernel_profile_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

@@ -562,3 +562,44 @@ def test_perf_notes_v13_tables_are_bench_ws_key_pass_output():
             best = min(row["tiles"], key=lambda t: t["ms"])["tile"]
             d = row["shape"]["d"]
             assert best == list(vars(ws_key_pass_config(d, d)).values()), row["shape"]["name"]
+
+
+def test_perf_notes_profile_table_is_kernel_profile_output():
+    """docs/perf-notes.md's hardware-counter table is kernel_profile.py's rendering of the committed H100 run, which
+    profiled the script's shapes, each with the training call's two kernels (the fused forward and the key pass) on
+    one side of the marker and cuDNN's forward, backward and helper kernels on the other."""
+    bench = _load(ROOT / "benchmarks" / "kernel_profile.py", "kernel_profile")
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data), "benchmarks/kernel_profile.py --render")
+    assert [s["shape"]["name"] for s in data["shapes"]] == [s[0] for s in bench.SHAPES]
+    for shape in data["shapes"]:
+        roles = {call: sorted({bench.role(k["name"]) for k in kernels} - {"other"})
+                 for call, kernels in shape["calls"].items()}
+        assert roles == {"training call": ["fused forward", "key pass"],
+                         "cuDNN fwd+bwd": ["cuDNN backward", "cuDNN forward", "cuDNN other"]}, shape["shape"]["name"]
+
+
+def test_kernel_profile_reads_ncu_raw_csv_and_splits_the_calls_at_the_marker():
+    """The raw page's units row scales durations to nanoseconds (an unknown unit is an error, not a silent scale of
+    1), ncu's own messages and metrics outside KEEP are dropped, and the kernels split at the one marker."""
+    bench = _load(ROOT / "benchmarks" / "kernel_profile.py", "kernel_profile")
+    stall = "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        f'"ID","Kernel Name","gpu__time_duration.sum","dram__bytes.sum","{stall}"',
+        '"","","us","byte",""',
+        '"0","_attention_kl_fwd_kernel","1,500.5","10","0.87"',
+        '"1","void at::native::(anonymous namespace)::spin_kernel(long)","1","0","0"',
+        '"2","cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma","0.25","0","1.5"',
+    ])
+    kernels = bench.parse_raw_csv(text)
+    assert [k["name"][:8] for k in kernels] == ["_attenti", "void at:", "cudnn_ge"]
+    assert kernels[0] == {"id": 0, "name": "_attention_kl_fwd_kernel", "gpu__time_duration.sum": 1500500.0,
+                          stall: 0.87}
+    calls = bench.split_calls(kernels)
+    assert [bench.role(k["name"]) for k in calls["training call"]] == ["fused forward"]
+    assert [bench.role(k["name"]) for k in calls["cuDNN fwd+bwd"]] == ["cuDNN forward"]
+    with pytest.raises(ValueError, match=r"gpu__time_duration\.sum: expected a time unit"):
+        bench.parse_raw_csv(text.replace('"us"', '"furlong"'))
+    with pytest.raises(ValueError, match="expected one marker kernel"):
+        bench.split_calls([k for k in kernels if "spin" not in k["name"]])
