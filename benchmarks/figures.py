@@ -190,10 +190,11 @@ def _pct_span(values) -> str:
     return f"{low}%" if low == high else f"{low}–{high}%"
 
 
-def _ratio_span(values) -> str:
-    """Ratios to two decimals as a range, one value when both ends round alike: "0.85–0.90×", "0.93×"."""
+def _ratio_span(values, unit: str = "×") -> str:
+    """Ratios (or other numbers, with another ``unit``) to two decimals as a range, one value when both ends round
+    alike: "0.85–0.90×", "0.93×"."""
     low, high = f"{min(values):.2f}", f"{max(values):.2f}"
-    return f"{low}×" if low == high else f"{low}–{high}×"
+    return f"{low}{unit}" if low == high else f"{low}–{high}{unit}"
 
 
 def _p(p: float) -> str:
@@ -735,7 +736,7 @@ def kernel_profile_claims() -> list[Claim]:
         f"its tensor pipe {_pcts([r['tensor'] for r in fwd64])} and XU pipe {_pcts([r['xu'] for r in fwd64])} "
         "busy",
         f"It takes {plain64['ms'] / cudnn64['ms']:.1f}× cuDNN's forward's time",
-        f"a dependent arithmetic result ({_span_2([stall(r, 'wait') for r in fwd64])} cycles per issue)",
+        f"a dependent arithmetic result ({_ratio_span([stall(r, 'wait') for r in fwd64], '')} cycles per issue)",
         f"its {max(r['regs'] for r in fwd64):.0f} registers",
         "the CTA barrier (" + " and ".join(f"{stall(r, 'barrier'):.2f}" for r in fwd128) + " cycles per issue)",
         f"it issues on {_pcts([r['issue'] for r in fwd128])} of cycles",
@@ -749,12 +750,6 @@ def kernel_profile_claims() -> list[Claim]:
     ]
     source = "benchmarks/results/nvidia-h100-80gb-hbm3-kernel-profile.json"
     return [Claim("docs/perf-notes.md", t, source) for t in texts]
-
-
-def _span_2(values) -> str:
-    """Two-decimal values as a range, one value when both ends round alike: "0.87", "1.18–1.28"."""
-    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
-    return low if low == high else f"{low}–{high}"
 
 
 def short_context_v15_claims() -> list[Claim]:
