@@ -92,6 +92,8 @@ GENERATED = {
     "bf16-dq:op": "benchmarks/bench_bf16_dq.py", "bf16-dq:memory": "benchmarks/bench_bf16_dq.py",
     "bf16-dq:checks": "benchmarks/bench_bf16_dq.py",
     "profile:kernels": "benchmarks/kernel_profile.py",
+    "one-set:tiles": "benchmarks/bench_one_set_key_pass.py", "one-set:op": "benchmarks/bench_one_set_key_pass.py",
+    "one-set:checks": "benchmarks/bench_one_set_key_pass.py",
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -752,6 +754,53 @@ def kernel_profile_claims() -> list[Claim]:
     return [Claim("docs/perf-notes.md", t, source) for t in texts]
 
 
+def one_set_key_pass_v16_claims() -> list[Claim]:
+    """perf-notes v16: the offline register counts (v15 → v16 at head dim 128, head dim 64 unchanged), the paired
+    rounds against v15 (which differences the sign test finds), the forced kernel on the causal shapes, bitwise-equal
+    checks and the GPU tests' log."""
+    import bench_ws_key_pass as bench
+
+    res = _json("kernel-resources-hopper-key-pass-v16.json")
+    compiled = {(r["package"], r["d"], r["causal"], r["block_m"], r["stages"]): r for r in res["rows"]}
+    same = ("regs", "stack", "total")
+    assert all(compiled[("this", *k[1:])][f] == r[f] for k, r in compiled.items() if k[0] == "against" and k[1] == 64
+               for f in same), "v16 says the head-dim-64 kernels compile as v15's"
+    old_dense, new_dense = compiled[("against", 128, False, 64, 2)], compiled[("this", 128, False, 64, 2)]
+    old_causal, new_causal = compiled[("against", 128, True, 64, 2)], compiled[("this", 128, True, 64, 2)]
+    assert new_dense["stack"] == 0 and new_causal["stack"] == 0
+    data = _json("nvidia-h100-80gb-hbm3-one-set-key-pass.json")
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    key, forced, train = ({n: bench.paired(rows[n], what) for n in rows}
+                          for what in ("key pass", "forced key pass", "training call"))
+    n8, gqa, n8c, gqac = "N8192-D128", "N16384-D128-H32-GQA8", "N8192-D128-causal", "N16384-D128-H32-GQA8-causal"
+    assert all(c["bitwise_equal"] and c["finite"] for c in data["checks"]), "v16 says v15's key gradients, bitwise"
+    assert key[gqa]["p"] < 0.05 and train[gqa]["p"] < 0.05 and train[n8]["p"] >= 0.05
+    assert forced[n8]["p"] < 0.05 <= key[n8]["p"] and all(forced[n]["p"] >= 0.05 for n in (n8c, gqac))
+    with open(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-hopper-tests-v16.log")) as f:
+        log = f.read()
+    assert re.search(r"\d+ passed", log) and "failed" not in log, "v16 says every Hopper test passed"
+    slower = round(100 * (max(key[n8]["ratio"], forced[n8]["ratio"]) - 1))
+    texts = [
+        f"v15's kernel without a\n  mask used {old_dense['regs']} registers and a {old_dense['stack']}-byte stack",
+        f"now uses {new_dense['regs']} registers and no stack",
+        f"(the causal one, forced, {new_causal['regs']} and no stack, where v15's used {old_causal['regs']} and a "
+        f"{old_causal['stack']}-byte stack)",
+        f"the key pass took {key[gqa]['ratio']:.2f}×\n  v15's time and the training call {train[gqa]['ratio']:.2f}×, "
+        f"both in {key[gqa]['wins']} of {key[gqa]['rounds']} rounds (p = {key[gqa]['p']:.2g})",
+        f"the training call did not\n  change ({train[n8]['ratio']:.2f}×, {train[n8]['wins']} of "
+        f"{train[n8]['rounds']} rounds faster)",
+        f"the key pass took {key[n8]['ratio']:.2f}× v15's time in both columns",
+        f"significant in one ({forced[n8]['wins']} of {forced[n8]['rounds']} rounds faster) and not in the other "
+        f"({key[n8]['wins']} of {key[n8]['rounds']})",
+        f"a slowdown of about {slower}% of\n  the key pass",
+        f"took {forced[n8c]['ratio']:.2f}× and {forced[gqac]['ratio']:.2f}× its time ({forced[n8c]['wins']} of "
+        f"{forced[n8c]['rounds']} rounds faster each",
+    ]
+    assert forced[n8c]["wins"] == forced[gqac]["wins"] and f"{forced[n8]['ratio']:.2f}" == f"{key[n8]['ratio']:.2f}"
+    source = "benchmarks/results/nvidia-h100-80gb-hbm3-one-set-key-pass.json"
+    return [Claim("docs/perf-notes.md", t, source) for t in texts]
+
+
 def short_context_v15_claims() -> list[Claim]:
     """perf-notes "Where the remaining gap is": the short-context targets measured on v15 (overhead.py, paired with a
     copy of v14, SDPA in every round)."""
@@ -1307,6 +1356,7 @@ def claims(r: Results) -> list[Claim]:
     out += bf16_dq_v15_claims()
     out += short_context_v15_claims()
     out += kernel_profile_claims()
+    out += one_set_key_pass_v16_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

@@ -148,13 +148,15 @@ HOPPER_KEY_PASS_CASES = [(d, causal, bm, stages) for d in (64, 128) for causal i
 
 def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stages: int) -> dict:
     """Resources of ``package``'s one-warpgroup Gluon key pass (``_hopper.backward._hopper_dk_kernel``), bf16 on both
-    sides, 64 keys per program, 4 warps, a scalar upstream gradient."""
+    sides, 64 keys per program, 4 warps, a scalar upstream gradient (and, from v16, the full steps pipelined or not as
+    its launch picks for head dim ``d``)."""
     import importlib
 
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = importlib.import_module(f"{package.__name__}._hopper.backward")._hopper_dk_kernel
+    module = importlib.import_module(f"{package.__name__}._hopper.backward")
+    fn = module._hopper_dk_kernel
 
     def descriptor(block):
         layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
@@ -165,6 +167,8 @@ def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stage
              "LSE_A": "*fp32", "LSE_B": "*fp32", "DK_B": "*bf16", "qk_scale_a": "fp32", "qk_scale_b": "fp32",
              "grad_scale_b": "fp32"}
     constexprs = dict(CAUSAL=causal, SCALAR_GRAD=True, BLOCK_M=block_m, BLOCK_N=64, STAGES=stages, num_warps=4)
+    if "OVERLAP" in fn.arg_names:  # v16: full steps pipelined or one at a time, as the launch picks by head dim
+        constexprs["OVERLAP"] = module.overlaps_steps(d)
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     src = GluonASTSource(fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in
                                                               constexprs.items()}, attrs={})
@@ -195,7 +199,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hopper-key-pass", action="store_true", help="the one-warpgroup Gluon key pass's tiles")
     parser.add_argument("--against", help="with --hopper-key-pass: also a copy of an earlier kernels/streamkl")
-    parser.add_argument("--out", help="with --hopper-key-pass: directory for kernel-resources-hopper-key-pass.json")
+    parser.add_argument("--out", help="with --hopper-key-pass: directory for its JSON, "
+                        "kernel-resources-hopper-key-pass<tag>.json")
+    parser.add_argument("--tag", default="", help="with --hopper-key-pass --out: a suffix of the file's name")
     parser.add_argument("--sweep-forward", action="store_true")
     parser.add_argument("--sweep-backward", action="store_true")
     parser.add_argument("--fused-dq", action="store_true", help="with --sweep-forward: the forward that also "
@@ -206,7 +212,7 @@ def main() -> None:
         if args.out:
             from bench_attention_kl import write_json
 
-            write_json(os.path.join(args.out, "kernel-resources-hopper-key-pass.json"), data)
+            write_json(os.path.join(args.out, f"kernel-resources-hopper-key-pass{args.tag}.json"), data)
         return
     if args.sweep_forward:
         for d in (64, 128):

@@ -603,3 +603,25 @@ def test_kernel_profile_reads_ncu_raw_csv_and_splits_the_calls_at_the_marker():
         bench.parse_raw_csv(text.replace('"us"', '"furlong"'))
     with pytest.raises(ValueError, match="expected one marker kernel"):
         bench.split_calls([k for k in kernels if "spin" not in k["name"]])
+
+
+def test_perf_notes_v16_tables_are_bench_one_set_key_pass_output():
+    """docs/perf-notes.md's v16 blocks are bench_one_set_key_pass.py's rendering of the committed H100 run, whose shapes
+    are the script's and whose checks are bench_hopper_key_pass's cases; the offline resource file holds every case
+    kernel_resources.py compiles, for this version and v15's, and the selection it compiled is the code's."""
+    bench = _load(ROOT / "benchmarks" / "bench_one_set_key_pass.py", "bench_one_set_key_pass")
+    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
+    checks = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass").CHECKS
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_one_set_key_pass.py --render")
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    assert {tuple(c["case"][:9]) for c in data["checks"]} <= {tuple(c[:9]) for c in checks}
+    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-key-pass-v16.json").read_text())
+    for package in ("this", "against"):
+        cases = [(r["d"], r["causal"], r["block_m"], r["stages"]) for r in compiled["rows"] if r["package"] == package]
+        assert cases == resources.HOPPER_KEY_PASS_CASES, package
+    from streamkl._hopper import _module
+
+    module = _module("backward")
+    if module is not None:
+        assert [module.overlaps_steps(d) for d in (64, 128)] == [True, False]

@@ -397,13 +397,13 @@ def test_both_hopper_key_passes_agree_and_match_the_oracle(case: Case, grad: str
                                                         (False, 64, False)])
 def test_the_training_call_picks_the_key_pass_by_mask_and_head_dim(causal, d, specialised, monkeypatch):
     """By default the key pass of a causal training call at head dim 128 runs the warp-specialised kernel, and at head
-    dim 64 or without a mask the one-warpgroup kernel (docs/perf-notes.md v13, v14); the gradients match the float64
-    oracle."""
+    dim 64 or without a mask the one-warpgroup kernel (docs/perf-notes.md v13, v14), whose full steps are pipelined at
+    head dim 64 and taken one at a time at head dim 128 (v16); the gradients match the float64 oracle."""
     monkeypatch.setenv(hopper.ENV_SWITCH, "all")
     ws_calls, one_calls = [], []
     real_ws, real_one = _backward._launch_ws, _backward._launch_dk
     monkeypatch.setattr(_backward, "_launch_ws", lambda *a: (ws_calls.append(1), real_ws(*a))[1])
-    monkeypatch.setattr(_backward, "_launch_dk", lambda *a: (one_calls.append(1), real_one(*a))[1])
+    monkeypatch.setattr(_backward, "_launch_dk", lambda *a: (one_calls.append(dict(a[3])), real_one(*a))[1])
     case = replace(H, h=4, n_q=700, n_k=700, d_t=d, d_s=d, causal=causal)
     inputs = make_inputs(case, torch.bfloat16, "cuda")
     inputs.tensors["k_s"].requires_grad_(True)
@@ -413,4 +413,29 @@ def test_the_training_call_picks_the_key_pass_by_mask_and_head_dim(causal, d, sp
     dk = torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
     dk_ref = torch.autograd.grad(ref, (ref_tensors["k_s"],))[0]
     assert (len(ws_calls), len(one_calls)) == ((1, 0) if specialised else (0, 1))
+    assert all(meta["OVERLAP"] == (d <= 64) for meta in one_calls), "full steps pipelined at head dim 64 only (v16)"
     assert_close(dk, dk_ref, TOLERANCES[torch.bfloat16][1], "dk_s")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("grad", ["scalar", "per row"])
+@pytest.mark.parametrize("case", [c for c, _ in KEY_PASS_CASES], ids=lambda c: c.id)
+def test_the_one_warpgroup_key_pass_gives_the_same_gradient_pipelined_or_one_step_at_a_time(case: Case, grad: str):
+    """The one-warpgroup key pass with its full steps pipelined (two register sets of scores in flight) and one at a
+    time (v16's choice at head dim 128) folds the same steps in the same order: bitwise the same key gradient on every
+    key-pass case, both head dims, causal or not."""
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    tensors = make_inputs(case, torch.bfloat16, "cuda").tensors
+    views = [tensors[name] for name in ("q_t", "k_t", "q_s", "k_s")]
+    if case.layout == "bnhd":
+        views = [x.transpose(1, 2) for x in views]
+    inputs = KLInputs(*views, None, None, None, None, None, None)
+    spec = KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_right=0 if case.causal else -1)
+    kl, lse_a, lse_b = attention_kl_fwd(inputs, spec, dq_b=new_dq_b_buffer(inputs))
+    g = torch.full((1,), 1.0 / kl.numel(), device="cuda") if grad == "scalar" else torch.rand(kl.shape, device="cuda")
+    pipelined, single = (_backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False,
+                                                                overlap=overlap) for overlap in (True, False))
+    assert torch.isfinite(single).all() and single.abs().max() > 0
+    assert torch.equal(pipelined, single)

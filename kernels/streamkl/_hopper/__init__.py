@@ -13,7 +13,8 @@ teacher; :mod:`streamkl._hopper.backward`). Measured faster than the portable pa
 elements and more. With a causal mask and head dim 128 that pass runs the warp-specialised kernel
 (:mod:`streamkl._hopper.key_pass_ws`: a producer warp and two consumer warpgroups taking turns on the tensor cores),
 measured faster there (``benchmarks/bench_ws_key_pass.py``, ``benchmarks/bench_peeled_key_pass.py``,
-docs/perf-notes.md v13 and v14).
+docs/perf-notes.md v13 and v14). Elsewhere the one-warpgroup kernel runs, its full steps pipelined at head dim 64 and
+one at a time at head dim 128, where two steps in flight would spill (``benchmarks/bench_one_set_key_pass.py``, v16).
 
 Neither runs on other GPUs, under the interpreter, outside its kernel's scope, when the installed Triton has no usable
 Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects them for

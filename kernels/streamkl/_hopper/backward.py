@@ -123,7 +123,7 @@ def _hopper_dk_kernel(
     order_chunk,  # (sequence, key head, part) triples per longest-first chunk (CAUSAL, see _longest_first)
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
     D_B: gl.constexpr = qb_desc.block_type.shape[3]
@@ -172,31 +172,67 @@ def _hopper_dk_kernel(
     mbarrier.wait(k_bar, 0)
     ka = ka_smem.reshape([BLOCK_N, D_A])
     kb = kb_smem.reshape([BLOCK_N, D_B])
+    # The causal diagonal first, one step at a time: its masked tile code is never live beside the pipelined loop's
+    # two register sets (with both, 64-query steps spill). Then the full steps: pipelined (OVERLAP), or also one at a
+    # time where two register sets of scores beside a wide dK accumulator would spill (head dim 128).
     if CAUSAL:
-        # The diagonal first, one step at a time: its masked tile code is never live beside the pipelined loop's
-        # two register sets (with both, 64-query steps spill).
-        for t in range(masked_steps):
-            x, y = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t, zero, BLOCK_M, D_A, D_B, STAGES)
-            lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, CAUSAL)
-            x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-            dk = _fold_step(x, y, dk, qb_ring, t, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
-                            dot_layout, BLOCK_M, D_B, STAGES, True, SCALAR_GRAD)
-            _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
-                          masked_steps, n_masked, BLOCK_M, STAGES, CAUSAL)
+        dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, 0, masked_steps, steps,
+                           qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL,
+                           True)
         if masked_steps < steps:
-            dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B,
-                             GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a,
-                             qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL)
+            dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A,
+                                  LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps,
+                                  qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD,
+                                  CAUSAL, OVERLAP)
     else:
-        dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                         b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b,
-                         offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL)
+        dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B,
+                              GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a,
+                              qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL, OVERLAP)
     mbarrier.invalidate(k_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
     _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD)
+
+
+@gluon.jit
+def _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                     b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b, offset,
+                     dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                     STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr, OVERLAP: gl.constexpr):
+    """``dK_b`` after the unmasked steps ``masked_steps .. steps - 1`` (at least one): pipelined (:func:`_full_steps`)
+    with ``OVERLAP``, else one at a time (:func:`_single_steps`)."""
+    if OVERLAP:
+        dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                         b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b,
+                         offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED)
+    else:
+        dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, masked_steps, steps, steps,
+                           qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED,
+                           False)
+    return dk
+
+
+@gluon.jit
+def _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
+                  b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, start, stop, steps, qk_scale_a,
+                  qk_scale_b, offset, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
+                  D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr,
+                  MASKED: gl.constexpr):
+    """``dK_b`` after the steps ``start .. stop - 1``, one at a time: each step's score products are waited for
+    before its exponentials, so one register set of scores is live (``MASKED``: causal diagonal steps)."""
+    for t in range(start, stop):
+        x, y = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t, zero, BLOCK_M, D_A, D_B, STAGES)
+        lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
+                                             masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+        x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
+        dk = _fold_step(x, y, dk, qb_ring, t, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+                        dot_layout, BLOCK_M, D_B, STAGES, MASKED, SCALAR_GRAD)
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
+                      masked_steps, n_masked, BLOCK_M, STAGES, PEELED)
+    return dk
 
 
 @gluon.jit
@@ -258,6 +294,18 @@ def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
     if max(d_a, d_b) <= 64:
         return LaunchConfig(64, 64, 4, 3 if causal else 6)
     return LaunchConfig(64, 64, 4, 2)
+
+
+def overlaps_steps(d_b: int) -> bool:
+    """Whether the one-warpgroup key pass issues each full step's score products before the previous step's
+    exponentials (two register sets of scores in flight): where side b's head dim is at most 64. With a 128-wide dK
+    accumulator the two sets spill (v14), and one set at a time measured as fast or faster (docs/perf-notes.md v16).
+
+    Example:
+        >>> overlaps_steps(64), overlaps_steps(128)
+        (True, False)
+    """
+    return d_b <= 64
 
 
 def key_head_split(group_a: int, group_b: int) -> int | None:
@@ -330,11 +378,12 @@ def warp_specialised(spec: KLSpec, d_a: int, d_b: int) -> bool:
 
 def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
                                  lse_b: torch.Tensor, config: LaunchConfig | None = None,
-                                 specialised: bool | None = None) -> torch.Tensor:
+                                 specialised: bool | None = None, overlap: bool | None = None) -> torch.Tensor:
     """Side b's key gradient ``dK_b`` (input dtype, shaped like ``k_b``) of the portable key pass, on a Hopper kernel;
     only for problems :func:`supports` accepts. ``grad_kl`` is fp32: one number (a stride-0 view, as the portable
     backward passes it) or ``[B, H, N_q]`` contiguous. ``specialised`` picks the warp-specialised kernel (default:
-    :func:`warp_specialised`); ``config`` its tiles (default: the kernel's own choice).
+    :func:`warp_specialised`); ``config`` its tiles (default: the kernel's own choice); ``overlap``, for the
+    one-warpgroup kernel, whether full steps keep two register sets in flight (default: :func:`overlaps_steps`).
 
     Example (on an H100)::
 
@@ -361,7 +410,8 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
         keys_per_program, extra = 2 * cfg.block_n, (("num_warps", 4), ("maxnreg", KERNEL_REGS))
     else:
         launch, cfg = _launch_dk, config or hopper_key_pass_config(d_a, d_b, causal)
-        keys_per_program, extra = cfg.block_n, (("num_warps", cfg.num_warps),)
+        overlap = overlaps_steps(d_b) if overlap is None else overlap
+        keys_per_program, extra = cfg.block_n, (("OVERLAP", overlap), ("num_warps", cfg.num_warps))
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid = (triton.cdiv(n_k, keys_per_program), batch * h_kb * split)
     order_chunk = 1
