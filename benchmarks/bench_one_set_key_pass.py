@@ -35,10 +35,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_fused_dq import _rel  # noqa: E402
-from bench_hopper_key_pass import CHECKS  # noqa: E402
 from bench_lazy_frames import ROUNDS  # noqa: E402
-from bench_ws_key_pass import _problem, measure_shape, op_table, tiles_table  # noqa: E402
+from bench_ws_key_pass import compare_key_passes, measure_shape, op_table, tiles_table  # noqa: E402
 from report import load_package, paired_run_main  # noqa: E402
 
 RESULT_NAME = "one-set-key-pass.json"
@@ -56,37 +54,13 @@ CANDIDATES = [(32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3)]
 
 
 def exactness(base) -> list[dict]:
-    """:data:`CHECKS` in the kernels' scope: the one-warpgroup key gradient of this version and of ``base`` against
-    float64, and whether they are bitwise equal, for ``reduction="mean"``'s scalar gradient and a per-row one."""
-    import streamkl
-    from streamkl import attention_kl
-    from streamkl._hopper.backward import attention_kl_key_pass_hopper, in_scope
+    """The one-warpgroup key gradient of this version and of ``base`` against float64, and whether they are bitwise
+    equal (``bench_ws_key_pass.compare_key_passes``)."""
+    from streamkl._hopper.backward import attention_kl_key_pass_hopper as new_pass
 
-    base_pass = importlib.import_module(f"{base.__name__}._hopper.backward").attention_kl_key_pass_hopper
-    rows = []
-    for i, case in enumerate(CHECKS):
-        b, h, hk_t, hk_s, n_q, n_k, d_t, d_s, causal, _loss, _temp, sharpness, layout = case
-        inputs, spec, kl, lse_a, lse_b = _problem(streamkl, b, h, hk_t, hk_s, n_q, n_k, d_t, d_s, causal, sharpness,
-                                                  layout, i)
-        if not in_scope(inputs, spec, False, True):
-            continue
-        for grad in ("scalar", "per row"):
-            if grad == "scalar":
-                g = torch.full((1,), 1.0 / kl.numel(), device="cuda")
-            else:
-                g = torch.rand(kl.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i))
-            new = attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False)
-            old = base_pass(g, inputs, spec, lse_a, lse_b, specialised=False)
-            k_s = inputs.k_b.double().requires_grad_(True)
-            per_row = attention_kl(inputs.q_a.double(), inputs.k_a.double(), inputs.q_b.double(), k_s,
-                                   reduction="none", causal=causal, backend="reference")
-            ref = torch.autograd.grad((per_row * g.double().expand(kl.shape)).sum(), k_s)[0]
-            row = dict(case=list(case[:9]) + [layout], grad=grad, rel_new_vs_ref=_rel(new, ref),
-                       rel_old_vs_ref=_rel(old, ref), bitwise_equal=bool(torch.equal(new, old)),
-                       finite=bool(torch.isfinite(new).all()))
-            rows.append(row)
-            print(f"check {i} {grad}: {row}", flush=True)
-    return rows
+    old_pass = importlib.import_module(f"{base.__name__}._hopper.backward").attention_kl_key_pass_hopper
+    return compare_key_passes(lambda *a: new_pass(*a, specialised=False), lambda *a: old_pass(*a, specialised=False),
+                              ("new", "old"))
 
 
 def run(against: str) -> dict:

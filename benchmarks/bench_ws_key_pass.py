@@ -122,12 +122,14 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal, candidates=CANDIDATES, s
     return row
 
 
-def exactness() -> list[dict]:
-    """:data:`CHECKS` in the kernels' scope: the warp-specialised key gradient against float64 and against the
-    one-warpgroup kernel, for ``reduction="mean"``'s scalar gradient and a random per-row one."""
+def compare_key_passes(first, second, names: tuple[str, str]) -> list[dict]:
+    """:data:`CHECKS` in the kernels' scope: two key passes' student key gradients (``first`` and ``second``, functions
+    of ``(g, inputs, spec, lse_a, lse_b)``) against float64 and whether they are bitwise equal, for
+    ``reduction="mean"``'s scalar gradient and a random per-row one; ``names`` label their errors
+    (``rel_<name>_vs_ref``)."""
     import streamkl
     from streamkl import attention_kl
-    from streamkl._hopper.backward import attention_kl_key_pass_hopper, in_scope
+    from streamkl._hopper.backward import in_scope
 
     rows = []
     for i, case in enumerate(CHECKS):
@@ -141,18 +143,26 @@ def exactness() -> list[dict]:
                 g = torch.full((1,), 1.0 / kl.numel(), device="cuda")
             else:
                 g = torch.rand(kl.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i))
-            ws = attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=True)
-            one = attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False)
+            one, two = first(g, inputs, spec, lse_a, lse_b), second(g, inputs, spec, lse_a, lse_b)
             k_s = inputs.k_b.double().requires_grad_(True)
             per_row = attention_kl(inputs.q_a.double(), inputs.k_a.double(), inputs.q_b.double(), k_s,
                                    reduction="none", causal=causal, backend="reference")
             ref = torch.autograd.grad((per_row * g.double().expand(kl.shape)).sum(), k_s)[0]
-            row = dict(case=list(case[:9]) + [layout], grad=grad, rel_ws_vs_ref=_rel(ws, ref),
-                       rel_one_vs_ref=_rel(one, ref), bitwise_equal=bool(torch.equal(ws, one)),
-                       finite=bool(torch.isfinite(ws).all()))
+            row = {"case": list(case[:9]) + [layout], "grad": grad, f"rel_{names[0]}_vs_ref": _rel(one, ref),
+                   f"rel_{names[1]}_vs_ref": _rel(two, ref), "bitwise_equal": bool(torch.equal(one, two)),
+                   "finite": bool(torch.isfinite(one).all())}
             rows.append(row)
             print(f"check {i} {grad}: {row}", flush=True)
     return rows
+
+
+def exactness() -> list[dict]:
+    """The warp-specialised key gradient against float64 and against the one-warpgroup kernel
+    (:func:`compare_key_passes`)."""
+    from streamkl._hopper.backward import attention_kl_key_pass_hopper as key_pass
+
+    return compare_key_passes(lambda *a: key_pass(*a, specialised=True), lambda *a: key_pass(*a, specialised=False),
+                              ("ws", "one"))
 
 
 def run(against: str) -> dict:

@@ -445,18 +445,35 @@ def test_perf_notes_v10_tables_are_bench_hopper_key_pass_output():
             assert all(t["rel_vs_portable"] < 1e-2 for t in row["tiles"]), row["name"]
 
 
+def _assert_key_pass_run(script: str) -> dict:
+    """A key-pass paired run's perf-notes blocks are ``script``'s rendering of its committed H100 run, whose shapes are
+    the script's and whose checks are bench_hopper_key_pass's cases; returns the run."""
+    bench = _load(ROOT / "benchmarks" / f"{script}.py", script)
+    checks = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass").CHECKS
+    data = json.loads(Path(bench.H100_RESULT).read_text())
+    _assert_perf_notes_blocks(bench.blocks(data, data), f"benchmarks/{script}.py --render")
+    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
+    assert {tuple(c["case"][:9]) for c in data["checks"]} <= {tuple(c[:9]) for c in checks}
+    return data
+
+
+def _assert_compiled_cases(name: str) -> None:
+    """The offline resource file ``name`` holds every case kernel_resources.py compiles, for this version and the one
+    it was compiled against."""
+    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
+    compiled = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+    for package in ("this", "against"):
+        cases = [(r["d"], r["causal"], r["block_m"], r["stages"]) for r in compiled["rows"] if r["package"] == package]
+        assert cases == resources.HOPPER_KEY_PASS_CASES, package
+
+
 def test_perf_notes_v14_tables_are_bench_peeled_key_pass_output():
     """docs/perf-notes.md's v14 blocks are bench_peeled_key_pass.py's rendering of the committed H100 run, whose shapes
     and checks are the scripts'; the one-warpgroup kernel's causal tile at head dim 64 is the code's and was the
     fastest of its sweep; and the offline resource file holds every case kernel_resources.py compiles, for this
     version and v13's."""
     bench = _load(ROOT / "benchmarks" / "bench_peeled_key_pass.py", "bench_peeled_key_pass")
-    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
-    checks = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass").CHECKS
-    data = json.loads(Path(bench.H100_RESULT).read_text())
-    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_peeled_key_pass.py --render")
-    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
-    assert {tuple(c["case"][:9]) for c in data["checks"]} <= {tuple(c[:9]) for c in checks}
+    data = _assert_key_pass_run("bench_peeled_key_pass")
     (d64,) = [r for r in data["rows"] if r["shape"]["name"] == "N8192-D64-causal"]
     assert [t["tile"] for t in d64["tiles"]] == [list(t) for t in bench.CANDIDATES[64]]
     from streamkl._hopper import _module
@@ -465,10 +482,7 @@ def test_perf_notes_v14_tables_are_bench_peeled_key_pass_output():
     if module is not None:
         best = min(d64["tiles"], key=lambda t: t["ms"])["tile"]
         assert best == list(vars(module.hopper_key_pass_config(64, 64, True)).values())
-    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-key-pass.json").read_text())
-    for package in ("this", "against"):
-        cases = [(r["d"], r["causal"], r["block_m"], r["stages"]) for r in compiled["rows"] if r["package"] == package]
-        assert cases == resources.HOPPER_KEY_PASS_CASES, package
+    _assert_compiled_cases("kernel-resources-hopper-key-pass.json")
 
 
 def test_perf_notes_v15_tables_are_bench_bf16_dq_output():
@@ -609,17 +623,8 @@ def test_perf_notes_v16_tables_are_bench_one_set_key_pass_output():
     """docs/perf-notes.md's v16 blocks are bench_one_set_key_pass.py's rendering of the committed H100 run, whose shapes
     are the script's and whose checks are bench_hopper_key_pass's cases; the offline resource file holds every case
     kernel_resources.py compiles, for this version and v15's, and the selection it compiled is the code's."""
-    bench = _load(ROOT / "benchmarks" / "bench_one_set_key_pass.py", "bench_one_set_key_pass")
-    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
-    checks = _load(ROOT / "benchmarks" / "bench_hopper_key_pass.py", "bench_hopper_key_pass").CHECKS
-    data = json.loads(Path(bench.H100_RESULT).read_text())
-    _assert_perf_notes_blocks(bench.blocks(data, data), "benchmarks/bench_one_set_key_pass.py --render")
-    assert [r["shape"]["name"] for r in data["rows"]] == [s[0] for s in bench.SHAPES]
-    assert {tuple(c["case"][:9]) for c in data["checks"]} <= {tuple(c[:9]) for c in checks}
-    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-key-pass-v16.json").read_text())
-    for package in ("this", "against"):
-        cases = [(r["d"], r["causal"], r["block_m"], r["stages"]) for r in compiled["rows"] if r["package"] == package]
-        assert cases == resources.HOPPER_KEY_PASS_CASES, package
+    _assert_key_pass_run("bench_one_set_key_pass")
+    _assert_compiled_cases("kernel-resources-hopper-key-pass-v16.json")
     from streamkl._hopper import _module
 
     module = _module("backward")

@@ -352,6 +352,23 @@ def test_hopper_causal_key_pass_in_longest_first_chunks_is_bitwise_the_one_chunk
     assert len(calls) == 2
 
 
+def _key_pass_problem(case: Case, grad: str):
+    """``(views, inputs, spec, kl, lse_a, lse_b, g)`` of a key-pass case on the GPU: the (B, H, N, D) views of its
+    tensors, the kernels' problem, the training forward's outputs and an upstream gradient (``"scalar"``: the mean's,
+    else random per row)."""
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    tensors = make_inputs(case, torch.bfloat16, "cuda").tensors
+    views = [tensors[name] for name in ("q_t", "k_t", "q_s", "k_s")]
+    if case.layout == "bnhd":
+        views = [x.transpose(1, 2) for x in views]
+    inputs = KLInputs(*views, None, None, None, None, None, None)
+    spec = KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_right=0 if case.causal else -1)
+    kl, lse_a, lse_b = attention_kl_fwd(inputs, spec, dq_b=new_dq_b_buffer(inputs))
+    g = torch.full((1,), 1.0 / kl.numel(), device="cuda") if grad == "scalar" else torch.rand(kl.shape, device="cuda")
+    return views, inputs, spec, kl, lse_a, lse_b, g
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("grad", ["scalar", "per row"])
@@ -362,17 +379,8 @@ def test_both_hopper_key_passes_agree_and_match_the_oracle(case: Case, grad: str
     layouts): the student's key gradient is bitwise the same wherever both sweep each key's query tiles in the same
     order (no mask, or one query head per program); with a causal mask and several query heads per program the
     one-warpgroup pass sweeps every head's diagonal first, and both match the float64 oracle as closely."""
-    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
-
-    tensors = make_inputs(case, torch.bfloat16, "cuda").tensors
-    views = [tensors[name] for name in ("q_t", "k_t", "q_s", "k_s")]
-    if case.layout == "bnhd":
-        views = [x.transpose(1, 2) for x in views]
-    inputs = KLInputs(*views, None, None, None, None, None, None)
-    spec = KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_right=0 if case.causal else -1)
+    views, inputs, spec, kl, lse_a, lse_b, g = _key_pass_problem(case, grad)
     assert _backward.in_scope(inputs, spec, False, True)
-    kl, lse_a, lse_b = attention_kl_fwd(inputs, spec, dq_b=new_dq_b_buffer(inputs))
-    g = torch.full((1,), 1.0 / kl.numel(), device="cuda") if grad == "scalar" else torch.rand(kl.shape, device="cuda")
     one = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False)
     ws = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=True)
     assert torch.isfinite(ws).all() and ws.abs().max() > 0
@@ -425,16 +433,7 @@ def test_the_one_warpgroup_key_pass_gives_the_same_gradient_pipelined_or_one_ste
     """The one-warpgroup key pass with its full steps pipelined (two register sets of scores in flight) and one at a
     time (v16's choice at head dim 128) folds the same steps in the same order: bitwise the same key gradient on every
     key-pass case, both head dims, causal or not."""
-    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
-
-    tensors = make_inputs(case, torch.bfloat16, "cuda").tensors
-    views = [tensors[name] for name in ("q_t", "k_t", "q_s", "k_s")]
-    if case.layout == "bnhd":
-        views = [x.transpose(1, 2) for x in views]
-    inputs = KLInputs(*views, None, None, None, None, None, None)
-    spec = KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_right=0 if case.causal else -1)
-    kl, lse_a, lse_b = attention_kl_fwd(inputs, spec, dq_b=new_dq_b_buffer(inputs))
-    g = torch.full((1,), 1.0 / kl.numel(), device="cuda") if grad == "scalar" else torch.rand(kl.shape, device="cuda")
+    _, inputs, spec, _, lse_a, lse_b, g = _key_pass_problem(case, grad)
     pipelined, single = (_backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False,
                                                                 overlap=overlap) for overlap in (True, False))
     assert torch.isfinite(single).all() and single.abs().max() > 0
