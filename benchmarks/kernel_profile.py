@@ -226,7 +226,7 @@ def run(ncu: str, names: list[str], log_dir: str | None) -> dict:
             "ncu": version[-1] if version else "", "sections": list(SECTIONS), "shapes": rows}
 
 
-def _stalls(kernel: dict, top: int = 3) -> list[tuple[str, float]]:
+def _stalls(kernel: dict, top: int | None = 3) -> list[tuple[str, float]]:
     """The ``top`` stall reasons of a kernel, in cycles per issued instruction (a warp that was eligible while
     another issued is not stalled: "not selected" is left out)."""
     found = []
@@ -234,7 +234,7 @@ def _stalls(kernel: dict, top: int = 3) -> list[tuple[str, float]]:
         m = re.match(r"^smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$", column)
         if m and m.group(1) not in ("selected", "not_selected"):  # issuing, or eligible while another warp issued
             found.append((m.group(1), value))
-    return sorted(found, key=lambda x: -x[1])[:top]
+    return sorted(found, key=lambda x: -x[1])[:top]  # top=None: all of them
 
 
 def _pipe(kernel: dict, *names: str) -> float | None:
@@ -270,7 +270,7 @@ def kernel_rows(data: dict, min_share: float = 0.05) -> list[dict]:
                                    k.get("sm__inst_issued.avg.pct_of_peak_sustained_active")),
                     "tensor": tensor_pipe(k), "xu": _pipe(k, "xu"), "fma": _pipe(k, "fma", "fmaheavy"),
                     "eligible": k.get("smsp__warps_eligible.avg.per_cycle_active"),
-                    "stalls": _stalls(k),
+                    "stalls": _stalls(k), "stall": dict(_stalls(k, None)),
                 })
     return rows
 
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu", help="the Nsight Compute command line")
-    parser.add_argument("--out", help="directory for <device>-kernel-profile.json")
+    parser.add_argument("--out", help="directory for <device>-kernel-profile<tag>.json")
+    parser.add_argument("--tag", default="", help="a suffix of the result file's name (a re-measure of some shapes)")
     parser.add_argument("--logs", help="directory for ncu's log of each shape")
     parser.add_argument("--render", help="render docs/perf-notes.md's profile table from this result file")
     args = parser.parse_args(argv)
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         from bench_attention_kl import gpu_tag, write_json
 
-        path = os.path.join(args.out, f"{gpu_tag(data['device'])}-{RESULT_NAME}")
+        path = os.path.join(args.out, f"{gpu_tag(data['device'])}-{RESULT_NAME.replace('.json', args.tag + '.json')}")
         write_json(path, data)
         print("wrote", path)
     print(table(data))

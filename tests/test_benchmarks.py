@@ -580,13 +580,15 @@ def test_perf_notes_v13_tables_are_bench_ws_key_pass_output():
 
 def test_perf_notes_profile_table_is_kernel_profile_output():
     """docs/perf-notes.md's hardware-counter table is kernel_profile.py's rendering of the committed H100 run, which
-    profiled the script's shapes, each with the training call's two kernels (the fused forward and the key pass) on
+    profiled the script's shapes (and v16's re-measure one of them), each with the training call's two kernels (the fused forward and the key pass) on
     one side of the marker and cuDNN's forward, backward and helper kernels on the other."""
     bench = _load(ROOT / "benchmarks" / "kernel_profile.py", "kernel_profile")
     data = json.loads(Path(bench.H100_RESULT).read_text())
     _assert_perf_notes_blocks(bench.blocks(data), "benchmarks/kernel_profile.py --render")
     assert [s["shape"]["name"] for s in data["shapes"]] == [s[0] for s in bench.SHAPES]
-    for shape in data["shapes"]:
+    remeasured = json.loads(Path(bench.H100_RESULT.replace(".json", "-v16.json")).read_text())  # v16's key pass
+    assert [s["shape"]["name"] for s in remeasured["shapes"]] == ["N8192-D128"]
+    for shape in data["shapes"] + remeasured["shapes"]:
         roles = {call: sorted({bench.role(k["name"]) for k in kernels} - {"other"})
                  for call, kernels in shape["calls"].items()}
         assert roles == {"training call": ["fused forward", "key pass"],
