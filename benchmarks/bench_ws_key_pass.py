@@ -198,13 +198,16 @@ def tiles_table(data: dict, tile: str = "queries × keys per consumer") -> str:
                                           if "tiles" in r]}, tile=tile, timed="key pass ms")
 
 
-def checks_table(data: dict) -> str:
+def checks_table(data: dict, names: tuple[str, str] = ("ws", "one"),
+                 columns: tuple[str, str] = ("dK_s warp-specialised vs float64", "one warpgroup vs float64")) -> str:
+    """The exactness checks of :func:`compare_key_passes` (``names``: the two passes' labels there, ``columns``: their
+    error columns' headers)."""
     lines = ["| case (B, H, H_k teacher, H_k student, N_q, N_k, D_t, D_s, causal, layout) | upstream gradient | "
-             "dK_s warp-specialised vs float64 | one warpgroup vs float64 | bitwise equal |",
+             f"{columns[0]} | {columns[1]} | bitwise equal |",
              "|---|---|---|---|---|"]
     for c in data["checks"]:
-        lines.append(f"| {', '.join(str(x) for x in c['case'])} | {c['grad']} | {c['rel_ws_vs_ref']:.1e} | "
-                     f"{c['rel_one_vs_ref']:.1e} | {'yes' if c['bitwise_equal'] else 'no'} |")
+        lines.append(f"| {', '.join(str(x) for x in c['case'])} | {c['grad']} | {c[f'rel_{names[0]}_vs_ref']:.1e} | "
+                     f"{c[f'rel_{names[1]}_vs_ref']:.1e} | {'yes' if c['bitwise_equal'] else 'no'} |")
     return "\n".join(lines)
 
 

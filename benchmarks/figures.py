@@ -186,6 +186,13 @@ def _pct(x: float, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f}"
 
 
+def _assert_all_passed(log: str, claim: str) -> None:
+    """The committed pytest log ``log`` (under benchmarks/results) reports passed tests and no failure."""
+    with open(os.path.join(RESULTS, log)) as f:
+        text = f.read()
+    assert re.search(r"\d+ passed", text) and "failed" not in text, claim
+
+
 def _pct_span(values) -> str:
     """Fractions as a whole-percent range, one value when both ends round alike: "88%", "73–83%"."""
     low, high = round(100 * min(values)), round(100 * max(values))
@@ -557,9 +564,7 @@ def ws_key_pass_v13_claims() -> list[Claim]:
              for n in rows}
     d64, d128 = "N8192-D64-causal", "N8192-D128-causal"
     (g,) = gqa
-    with open(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-hopper-tests-v13.log")) as f:
-        log = f.read()
-    assert re.search(r"\d+ passed", log) and "failed" not in log, "v13 says every Hopper test passed"
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v13.log", "v13 says every Hopper test passed")
     texts = [
         f"the key pass took {_ratio_span([key[n]['ratio'] for n in causal])} v12's time, and the training call "
         f"{train[d64]['ratio']:.2f}× and {train[d128]['ratio']:.2f}× at",
@@ -619,9 +624,7 @@ def peeled_key_pass_v14_claims() -> list[Claim]:
     assert unequal and all(c["case"][8] and c["case"][1] // c["case"][3] > 1 for c in unequal), \
         "v14 says the kernels differ only with a mask and several query heads per program"
     assert all(abs(c["rel_ws_vs_ref"] - c["rel_one_vs_ref"]) < 0.05 * c["rel_ws_vs_ref"] for c in data["checks"])
-    with open(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-hopper-tests-v14.log")) as f:
-        log = f.read()
-    assert re.search(r"\d+ passed", log) and "failed" not in log, "v14 says every Hopper test passed"
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v14.log", "v14 says every Hopper test passed")
     half = statistics.median(v13["N8192-D64"]["ms"]["key pass new"])
     texts = [
         f"head dim 64 with 64-query steps and a ring of 3 used {old_causal['regs']} registers and a "
@@ -706,7 +709,7 @@ def kernel_profile_claims() -> list[Claim]:
         return [r for r in rows if r["kernel"] == kernel and (not shapes or r["shape"] in shapes)]
 
     def stall(r, name):
-        return dict(r["stalls"])[name]
+        return r["stall"][name]
 
     def _pcts(values):  # ncu's percentages
         return _pct_span([v / 100 for v in values])
@@ -776,9 +779,7 @@ def one_set_key_pass_v16_claims() -> list[Claim]:
     assert all(c["bitwise_equal"] and c["finite"] for c in data["checks"]), "v16 says v15's key gradients, bitwise"
     assert key[gqa]["p"] < 0.05 and train[gqa]["p"] < 0.05 and train[n8]["p"] >= 0.05
     assert forced[n8]["p"] < 0.05 <= key[n8]["p"] and all(forced[n]["p"] >= 0.05 for n in (n8c, gqac))
-    with open(os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-hopper-tests-v16.log")) as f:
-        log = f.read()
-    assert re.search(r"\d+ passed", log) and "failed" not in log, "v16 says every Hopper test passed"
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v16.log", "v16 says every Hopper test passed")
     slower = round(100 * (max(key[n8]["ratio"], forced[n8]["ratio"]) - 1))
     texts = [
         f"v15's kernel without a\n  mask used {old_dense['regs']} registers and a {old_dense['stack']}-byte stack",

@@ -29,16 +29,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from bench_hopper_key_pass import SHAPES as KEY_PASS_SHAPES  # noqa: E402
+
 RESULT_NAME = "kernel-profile.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
 H100_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{RESULT_NAME}")
-#: (name, B, H, N, D, causal): bf16 on both sides, the teacher as wide as the student
-SHAPES = [
-    ("N8192-D64", 1, 16, 8192, 64, False),
-    ("N8192-D64-causal", 1, 16, 8192, 64, True),
-    ("N8192-D128", 1, 16, 8192, 128, False),
-    ("N8192-D128-causal", 1, 16, 8192, 128, True),
-]
+#: (name, B, H, N, D, causal): the key-pass benchmark's N = 8192 shapes, bf16, the teacher as wide as the student
+SHAPES = [(name, b, h, n, d, causal) for name, b, h, h_kt, n, d, causal in KEY_PASS_SHAPES
+          if name.startswith("N8192") and h_kt == h]
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "SchedulerStats", "InstructionStats")
 #: ncu's raw metrics kept in the result file (full names; the rest of the raw page is dropped)
@@ -237,19 +235,15 @@ def _stalls(kernel: dict, top: int | None = 3) -> list[tuple[str, float]]:
     return sorted(found, key=lambda x: -x[1])[:top]  # top=None: all of them
 
 
-def _pipe(kernel: dict, *names: str) -> float | None:
-    """The busiest of the named pipes (% of peak while the SM is active), trying ncu's pipe-cycle metric and its
-    executed-instruction metric."""
-    values = [kernel.get(f"sm__{prefix}pipe_{name}.avg.pct_of_peak_sustained_active")
-              for name in names for prefix in ("", "inst_executed_")]
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
+#: The pipe columns: ncu's metric for each (% of peak while the SM is active). The tensor pipe's is its busy cycles
+#: (warpgroup and older MMAs alike); the XU and FMA pipes' are their issued instructions.
+PIPES = {"tensor": "sm__pipe_tensor_cycles_active", "xu": "sm__inst_executed_pipe_xu",
+         "fma": "sm__inst_executed_pipe_fma"}
 
 
-def tensor_pipe(kernel: dict) -> float | None:
-    """Tensor-core pipe busy % (Hopper's warpgroup MMA pipe, or the older MMA pipe where a kernel uses that)."""
-    return _pipe(kernel, "tensor_op_gmma_cycles_active", "tensor_op_hmma_cycles_active", "tensor_cycles_active",
-                 "tensor_op_gmma", "tensor_op_hmma")
+def pipe(kernel: dict, name: str) -> float | None:
+    """How busy the pipe ``name`` (a key of :data:`PIPES`) was, % of peak while the SM is active."""
+    return kernel.get(f"{PIPES[name]}.avg.pct_of_peak_sustained_active")
 
 
 def kernel_rows(data: dict, min_share: float = 0.05) -> list[dict]:
@@ -268,7 +262,7 @@ def kernel_rows(data: dict, min_share: float = 0.05) -> list[dict]:
                     "warps": k.get("sm__warps_active.avg.per_cycle_active"),
                     "issue": k.get("smsp__issue_active.avg.pct_of_peak_sustained_active",
                                    k.get("sm__inst_issued.avg.pct_of_peak_sustained_active")),
-                    "tensor": tensor_pipe(k), "xu": _pipe(k, "xu"), "fma": _pipe(k, "fma", "fmaheavy"),
+                    **{name: pipe(k, name) for name in PIPES},
                     "eligible": k.get("smsp__warps_eligible.avg.per_cycle_active"),
                     "stalls": _stalls(k), "stall": dict(_stalls(k, None)),
                 })

@@ -299,7 +299,8 @@ def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
 def overlaps_steps(d_b: int) -> bool:
     """Whether the one-warpgroup key pass issues each full step's score products before the previous step's
     exponentials (two register sets of scores in flight): where side b's head dim is at most 64. With a 128-wide dK
-    accumulator the two sets spill (v14), and one set at a time measured as fast or faster (docs/perf-notes.md v16).
+    accumulator the two sets spill (v14); one set at a time measured level at N = 8192 and faster at the GQA shape
+    (docs/perf-notes.md v16).
 
     Example:
         >>> overlaps_steps(64), overlaps_steps(128)
