@@ -175,6 +175,42 @@ def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stage
     return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
 
+def hopper_fused_forward_resources(package, d: int, causal: bool, block_n: int, stages: int,
+                                   overlap: int = 1) -> dict:
+    """Resources of ``package``'s fused Gluon forward (``_hopper.fused_forward._hopper_fused_fwd_kernel``), bf16 on
+    both sides, 64 query rows, 4 warps, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer."""
+    import importlib
+
+    module = importlib.import_module(f"{package.__name__}._hopper.fused_forward")
+    fn = module._hopper_fused_fwd_kernel
+    types = {"qa_desc": _gluon_descriptor((1, 1, 64, d)), "qb_desc": _gluon_descriptor((1, 1, 64, d)),
+             "ka_desc": _gluon_descriptor((1, 1, block_n, d)), "kb_desc": _gluon_descriptor((1, 1, block_n, d)),
+             "KL": "*fp32", "LSE_A": "*fp32", "LSE_B": "*fp32", "DQ_B": "*bf16", "qk_scale_a": "fp32",
+             "qk_scale_b": "fp32", "grad_scale_b": "fp32"}
+    constexprs = dict(CAUSAL=causal, BLOCK_M=64, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap, num_warps=4)
+    return _compile_gluon(fn, types, constexprs)
+
+
+def _gluon_descriptor(block: tuple[int, ...]) -> str:
+    """The signature type of a bf16 TMA descriptor with ``block`` and its default shared layout."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+
+def _compile_gluon(fn, types: dict, constexprs: dict) -> dict:
+    """Compile a Gluon kernel for sm_90 (parameters not in ``types`` or ``constexprs`` are i32) and read its
+    resources."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    src = GluonASTSource(fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in
+                                                              constexprs.items()}, attrs={})
+    return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": constexprs["num_warps"]}))
+
+
 def hopper_key_pass_table(against: str | None) -> dict:
     """:data:`HOPPER_KEY_PASS_CASES` compiled from this checkout's package and, with ``against``, from a copy of an
     earlier one."""

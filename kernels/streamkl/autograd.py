@@ -28,7 +28,7 @@ import functools
 import torch
 
 from . import reference
-from ._hopper import hopper_forward
+from ._hopper import hopper_forward, hopper_fused_forward
 from ._problem import KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
@@ -49,9 +49,13 @@ def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool,
     upstream gradient (see :func:`fused_forward`)."""
     if backend == "triton":
         if dq_b is None:
-            hopper = hopper_forward(inputs, spec)  # the sm_90 kernel where it applies (streamkl._hopper)
+            hopper = hopper_forward(inputs, spec)  # the sm_90 kernels where they apply (streamkl._hopper)
             if hopper is not None:
                 return hopper(inputs, spec)
+        else:
+            hopper = hopper_fused_forward(inputs, spec)
+            if hopper is not None:
+                return hopper(inputs, spec, dq_b)
         return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32, dq_b=dq_b)
     return reference.chunked_attention_kl_fwd(inputs, spec)
 

@@ -49,7 +49,7 @@ def hopper_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def _module(name: str = "forward"):
     """The Hopper module ``name`` (``forward`` or ``backward``), or None when this Triton has no usable Gluon (they
     are imported lazily: Gluon's Hopper API differs between Triton releases, and the portable kernels must never
@@ -87,6 +87,26 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     return module.attention_kl_fwd_hopper
 
 
+def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
+    """The Hopper training forward with a frozen teacher (a function of ``(inputs, spec, dq_b)`` returning ``(kl,
+    lse_a, lse_b)`` and filling ``dq_b``, :mod:`streamkl._hopper.fused_forward`), or None.
+
+    Example:
+        >>> import torch
+        >>> from streamkl._problem import KLInputs, KLSpec
+        >>> q = torch.randn(1, 1, 8, 64)  # CPU tensors: the portable path
+        >>> hopper_fused_forward(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125)) is None
+        True
+    """
+    mode = os.environ.get(ENV_SWITCH, "1")
+    if not inputs.q_a.is_cuda or mode != "all":  # measured slower than the portable kernel (perf-notes v17)
+        return None
+    module = _module("fused_forward")
+    if module is None or not module.supports(inputs, spec):
+        return None
+    return module.attention_kl_fused_fwd_hopper
+
+
 def hopper_key_pass(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> Callable | None:
     """The Hopper key pass for this backward (a function of ``(grad_kl, inputs, spec, lse_a, lse_b)`` returning side
     b's key gradient), or None: it computes only side b's key gradient, so it applies when side a needs none.
@@ -107,4 +127,5 @@ def hopper_key_pass(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad
     return module.attention_kl_key_pass_hopper
 
 
-__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward", "hopper_key_pass"]
+__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward", "hopper_fused_forward",
+           "hopper_key_pass"]
