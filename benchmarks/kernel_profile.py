@@ -169,10 +169,12 @@ def role(name: str) -> str:
     """What a kernel of the profiled calls is, from its name.
 
     Example:
-        >>> role("_attention_kl_fwd_kernel"), role("_ws_dk_kernel"), role("cudnn_generated_sdpa_sm90_flash_bprop")
-        ('fused forward', 'key pass', 'cuDNN backward')
+        >>> role("_attention_kl_fwd_kernel"), role("_ws_fused_fwd_kernel"), role("_ws_dk_kernel")
+        ('fused forward', 'fused forward', 'key pass')
+        >>> role("cudnn_generated_sdpa_sm90_flash_bprop")
+        'cuDNN backward'
     """
-    if "_attention_kl_fwd" in name:
+    if "_attention_kl_fwd" in name or "_fused_fwd" in name:  # portable, or the Gluon one (v17)
         return "fused forward"
     if "dk_kernel" in name:
         return "key pass"

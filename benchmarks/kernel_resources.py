@@ -175,20 +175,19 @@ def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stage
     return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
 
-def hopper_fused_forward_resources(package, d: int, causal: bool, block_n: int, stages: int,
-                                   overlap: int = 1) -> dict:
-    """Resources of ``package``'s fused Gluon forward (``_hopper.fused_forward._hopper_fused_fwd_kernel``), bf16 on
-    both sides, 64 query rows, 4 warps, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer."""
+def hopper_fused_forward_resources(package, d: int, causal: bool, block_m: int, block_n: int, stages: int) -> dict:
+    """Resources of ``package``'s warp-specialised fused forward (``_hopper.fused_forward._ws_fused_fwd_kernel``, v17),
+    bf16, ``block_m`` rows per consumer, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer. The
+    registers and stack are each consumer's: the kernel's limit is one program's share (``KERNEL_REGS``)."""
     import importlib
 
     module = importlib.import_module(f"{package.__name__}._hopper.fused_forward")
-    fn = module._hopper_fused_fwd_kernel
-    types = {"qa_desc": _gluon_descriptor((1, 1, 64, d)), "qb_desc": _gluon_descriptor((1, 1, 64, d)),
+    types = {"qa_desc": _gluon_descriptor((1, 1, block_m, d)), "qb_desc": _gluon_descriptor((1, 1, block_m, d)),
              "ka_desc": _gluon_descriptor((1, 1, block_n, d)), "kb_desc": _gluon_descriptor((1, 1, block_n, d)),
              "KL": "*fp32", "LSE_A": "*fp32", "LSE_B": "*fp32", "DQ_B": "*bf16", "qk_scale_a": "fp32",
              "qk_scale_b": "fp32", "grad_scale_b": "fp32"}
-    constexprs = dict(CAUSAL=causal, BLOCK_M=64, BLOCK_N=block_n, STAGES=stages, OVERLAP=overlap, num_warps=4)
-    return _compile_gluon(fn, types, constexprs)
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4)
+    return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs, maxnreg=module.KERNEL_REGS)
 
 
 def _gluon_descriptor(block: tuple[int, ...]) -> str:
@@ -199,7 +198,7 @@ def _gluon_descriptor(block: tuple[int, ...]) -> str:
     return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
 
 
-def _compile_gluon(fn, types: dict, constexprs: dict) -> dict:
+def _compile_gluon(fn, types: dict, constexprs: dict, maxnreg: int | None = None) -> dict:
     """Compile a Gluon kernel for sm_90 (parameters not in ``types`` or ``constexprs`` are i32) and read its
     resources."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -207,8 +206,10 @@ def _compile_gluon(fn, types: dict, constexprs: dict) -> dict:
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     src = GluonASTSource(fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in
                                                               constexprs.items()}, attrs={})
-    return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": constexprs["num_warps"]}))
+    options = {"num_warps": constexprs["num_warps"]}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
 
 
 def hopper_key_pass_table(against: str | None) -> dict:
@@ -231,6 +232,23 @@ def hopper_key_pass_table(against: str | None) -> dict:
     return {"triton": triton.__version__, "target": "sm_90", "against": against, "rows": rows}
 
 
+HOPPER_FUSED_FORWARD_CASES = [(d, causal, bm, bn, stages) for d in (64, 128) for causal in (False, True)
+                              for bm, bn, stages in ((64, 64, 2), (64, 32, 4))]
+
+
+def hopper_fused_forward_table() -> dict:
+    """:data:`HOPPER_FUSED_FORWARD_CASES` compiled from this checkout's package (v17's tiles and the 32-key ones)."""
+    import streamkl
+
+    rows = []
+    for d, causal, block_m, block_n, stages in HOPPER_FUSED_FORWARD_CASES:
+        row = dict(d=d, causal=causal, block_m=block_m, block_n=block_n, stages=stages,
+                   **hopper_fused_forward_resources(streamkl, d, causal, block_m, block_n, stages))
+        print(row, flush=True)
+        rows.append(row)
+    return {"triton": triton.__version__, "target": "sm_90", "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hopper-key-pass", action="store_true", help="the one-warpgroup Gluon key pass's tiles")
@@ -238,6 +256,9 @@ def main() -> None:
     parser.add_argument("--out", help="with --hopper-key-pass: directory for its JSON, "
                         "kernel-resources-hopper-key-pass<tag>.json")
     parser.add_argument("--tag", default="", help="with --hopper-key-pass --out: a suffix of the file's name")
+    parser.add_argument("--hopper-fused-forward", action="store_true",
+                        help="the warp-specialised Gluon fused forward's tiles (with --out: its JSON, "
+                        "kernel-resources-hopper-fused-forward.json)")
     parser.add_argument("--sweep-forward", action="store_true")
     parser.add_argument("--sweep-backward", action="store_true")
     parser.add_argument("--fused-dq", action="store_true", help="with --sweep-forward: the forward that also "
@@ -249,6 +270,13 @@ def main() -> None:
             from bench_attention_kl import write_json
 
             write_json(os.path.join(args.out, f"kernel-resources-hopper-key-pass{args.tag}.json"), data)
+        return
+    if args.hopper_fused_forward:
+        data = hopper_fused_forward_table()
+        if args.out:
+            from bench_attention_kl import write_json
+
+            write_json(os.path.join(args.out, "kernel-resources-hopper-fused-forward.json"), data)
         return
     if args.sweep_forward:
         for d in (64, 128):

@@ -1,10 +1,11 @@
-"""The Hopper (sm_90, Gluon) forward and key pass: their selection everywhere, their results on an H100.
+"""The Hopper (sm_90, Gluon) forwards and key pass: their selection everywhere, their results on an H100.
 
 Gluon has no CPU interpreter, so CI checks which problems take the Hopper kernels (scope, size threshold, the
 ``STREAMKL_HOPPER_KERNELS`` switch); the GPU tests (skipped off sm_90) check that they ran and that they match the
 float64 oracle as closely as the portable kernels do: the forward, gradients through the two-pass backward that reads
 its log-sum-exps, and the student's gradients of the training call (frozen teacher, ``reduction="mean"`` as users
-call it, and a weighted per-row loss) through the key pass.
+call it, and a weighted per-row loss) through the fused training forward, which gives the portable one's bits, and
+the key pass.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.streamkl.oracle import TOLERANCES
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 _forward = hopper._module("forward")
 _backward = hopper._module("backward")
+_fused = hopper._module("fused_forward")
 
 
 def _inputs(*shape, dtype=torch.bfloat16, **extras) -> KLInputs:
@@ -154,6 +156,88 @@ def test_default_selection_on_the_gpu(monkeypatch):
     assert picked(1024, 128) is None
 
 
+# ------------------------------------------------------------------------------------------------- fused forward
+def test_cpu_tensors_never_take_the_hopper_fused_forward():
+    assert hopper.hopper_fused_forward(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125)) is None
+
+
+@pytest.mark.skipif(_fused is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("inputs", "spec", "expected"), [
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), True),
+    (_inputs(1, 2, 256, 128), KLSpec(0.1, 0.1, window_right=0), True),
+    (_inputs(1, 2, 256, 128, dtype=torch.float16), KLSpec(0.1, 0.1), False),  # fp16: the portable kernel
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, softcap_b=30.0), False),
+    (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1), False),
+], ids=["bf16", "bf16-causal", "fp16", "softcap", "key-mask"])
+def test_fused_forward_scope(inputs, spec, expected):
+    assert _fused.in_scope(inputs, spec) is expected
+
+
+FUSED_CASES = [  # every case in the fused Gluon forward's scope: bf16, head dims 64 and 128, no masks
+    replace(H, b=2),
+    replace(H, n_q=777, n_k=777, causal=True),
+    replace(H, h=8, h_kt=2, h_ks=8, n_q=1030, n_k=1030, d_t=128, d_s=128, causal=True),
+    replace(H, h=8, h_kt=8, h_ks=2, n_q=700, n_k=700, causal=True),
+    replace(H, n_q=513, n_k=1500, d_t=128, d_s=64, causal=True),
+    replace(H, b=2, n_q=300, n_k=2100, d_t=64, d_s=128, temperature=2.0, layout="bnhd"),
+    replace(H, n_q=1024, n_k=1024, causal=True, sharpness=30.0),
+    replace(H, n_q=64, n_k=64, h=2, h_kt=2, h_ks=2),
+    replace(H, h=16, h_kt=16, h_ks=16, n_q=4096, n_k=4096, d_t=128, d_s=128, causal=True),  # dQ_s saved in bf16
+]
+
+
+def _fused_problem(case: Case) -> tuple[KLInputs, KLSpec]:
+    inputs = make_inputs(case, torch.bfloat16, "cuda")
+    t = {n: x.transpose(1, 2) if case.layout == "bnhd" else x for n, x in inputs.tensors.items()}
+    spec = KLSpec(case.d_t ** -0.5 / case.temperature, case.d_s ** -0.5 / case.temperature,
+                  window_right=0 if case.causal else -1)
+    return KLInputs(t["q_t"], t["k_t"], t["q_s"], t["k_s"], None, None, None, None, None, None), spec
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FUSED_CASES])
+def test_hopper_fused_forward_gives_the_portable_forwards_bits(case: Case):
+    """The Gluon training forward (KL, both lse and the student's query gradient) is bitwise the portable one, in
+    either dQ_s dtype, and its query gradient matches the float64 oracle."""
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    inputs, spec = _fused_problem(case)
+    assert _fused.supports(inputs, spec)
+    dq_gluon, dq_portable = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
+    gluon = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_gluon), dq_gluon)
+    portable = (*attention_kl_fwd(inputs, spec, dq_b=dq_portable), dq_portable)
+    for name, x, y in zip(("kl", "lse_a", "lse_b", "dq_s"), gluon, portable):
+        assert torch.equal(x, y), f"{name} differs from the portable kernel's"
+    q_t, k_t, q_s, k_s = (x.detach().double() for x in inputs[:4])
+    q_s.requires_grad_(True)
+    ref = attention_kl(q_t, k_t, q_s, k_s, causal=case.causal, scale_t=spec.scale_a, scale_s=spec.scale_b,
+                       reduction="sum", backend="reference")
+    (ref_dq,) = torch.autograd.grad(ref, (q_s,))
+    assert_close(dq_gluon, ref_dq, TOLERANCES[torch.bfloat16][1], "dq_s")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+def test_default_fused_forward_selection_on_the_gpu(monkeypatch):
+    """Without the switch: head dim 128 at the threshold and head dim 64 without a mask run the fused Gluon forward
+    (measured faster there, docs/perf-notes.md v17); head dim 64 with a causal mask, small problems and fp16 do
+    not."""
+    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
+
+    def picked(n, d, dtype=torch.bfloat16, causal=False):
+        q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
+        return hopper.hopper_fused_forward(KLInputs(q, q, q, q, *[None] * 6),
+                                           KLSpec(0.1, 0.1, window_right=0 if causal else -1))
+
+    assert picked(8192, 128) is not None
+    assert picked(8192, 128, causal=True) is not None
+    assert picked(8192, 64) is not None
+    assert picked(8192, 64, causal=True) is None
+    assert picked(1024, 128) is None
+    assert picked(8192, 128, torch.float16) is None
+
+
 # ------------------------------------------------------------------------------------------------------ key pass
 def test_cpu_tensors_never_take_the_hopper_key_pass():
     assert hopper.hopper_key_pass(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125), False, True) is None
@@ -223,9 +307,10 @@ KEY_PASS_CASES = [  # (case, loss): every case has a frozen teacher and a traina
 @pytest.mark.parametrize(("case", "loss"), [pytest.param(c, loss, id=f"{c.id}-{loss}") for c, loss in KEY_PASS_CASES])
 def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monkeypatch):
     """The training call with a frozen teacher, bf16: the student's gradients match the float64 oracle with the
-    Hopper key pass (forced onto these small shapes), as closely as with the portable pass; dQ_s (the forward's) is
-    bitwise the same either way."""
+    Hopper fused forward and key pass (forced onto these small shapes), as closely as with the portable kernels; dQ_s
+    (the forward's) is bitwise the same either way."""
     calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, hopper._module("fused_forward"), "attention_kl_fused_fwd_hopper")
     inputs = make_inputs(case, torch.bfloat16, "cuda")
     inputs.tensors["q_s"].requires_grad_(True)
     inputs.tensors["k_s"].requires_grad_(True)
@@ -244,6 +329,7 @@ def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monk
         out = loss_of(inputs.call(attention_kl, reduction=reduction, backend="triton", **case.kwargs()))
         grads[label] = torch.autograd.grad(out, (inputs.tensors["q_s"], inputs.tensors["k_s"]))
         assert len(calls) == 1, f"the Hopper key pass ran {len(calls)} times after the {label} call, expected once"
+        assert len(fused_calls) == 1, f"the fused Hopper forward ran {len(fused_calls)} times after the {label} call"
     _, rtol_grad = TOLERANCES[torch.bfloat16]
     assert_close(grads["hopper"][0], ref_grads[0], rtol_grad, "dq_s")
     assert_close(grads["hopper"][1], ref_grads[1], rtol_grad, "dk_s")
@@ -301,10 +387,11 @@ def test_the_hopper_kernels_never_synchronise_with_the_host(monkeypatch):
 @pytest.mark.parametrize("poison", ["future-keys", "query-row"])
 def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poison, monkeypatch):
     """Non-finite keys only later rows see, or a NaN query row, under a causal mask: the training call's loss rows and
-    the student's gradients are bitwise those of the portable pass, NaNs in the same places (the portable kernels'
-    containment is tested in test_real_teacher.py and test_reliability.py); the poisoned rows are left out of the
-    loss, as a user masking them would."""
+    the student's gradients through the Hopper fused forward and key pass are bitwise those of the portable kernels,
+    NaNs in the same places (the portable kernels' containment is tested in test_real_teacher.py and
+    test_reliability.py); the poisoned rows are left out of the loss, as a user masking them would."""
     calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, hopper._module("fused_forward"), "attention_kl_fused_fwd_hopper")
     g = torch.Generator(device="cuda").manual_seed(0)
     q_t, k_t, q_s, k_s = (torch.randn(1, 2, 300, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
     if poison == "future-keys":
@@ -320,6 +407,7 @@ def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poiso
         out.masked_fill(~torch.isfinite(out.detach()), 0.0).sum().backward()
         results[switch] = (out.detach(), q.grad, k.grad)
     assert len(calls) == 1, "the Hopper key pass did not run"
+    assert len(fused_calls) == 1, "the fused Hopper forward did not run"
     assert not torch.isfinite(results["0"][0]).all(), "the poison reached no row: the test checks nothing"
     for name, hopper_value, portable_value in zip(("kl", "dq_s", "dk_s"), results["all"], results["0"]):
         torch.testing.assert_close(hopper_value, portable_value, rtol=0, atol=0, equal_nan=True, msg=name)

@@ -7,6 +7,13 @@ once the problem is large enough to hide its launch (building four TMA descripto
 takes about twice a portable launch's host time, v10), so it runs for head dim 128 (either side) at
 ``HOPPER_MIN_SCORES`` score elements and more.
 
+:func:`hopper_fused_forward` picks the Gluon training forward of a frozen teacher (KL, both log-sum-exps and the
+student's query gradient in one pass, :mod:`streamkl._hopper.fused_forward`: a producer warp and two consumer
+warpgroups), which gives the portable fused forward's bits. Measured on an H100
+(``benchmarks/bench_ws_fused_forward.py``, docs/perf-notes.md v17) it is faster than the portable forward at head dim
+128 and at head dim 64 without a mask, and slower at head dim 64 with a causal mask, so it runs for all but the last
+at ``HOPPER_MIN_SCORES`` score elements and more.
+
 :func:`hopper_key_pass` does the same for the backward's key pass when only side b needs gradients (a frozen
 teacher; :mod:`streamkl._hopper.backward`). Measured faster than the portable pass at head dims 64 and 128
 (``benchmarks/bench_hopper_key_pass.py``, docs/perf-notes.md v10), it runs for both at ``HOPPER_MIN_SCORES`` score
@@ -16,9 +23,10 @@ measured faster there (``benchmarks/bench_ws_key_pass.py``, ``benchmarks/bench_p
 docs/perf-notes.md v13 and v14). Elsewhere the one-warpgroup kernel runs, its full steps pipelined at head dim 64 and
 one at a time at head dim 128, where two steps in flight would spill (``benchmarks/bench_one_set_key_pass.py``, v16).
 
-Neither runs on other GPUs, under the interpreter, outside its kernel's scope, when the installed Triton has no usable
-Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects them for
-small problems and the forward for head dim 64 (for measurements).
+None of them runs on other GPUs, under the interpreter, outside its kernel's scope, when the installed Triton has no
+usable Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects
+them for small problems, the forward for head dim 64 and the fused forward for causal head dim 64 (for
+measurements).
 """
 
 from __future__ import annotations
@@ -89,7 +97,8 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
 
 def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     """The Hopper training forward with a frozen teacher (a function of ``(inputs, spec, dq_b)`` returning ``(kl,
-    lse_a, lse_b)`` and filling ``dq_b``, :mod:`streamkl._hopper.fused_forward`), or None.
+    lse_a, lse_b)`` and filling ``dq_b``, :mod:`streamkl._hopper.fused_forward`), or None: the forward of a training
+    call whose side a needs no gradient (:func:`streamkl.autograd.fuses_dq_b`).
 
     Example:
         >>> import torch
@@ -99,8 +108,10 @@ def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
         True
     """
     mode = os.environ.get(ENV_SWITCH, "1")
-    if not inputs.q_a.is_cuda or mode != "all":  # measured slower than the portable kernel (perf-notes v17)
+    if not inputs.q_a.is_cuda or mode == "0" or not _large_enough(inputs, mode):
         return None
+    if mode != "all" and spec.window_right == 0 and max(inputs.q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
+        return None  # causal at head dim 64: measured slower than the portable kernel (v17)
     module = _module("fused_forward")
     if module is None or not module.supports(inputs, spec):
         return None

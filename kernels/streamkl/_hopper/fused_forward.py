@@ -1,26 +1,35 @@
 """Hopper (sm_90) training forward with a frozen teacher, in Gluon: KL, both log-sum-exps and side b's query gradient
-in one pass, the query-gradient products in flight while the warps evaluate the next tile's exponentials.
+per unit upstream gradient in one pass, warp-specialised (a producer warp, two consumer warpgroups).
 
-The portable fused forward (:func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b``) computes per key tile two
-score products, both softmaxes, then two more products into the ``[BLOCK_M, D]`` query-gradient accumulators ``v`` and
-``w`` (:func:`streamkl._triton.forward._fused_dq_fold`), each product waited for before the next step. At head dim
-128 it runs two warpgroups per program whose steps the per-tile barriers keep in lockstep, so the tensor cores idle
-during the exponentials (docs/perf-notes.md v17). This kernel computes the same function (the same lazy frames,
-ratio ``r = z_a / z_b`` and rounding of the difference tile ``p_b·r − p_a``) with one warpgroup per program and the
-key loop pipelined by hand:
+The portable fused forward (:func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b``; side a frozen,
+:func:`streamkl.autograd.fuses_dq_b`) computes per key tile both score products, both softmaxes and two more
+products into the ``[BLOCK_M, D_b]`` query-gradient accumulators ``v`` and ``w``
+(:func:`streamkl._triton.forward._fused_dq_fold`). This kernel computes the same function, step for step (the same
+lazy frames, ratio ``r = z_a / z_b`` and rounding of ``p_b·r − p_a``, the same 64-key tiles), so its outputs are
+bitwise the portable kernel's; it is organised as :mod:`streamkl._hopper.key_pass_ws` organises the key pass:
 
-* key tiles of both sides arrive by TMA into a ring of ``STAGES`` shared-memory slots, each slot refilled as soon as
-  the products that read it complete;
-* per tile ``t``: the softmax work of ``t`` runs while the two query-gradient products of tile ``t − 1`` are still
-  on the tensor cores; then those are waited for, ``v`` and ``w`` rescaled, the score products of ``t + 1`` and the
-  query-gradient products of ``t`` issued (the probability tiles are register operands, as in FlashAttention-3), and
-  only the score products waited for;
-* two programs fit on one SM, so one's exponentials also overlap the other's products.
+* one program owns ``2·BLOCK_M`` query rows: each consumer warpgroup holds ``BLOCK_M`` rows of both sides, their
+  running state and their accumulators, and takes its steps one at a time;
+* a producer warp (24 registers) issues the TMA copies of both sides' key tiles into a ring of ``STAGES`` slots, each
+  refilled once both consumers are done with it (an ``empty`` barrier of count 2), so a key tile is read once per
+  ``2·BLOCK_M`` rows, and no consumer waits for a load or synchronises with the other;
+* the register budget moves from the producer to the consumers (``setmaxnreg``: 240 each).
 
-Scope (anything else runs the portable kernel, :func:`supports`): the forward of a training call whose side a needs
-no gradient (:func:`streamkl.autograd.fuses_dq_b`), dense ``(B, H, N, D)`` bf16 inputs TMA can address, head dims 64
-or 128, no masks, windows, sinks, soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels have no CPU
-interpreter: CI checks the selection, the GPU suite this kernel against the float64 oracle and the portable kernel.
+With a causal mask the first consumer's rows see fewer keys: its steps past its diagonal are masked to zero. On a
+step past a row's diagonal a consumer copies side b's key tile into its own scratch tile with non-finite entries
+replaced by 0 and takes the query-gradient products from there: a key a row must not see cannot reach it through
+``0·inf``, and the ring slot, which the other consumer may need unchanged, is never written.
+
+What was measured (``benchmarks/bench_ws_fused_forward.py``, docs/perf-notes.md v17): one warpgroup per program (two
+programs per SM) was slower than the portable kernel with every schedule tried, with and without the next products in
+flight during the exponentials; so was taking turns on the tensor cores (FlashAttention-3's ping-pong), which left
+one consumer idle while the other computed. The softmax work of two distributions outweighs the products here, so
+the kernel gains by keeping both consumers computing.
+
+Scope (anything else runs the portable kernel, :func:`supports`): dense ``(B, H, N, D)`` bf16 inputs TMA can address,
+head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels
+have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel against the portable one (bitwise)
+and the float64 oracle.
 """
 
 from __future__ import annotations
@@ -40,20 +49,19 @@ from .._problem import KLInputs, KLSpec
 from .._triton._helpers import LN2_C, NEG_BIG, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
-from .forward import (
-    _allocate_tiles,
-    _descriptor,
-    _is_sm90,
-    _issue_scores,
-    _load_fixed,
-    _load_keys,
-)
+from .forward import _descriptor, _is_sm90, _issue_scores, _tma_load
 from .forward import in_scope as _forward_in_scope
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
 #: when a tile's max exceeds it by more than this many powers of two.
 FRAME_SLACK = gl.constexpr(8.0)
-#: A CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` later.
+#: Registers per thread of each consumer warpgroup and of the producer (``setmaxnreg``): one program (two consumer
+#: warpgroups and a producer warp) fills the register file, 2·240 + 24 = 3·168.
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+KERNEL_REGS = 168
+#: A CTA-wide barrier (inside a warp-specialised partition: that partition's warps): ``gl.thread_barrier`` in Triton
+#: 3.6, ``gl.barrier`` later.
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
@@ -126,146 +134,11 @@ def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
 
 
 @gluon.jit
-def _contain_keys(kb_ring, stage, BLOCK_N: gl.constexpr, D_B: gl.constexpr, num_warps: gl.constexpr):
-    """Replace non-finite entries of side b's key tile in ring slot ``stage`` by 0, in place, before a masked tile's
-    query-gradient products read it: a key a row must not see would otherwise reach it through ``0·inf``."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    tile = kb_ring.index(stage).reshape([BLOCK_N, D_B])
-    k = tile.load(layout)
-    tile.store(gl.where(gl.abs(k.to(gl.float32)) < float("inf"), k, gl.zeros_like(k)))
-    fence_async_shared()
-    _cta_barrier()
-
-
-@gluon.jit
-def _hopper_fused_fwd_kernel(
-    qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
-    KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
-    DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
-    H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
-    qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr, num_warps: gl.constexpr,
-):
-    D_A: gl.constexpr = qa_desc.block_type.shape[3]
-    D_B: gl.constexpr = qb_desc.block_type.shape[3]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D_B, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+def _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
+                grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr):
+    """Write the KL, both log-sum-exps and side b's query gradient per unit upstream gradient of rows ``rows`` from
+    their final running state (as the portable kernel's epilogue, without sinks)."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    pid_bh = gl.program_id(1)
-    if CAUSAL:  # the longest rows first
-        m_start = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    else:
-        m_start = gl.program_id(0) * BLOCK_M
-    b = pid_bh // H
-    h = pid_bh % H
-    hk_a = h // GROUP_A
-    hk_b = h // GROUP_B
-    offset = N_K - N_Q
-    if CAUSAL:
-        hi = gl.minimum(N_K, m_start + BLOCK_M + offset)
-        n_full = gl.minimum((m_start + offset + 1) // BLOCK_N, N_K // BLOCK_N)
-    else:
-        hi = N_K
-        n_full = N_K // BLOCK_N
-    n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
-
-    qa_smem, qb_smem, ka_ring, kb_ring, q_bar, bars = _allocate_tiles(qa_desc, qb_desc, ka_desc, kb_desc, STAGES)
-    _load_fixed(qa_desc, qb_desc, b, h, h, m_start, q_bar, qa_smem, qb_smem)
-    for s in gl.static_range(STAGES):
-        _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, s, n_tiles, b, hk_a, hk_b, BLOCK_N, STAGES)
-
-    rows = m_start + gl.arange(0, BLOCK_M, layout=row_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_a = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
-    m_b = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
-    z_a = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    z_b = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    acc = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    rho = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    v = gl.zeros([BLOCK_M, D_B], gl.float32, o_layout)
-    w = gl.zeros([BLOCK_M, D_B], gl.float32, o_layout)
-
-    mbarrier.wait(q_bar, 0)
-    qa = qa_smem.reshape([BLOCK_M, D_A])
-    qb = qb_smem.reshape([BLOCK_M, D_B])
-    mbarrier.wait(bars.index(0), 0)
-    x, y = _issue_scores(qa, qb, ka_ring, kb_ring, 0, zero, BLOCK_N, D_A, D_B)
-    x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-    if OVERLAP == 0:  # one step at a time: the softmax work of tile t, then its products and tile t + 1's scores
-        for t in range(n_tiles):
-            m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
-                x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
-                t < n_full, CAUSAL)
-            p_op = gl.convert_layout(p_b.to(gl.bfloat16), p_layout)
-            d_op = gl.convert_layout(d.to(gl.bfloat16), p_layout)
-            if t > 0:
-                _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, t - 1 + STAGES, n_tiles, b, hk_a, hk_b, BLOCK_N,
-                           STAGES)
-            if CAUSAL and t >= n_full:
-                _contain_keys(kb_ring, t % STAGES, BLOCK_N, D_B, num_warps)
-            v, w = _rescale(v, w, coef, alpha_a, alpha_b, moved, o_row_layout)
-            nxt = t + 1
-            mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
-            x, y = _issue_scores(qa, qb, ka_ring, kb_ring, nxt % STAGES, zero, BLOCK_N, D_A, D_B)
-            kb = kb_ring.index(t % STAGES).reshape([BLOCK_N, D_B])
-            v = warpgroup_mma(p_op, kb, v, is_async=True)
-            w = warpgroup_mma(d_op, kb, w, is_async=True)
-            x, y, v, w = warpgroup_mma_wait(num_outstanding=0, deps=(x, y, v, w))
-    else:
-        # Tile 0: its softmax work while tile 1's scores run (v = w = 0: nothing to rescale). The scores of a tile past
-        # the last are issued on a stale slot and never read (no wgmma under a branch).
-        mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
-        x_next, y_next = _issue_scores(qa, qb, ka_ring, kb_ring, 1 % STAGES, zero, BLOCK_N, D_A, D_B)
-        m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
-            x, y, offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset, n_full > 0, CAUSAL)
-        p_op = gl.convert_layout(p_b.to(gl.bfloat16), p_layout)
-        d_op = gl.convert_layout(d.to(gl.bfloat16), p_layout)
-        x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x_next, y_next))
-        if CAUSAL and n_full == 0:
-            _contain_keys(kb_ring, 0, BLOCK_N, D_B, num_warps)
-        for t in range(1, n_tiles):
-            # In flight during tile t's softmax work: tile t - 1's query-gradient products (and tile t + 1's scores).
-            nxt = t + 1
-            if OVERLAP == 2:
-                mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
-                x_next, y_next = _issue_scores(qa, qb, ka_ring, kb_ring, nxt % STAGES, zero, BLOCK_N, D_A, D_B)
-            kb = kb_ring.index((t - 1) % STAGES).reshape([BLOCK_N, D_B])
-            v = warpgroup_mma(p_op, kb, v, is_async=True)
-            w = warpgroup_mma(d_op, kb, w, is_async=True)
-            m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
-                x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
-                t < n_full, CAUSAL)
-            p_op = gl.convert_layout(p_b.to(gl.bfloat16), p_layout)
-            d_op = gl.convert_layout(d.to(gl.bfloat16), p_layout)
-            if OVERLAP == 2:
-                x, y, v, w = warpgroup_mma_wait(num_outstanding=0, deps=(x_next, y_next, v, w))
-            else:
-                v, w = warpgroup_mma_wait(num_outstanding=0, deps=(v, w))
-            # Tile t - 1's slot is free: refill it. Tile t's products come next iteration: contain its keys, rescale.
-            _load_keys(ka_desc, kb_desc, ka_ring, kb_ring, bars, t - 1 + STAGES, n_tiles, b, hk_a, hk_b, BLOCK_N,
-                       STAGES)
-            if CAUSAL and t >= n_full:
-                _contain_keys(kb_ring, t % STAGES, BLOCK_N, D_B, num_warps)
-            v, w = _rescale(v, w, coef, alpha_a, alpha_b, moved, o_row_layout)
-            if OVERLAP == 1:
-                mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
-                x, y = _issue_scores(qa, qb, ka_ring, kb_ring, nxt % STAGES, zero, BLOCK_N, D_A, D_B)
-                x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-        kb = kb_ring.index((n_tiles - 1) % STAGES).reshape([BLOCK_N, D_B])
-        v = warpgroup_mma(p_op, kb, v, is_async=True)
-        w = warpgroup_mma(d_op, kb, w, is_async=True)
-        v, w = warpgroup_mma_wait(num_outstanding=0, deps=(v, w))
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
-
     row_in = rows < N_Q
     valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
     mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
@@ -288,19 +161,184 @@ def _hopper_fused_fwd_kernel(
     gl.store(DQ_B + out_o * D_B + cols, dq.to(DQ_B.dtype.element_ty), mask=row_in_o & (cols < D_B))
 
 
-def hopper_fused_forward_config(d_a: int, d_b: int) -> LaunchConfig:
-    """Tiles of the fused Hopper forward: 64 query rows, one warpgroup and a key ring small enough that two programs
-    share an SM (shared memory: both query tiles and ``num_stages`` key tiles of both sides); 32-key tiles at head
-    dim 128, where 64 would hold two ``[64, 64]`` score tiles beside two ``[64, 128]`` accumulators and spill."""
-    if max(d_a, d_b) <= 64:
-        return LaunchConfig(64, 64, 4, 4)
-    return LaunchConfig(64, 32, 4, 4)  # v17a: the fastest of the sweep, still slower than the portable kernel
+@gluon.jit
+def _ws_fwd_producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready, empty, q_bar,
+                     b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Load both consumers' query tiles once, then every key tile of both sides, ``STAGES`` ahead of the slower
+    consumer."""
+    mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
+    for c in gl.static_range(2):
+        _tma_load(qa_desc, [b, h, m0 + c * BLOCK_M, 0], q_bar, qa_smem.index(c))
+        _tma_load(qb_desc, [b, h, m0 + c * BLOCK_M, 0], q_bar, qb_smem.index(c))
+    for t in range(n_tiles):
+        stage = t % STAGES
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        bar = ready.index(stage)
+        mbarrier.expect(bar, ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
+        _tma_load(ka_desc, [b, hk_a, t * BLOCK_N, 0], bar, ka_ring.index(stage))
+        _tma_load(kb_desc, [b, hk_b, t * BLOCK_N, 0], bar, kb_ring.index(stage))
 
 
-def overlap_depth(d_b: int) -> int:
-    """What runs on the tensor cores during a tile's exponentials: 0 nothing (one step at a time), 1 the previous
-    tile's query-gradient products, 2 those and the next tile's scores (two register sets of scores)."""
-    return 0
+@gluon.jit
+def _finite_copy(kb_ring, stage, scratch, BLOCK_N: gl.constexpr, D_B: gl.constexpr):
+    """Copy side b's key tile in ring slot ``stage`` into ``scratch`` with non-finite entries replaced by 0, visible
+    to this warpgroup's next products."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    k = kb_ring.index(stage).reshape([BLOCK_N, D_B]).load(layout)
+    scratch.store(gl.where(gl.abs(k.to(gl.float32)) < float("inf"), k, gl.zeros_like(k)))
+    fence_async_shared()
+    _cta_barrier()
+
+
+@gluon.jit
+def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr,
+                  m_a, z_a, acc, m_b, z_b, rho, v, w, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset,
+                  p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_A: gl.constexpr,
+                  D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                  SCRATCH: gl.constexpr):
+    """Key tiles ``[lo, hi)`` of consumer ``ME``, one step each: its score products, the softmax work, the rescaling
+    of ``v`` and ``w``, its two query-gradient products (from the scratch copy with ``SCRATCH``); each slot released
+    once this consumer's products are done with it."""
+    for t in range(lo, hi):
+        stage = t % STAGES
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        x, y = _issue_scores(qa, qb, ka_ring, kb_ring, stage, zero, BLOCK_N, D_A, D_B)
+        x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
+        m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
+            x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
+            not MASKED, CAUSAL)
+        p_op = gl.convert_layout(p_b.to(gl.bfloat16), p_layout)
+        d_op = gl.convert_layout(d.to(gl.bfloat16), p_layout)
+        v, w = _rescale(v, w, coef, alpha_a, alpha_b, moved, o_row_layout)
+        if SCRATCH:
+            _finite_copy(kb_ring, stage, scratch, BLOCK_N, D_B)
+            kb = scratch
+        else:
+            kb = kb_ring.index(stage).reshape([BLOCK_N, D_B])
+        v = warpgroup_mma(p_op, kb, v, is_async=True)
+        w = warpgroup_mma(d_op, kb, w, is_async=True)
+        v, w = warpgroup_mma_wait(num_outstanding=0, deps=(v, w))
+        mbarrier.arrive(empty.index(stage))
+    return m_a, z_a, acc, m_b, z_b, rho, v, w
+
+
+@gluon.jit
+def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, ME: gl.constexpr,
+                     KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                     grad_scale_b, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over every key tile, then their outputs."""
+    D_A: gl.constexpr = qa_smem.type.shape[4]
+    D_B: gl.constexpr = qb_smem.type.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D_B, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row0 = m0 + ME * BLOCK_M
+    if CAUSAL:  # tiles from n_full on hold keys past some row's diagonal (for the first consumer: past all of them)
+        n_full = gl.minimum(gl.minimum((row0 + offset + 1) // BLOCK_N, N_K // BLOCK_N), n_tiles)
+    else:
+        n_full = N_K // BLOCK_N
+    rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_a = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
+    m_b = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
+    z_a = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    z_b = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    rho = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    v = gl.zeros([BLOCK_M, D_B], gl.float32, o_layout)
+    w = gl.zeros([BLOCK_M, D_B], gl.float32, o_layout)
+    scratch = scratch_ring.index(ME).reshape([BLOCK_N, D_B])
+
+    mbarrier.wait(q_bar, 0)
+    qa = qa_smem.index(ME).reshape([BLOCK_M, D_A])
+    qb = qb_smem.index(ME).reshape([BLOCK_M, D_B])
+    m_a, z_a, acc, m_b, z_b, rho, v, w = _ws_fwd_steps(
+        0, n_full, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v, w,
+        zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES,
+        CAUSAL, False, False)
+    # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
+    # past N_K the copy engine filled with zeros).
+    m_a, z_a, acc, m_b, z_b, rho, v, w = _ws_fwd_steps(
+        n_full, n_tiles, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho,
+        v, w, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B,
+        STAGES, CAUSAL, True, CAUSAL)
+    _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
+                grad_scale_b, D_B, o_layout)
+
+
+@gluon.jit
+def _ws_fused_fwd_kernel(
+    qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
+    KL, LSE_A, LSE_B, DQ_B,  # as in streamkl._hopper.fused_forward._hopper_fused_fwd_kernel
+    H, N_Q, N_K, GROUP_A, GROUP_B,
+    qk_scale_a, qk_scale_b, grad_scale_b,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    pid_bh = gl.program_id(1)
+    if CAUSAL:  # the longest rows first
+        m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * 2 * BLOCK_M
+    else:
+        m0 = gl.program_id(0) * 2 * BLOCK_M
+    b = pid_bh // H
+    h = pid_bh % H
+    hk_a = h // GROUP_A
+    hk_b = h // GROUP_B
+    offset = N_K - N_Q
+    if CAUSAL:
+        hi = gl.minimum(N_K, m0 + 2 * BLOCK_M + offset)
+    else:
+        hi = N_K
+    n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
+
+    dtype: gl.constexpr = qa_desc.dtype
+    qa_smem = gl.allocate_shared_memory(dtype, [2] + qa_desc.block_type.shape, qa_desc.layout)
+    qb_smem = gl.allocate_shared_memory(dtype, [2] + qb_desc.block_type.shape, qb_desc.layout)
+    ka_ring = gl.allocate_shared_memory(dtype, [STAGES] + ka_desc.block_type.shape, ka_desc.layout)
+    kb_ring = gl.allocate_shared_memory(dtype, [STAGES] + kb_desc.block_type.shape, kb_desc.layout)
+    scratch_ring = gl.allocate_shared_memory(dtype, [2] + kb_desc.block_type.shape, kb_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    mbarrier.init(q_bar, count=1)
+
+    # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
+    gl.warp_specialize([
+        (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready, empty,
+                            q_bar, b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def fused_forward_config(d_a: int, d_b: int) -> LaunchConfig:
+    """Tiles of the fused Hopper forward, from ``benchmarks/bench_ws_fused_forward.py``'s sweep (H100, bf16, the
+    long-context shapes): ``block_m`` rows per consumer (a program holds two), ``block_n`` keys per tile (64, the
+    portable kernel's, so that both give the same bits; 32-key tiles were slower on every shape), ``num_stages`` slots
+    in the key ring (2: the fastest on three shapes, within the timing noise of 3 on the other two); ``num_warps`` is
+    each consumer's (one warpgroup). At head dim 128 the consumers spill a little
+    (``benchmarks/kernel_resources.py --hopper-fused-forward``) and are still faster than with 32-key tiles, which do
+    not.
+
+    Example:
+        >>> fused_forward_config(128, 128)
+        LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    """
+    return LaunchConfig(64, 64, 4, 2)
 
 
 def in_scope(inputs: KLInputs, spec: KLSpec) -> bool:
@@ -324,13 +362,13 @@ def supports(inputs: KLInputs, spec: KLSpec) -> bool:
         and in_scope(inputs, spec)
 
 
-_launch = KernelLauncher(_hopper_fused_fwd_kernel)
+_launch = KernelLauncher(_ws_fused_fwd_kernel)
 
 
-def attention_kl_fused_fwd_hopper(inputs: KLInputs, spec: KLSpec, dq_b: torch.Tensor,
-                                  config: LaunchConfig | None = None,
-                                  overlap: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused forward of :func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b`` (same outputs: ``(kl,
+def attention_kl_fused_fwd_hopper(
+    inputs: KLInputs, spec: KLSpec, dq_b: torch.Tensor, config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused forward of :func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b`` (same outputs, ``(kl,
     lse_a, lse_b)``, each ``[B, H, N_q]`` fp32, nats, and ``dq_b`` filled with side b's query gradient per unit
     upstream gradient) on the Hopper kernel; only for problems :func:`supports` accepts.
 
@@ -354,16 +392,14 @@ def attention_kl_fused_fwd_hopper(inputs: KLInputs, spec: KLSpec, dq_b: torch.Te
         lse_b.fill_(float("inf"))
         dq_b.zero_()
         return kl, lse_a, lse_b
-    cfg = config or hopper_fused_forward_config(d_a, d_b)
+    cfg = config or fused_forward_config(d_a, d_b)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
-    grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
     _launch(
-        grid,
+        (triton.cdiv(n_q, 2 * cfg.block_m), batch * heads),
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
-         ("STAGES", cfg.num_stages), ("OVERLAP", overlap_depth(d_b) if overlap is None else overlap),
-         ("num_warps", cfg.num_warps)),
+         ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )
     return kl, lse_a, lse_b
