@@ -94,6 +94,7 @@ GENERATED = {
     "profile:kernels": "benchmarks/kernel_profile.py",
     "one-set:tiles": "benchmarks/bench_one_set_key_pass.py", "one-set:op": "benchmarks/bench_one_set_key_pass.py",
     "one-set:checks": "benchmarks/bench_one_set_key_pass.py",
+    **{f"ws-fwd:{name}": "benchmarks/bench_ws_fused_forward.py" for name in ("one-warpgroup", "tiles", "op", "checks")},
 }
 
 #: figures in prose that are not measurements: (page or "*", regex of the phrase, evidence). The evidence of a
@@ -819,6 +820,55 @@ def one_set_key_pass_v16_claims() -> list[Claim]:
         for t in profile]
 
 
+def ws_fused_forward_v17_claims() -> list[Claim]:
+    """perf-notes v17: the offline stacks, the paired rounds (which differences the sign test finds, and the shape
+    where the Gluon forward is slower, which the selection leaves out), the ratios to cuDNN, bitwise-equal checks and
+    the GPU tests' logs."""
+    import bench_ws_fused_forward as bench
+
+    res = {(r["d"], r["causal"], r["block_n"]): r for r in _json("kernel-resources-hopper-fused-forward.json")["rows"]}
+    assert all(r["stack"] == 0 for k, r in res.items() if k[0] == 64 or k[2] == 32), "v17 says no stack there"
+    data = _json("nvidia-h100-80gb-hbm3-ws-fused-forward.json")
+    assert all(c["bitwise_equal"] for c in data["checks"]), "v17 says the portable forward's bits"
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    fwd, train = ({n: bench.paired(rows[n], what) for n in rows} for what in ("fused fwd", "training call"))
+    d64, d64c, d128, d128c, gqa = (s[0] for s in bench.SHAPES)
+    assert fwd[d64c]["ratio"] > 1 and fwd[d64c]["p"] < 0.05, "v17 says slower at causal head dim 64"
+    assert fwd[d64]["p"] < 0.05 and fwd[d128c]["p"] < 0.05 and fwd[d128]["p"] >= 0.05 and fwd[gqa]["p"] >= 0.05
+    assert all(train[n]["p"] < 0.05 and train[n]["wins"] == train[n]["rounds"] for n in (d64, d128, gqa))
+    assert train[d128c]["p"] >= 0.05 and train[d64c]["p"] >= 0.05
+    for one in data["rows"]:  # v17a: slower than the portable kernel in every schedule, the more in flight the slower
+        ms = [one["one_warpgroup_ms"][str(o)] for o in bench.ONE_WARPGROUP_SCHEDULES]
+        assert min(ms) > fwd[one["shape"]["name"]]["previous"] and ms == sorted(ms), one["shape"]["name"]
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v17.log", "v17 says every Hopper test passed")
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v17-selection.log", "v17 says the selection tests passed")
+
+    def rounds(x, faster=False):
+        return f"{x['wins']} of {x['rounds']}{' rounds faster' if faster else ''}, p = {x['p']:.2g}"
+
+    gluon_fwd = [fwd[n]["new"] / rows[n]["cudnn_fwd_ms"] for n in rows]
+    v17_train = [train[n]["new"] / rows[n]["cudnn_fwd_bwd_ms"] for n in rows]
+    texts = [
+        f"a {res[(128, False, 64)]['stack']}-byte stack without a mask, {res[(128, True, 64)]['stack']} with a causal "
+        "one",
+        f"The Gluon forward took {fwd[d64]['ratio']:.2f}× of the portable one's time at N8192-D64 "
+        f"({fwd[d64]['wins']} of {fwd[d64]['rounds']} rounds, p = {fwd[d64]['p']:.2g}), {fwd[d128]['ratio']:.2f}× at "
+        f"N8192-D128 ({rounds(fwd[d128])}: not significant), {fwd[d128c]['ratio']:.2f}× at N8192-D128-causal "
+        f"({rounds(fwd[d128c])}) and {fwd[gqa]['ratio']:.2f}× at the GQA shape ({rounds(fwd[gqa])}: not "
+        f"significant), and {fwd[d64c]['ratio']:.2f}× at N8192-D64-causal ({rounds(fwd[d64c], True)}), where it is "
+        "slower",
+        f"The training call took {train[d64]['ratio']:.2f}× of v16's time at N8192-D64, {train[d128]['ratio']:.2f}× at "
+        f"N8192-D128 and {train[gqa]['ratio']:.2f}× at the GQA shape ({train[d64]['wins']} of {train[d64]['rounds']} "
+        f"rounds each, p = {train[d64]['p']:.2g}); at N8192-D128-causal it did not change "
+        f"({train[d128c]['ratio']:.2f}×, {rounds(train[d128c], True)}), nor at N8192-D64-causal, which runs v16's "
+        f"kernels ({train[d64c]['ratio']:.2f}×, {train[d64c]['wins']} of {train[d64c]['rounds']})",
+        f"Against cuDNN the Gluon forward still takes {_ratio_span(gluon_fwd)} the time of an attention forward, and "
+        f"the training call {_ratio_span(v17_train)} that of an attention forward+backward",
+    ]
+    return [Claim("docs/perf-notes.md", t, "benchmarks/results/nvidia-h100-80gb-hbm3-ws-fused-forward.json")
+            for t in texts]
+
+
 def short_context_v15_claims() -> list[Claim]:
     """perf-notes "Where the remaining gap is": the short-context targets measured on v15 (overhead.py, paired with a
     copy of v14, SDPA in every round)."""
@@ -1375,6 +1425,7 @@ def claims(r: Results) -> list[Claim]:
     out += short_context_v15_claims()
     out += kernel_profile_claims()
     out += one_set_key_pass_v16_claims()
+    out += ws_fused_forward_v17_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

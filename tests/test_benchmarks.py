@@ -632,3 +632,27 @@ def test_perf_notes_v16_tables_are_bench_one_set_key_pass_output():
     module = _module("backward")
     if module is not None:
         assert [module.overlaps_steps(d) for d in (64, 128)] == [True, False]
+
+
+def test_perf_notes_v17_tables_are_bench_ws_fused_forward_output():
+    """docs/perf-notes.md's v17 blocks are bench_ws_fused_forward.py's rendering of the committed H100 run, whose shapes
+    are the script's and whose checks are bench_hopper_key_pass's cases; the code's tile is one of its sweep, and the
+    code runs the Gluon forward exactly on the shapes where the run found it faster (every shape but the one where
+    it was slower in every round); the offline resource file holds every case kernel_resources.py compiles."""
+    from streamkl._hopper import fused_forward_pays
+    from streamkl._hopper.fused_forward import fused_forward_config
+    from streamkl._problem import KLSpec
+
+    bench = _load(ROOT / "benchmarks" / "bench_ws_fused_forward.py", "bench_ws_fused_forward")
+    data = _assert_key_pass_run("bench_ws_fused_forward")
+    for row in data["rows"]:
+        shape = row["shape"]
+        assert list(vars(fused_forward_config(shape["d"], shape["d"])).values()) in [t["tile"] for t in row["tiles"]]
+        fwd = bench.paired(row, "fused fwd")
+        slower = fwd["ratio"] > 1 and fwd["wins"] == 0
+        spec = KLSpec(0.1, 0.1, window_right=0 if shape["causal"] else -1)
+        assert fused_forward_pays(spec, shape["d"], shape["d"]) is not slower, shape["name"]
+    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
+    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-fused-forward.json").read_text())
+    assert [(r["d"], r["causal"], r["block_m"], r["block_n"], r["stages"]) for r in compiled["rows"]] == \
+        resources.HOPPER_FUSED_FORWARD_CASES

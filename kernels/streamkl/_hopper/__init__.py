@@ -95,6 +95,18 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     return module.attention_kl_fwd_hopper
 
 
+def fused_forward_pays(spec: KLSpec, d_a: int, d_b: int) -> bool:
+    """Whether the fused Gluon forward was measured faster than the portable one for problems like this: at head dim
+    128 (either side), and at head dim 64 without a causal mask (docs/perf-notes.md v17).
+
+    Example:
+        >>> causal, dense = KLSpec(0.125, 0.125, window_right=0), KLSpec(0.125, 0.125)
+        >>> fused_forward_pays(causal, 64, 64), fused_forward_pays(causal, 128, 64), fused_forward_pays(dense, 64, 64)
+        (False, True, True)
+    """
+    return max(d_a, d_b) >= 128 or spec.window_right != 0
+
+
 def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     """The Hopper training forward with a frozen teacher (a function of ``(inputs, spec, dq_b)`` returning ``(kl,
     lse_a, lse_b)`` and filling ``dq_b``, :mod:`streamkl._hopper.fused_forward`), or None: the forward of a training
@@ -110,8 +122,8 @@ def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     mode = os.environ.get(ENV_SWITCH, "1")
     if not inputs.q_a.is_cuda or mode == "0" or not _large_enough(inputs, mode):
         return None
-    if mode != "all" and spec.window_right == 0 and max(inputs.q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
-        return None  # causal at head dim 64: measured slower than the portable kernel (v17)
+    if mode != "all" and not fused_forward_pays(spec, inputs.q_a.shape[-1], inputs.q_b.shape[-1]):
+        return None
     module = _module("fused_forward")
     if module is None or not module.supports(inputs, spec):
         return None
@@ -138,5 +150,5 @@ def hopper_key_pass(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad
     return module.attention_kl_key_pass_hopper
 
 
-__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward", "hopper_fused_forward",
-           "hopper_key_pass"]
+__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "fused_forward_pays", "hopper_enabled", "hopper_forward",
+           "hopper_fused_forward", "hopper_key_pass"]
