@@ -21,10 +21,10 @@ replaced by 0 and takes the query-gradient products from there: a key a row must
 ``0·inf``, and the ring slot, which the other consumer may need unchanged, is never written.
 
 What was measured (``benchmarks/bench_ws_fused_forward.py``, docs/perf-notes.md v17): one warpgroup per program (two
-programs per SM) was slower than the portable kernel with every schedule tried, with and without the next products in
-flight during the exponentials; so was taking turns on the tensor cores (FlashAttention-3's ping-pong), which left
-one consumer idle while the other computed. The softmax work of two distributions outweighs the products here, so
-the kernel gains by keeping both consumers computing.
+programs per SM, v17a) was slower than the portable kernel with every schedule tried, with and without products in
+flight during the exponentials. In a scratch probe, consumers taking turns on the tensor cores (FlashAttention-3's
+ping-pong) were slower than consumers that both compute at once. The softmax work of two distributions outweighs the
+products here, so the kernel gains by keeping both consumers computing, not by overlapping them with the products.
 
 Scope (anything else runs the portable kernel, :func:`supports`): dense ``(B, H, N, D)`` bf16 inputs TMA can address,
 head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels
@@ -276,7 +276,8 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
 @gluon.jit
 def _ws_fused_fwd_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
-    KL, LSE_A, LSE_B, DQ_B,  # as in streamkl._hopper.fused_forward._hopper_fused_fwd_kernel
+    KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
+    DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
     H, N_Q, N_K, GROUP_A, GROUP_B,
     qk_scale_a, qk_scale_b, grad_scale_b,
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
