@@ -26,7 +26,6 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import platform
@@ -38,23 +37,18 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from bench_fused_dq import SHAPES as FUSED_SHAPES  # noqa: E402
 from bench_hopper import tiles_table as hopper_tiles_table  # noqa: E402
 from bench_hopper_key_pass import CHECKS  # noqa: E402
 from bench_lazy_frames import ROUNDS, _bench, _rel, paired, paired_cell  # noqa: E402
 from bench_ws_key_pass import _problem  # noqa: E402
-from report import RESULTS, load_package, render_results  # noqa: E402
+from report import load_package, paired_run_main  # noqa: E402
 
 RESULT_NAME = "ws-fused-forward.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
 H100_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{RESULT_NAME}")
-#: (name, B, H, teacher key heads, N, D, causal)
-SHAPES = [
-    ("N8192-D64", 1, 16, 16, 8192, 64, False),
-    ("N8192-D64-causal", 1, 16, 16, 8192, 64, True),
-    ("N8192-D128", 1, 16, 16, 8192, 128, False),
-    ("N8192-D128-causal", 1, 16, 16, 8192, 128, True),
-    ("N16384-D128-H32-GQA8-causal", 1, 32, 8, 16384, 128, True),
-]
+#: the fused-forward benchmark's long-context shapes (name, B, H, teacher key heads, N, D, causal)
+SHAPES = [s for s in FUSED_SHAPES if not s[0].startswith("BERT")]
 #: (rows per consumer, keys per tile, warps per consumer, ring stages) of the warp-specialised kernel
 CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 4)]
 #: v17a's schedules (``overlap``): 0 one step at a time, 1 the previous tile's dQ products in flight during the
@@ -210,26 +204,8 @@ def blocks(data: dict, _tuning=None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", help="a copy of v16's kernels/streamkl")
-    parser.add_argument("--one-warpgroup", help="a copy of v17a's kernels/streamkl (commit 568df98)")
-    parser.add_argument("--out", help=f"directory for <gpu>-{RESULT_NAME}")
-    parser.add_argument("--render", nargs="?", const=H100_RESULT,
-                        help="write the tables of a results file into docs/perf-notes.md")
-    args = parser.parse_args(argv)
-    if args.render:
-        render_results(DOC, blocks, args.render)
-        return
-    if not args.against:
-        parser.error("--against is required to measure (a copy of v16's kernels/streamkl)")
-    from bench_attention_kl import gpu_tag, write_json
-
-    data = run(args.against, args.one_warpgroup)
-    out = os.path.join(args.out or RESULTS, f"{gpu_tag(data['device'])}-{RESULT_NAME}")
-    write_json(out, data)
-    for table in blocks(data).values():
-        print(table)
-    print(f"wrote {out}")
+    paired_run_main(argv, __doc__, run, blocks, RESULT_NAME, H100_RESULT, DOC,
+                    extra=("--one-warpgroup", "a copy of v17a's kernels/streamkl (commit 568df98)"))
 
 
 if __name__ == "__main__":

@@ -607,10 +607,12 @@ def render_results(doc: str, blocks, path: str, tuning_path: str | None = None) 
 
 
 def paired_run_main(argv, description: str, run, blocks, result_name: str, h100_result: str,
-                    doc: str = PERF_NOTES) -> None:
+                    doc: str = PERF_NOTES, extra: tuple[str, str] | None = None) -> None:
     """The command line of a script that measures this version against a copy of an earlier one and renders its
     tables into ``doc``: ``--against DIR`` runs ``run(DIR)`` and writes ``<out>/<gpu>-<result_name>`` (default
     ``benchmarks/results``); ``--render [FILE]`` writes ``blocks`` of ``FILE`` (default ``h100_result``) into ``doc``.
+    ``extra``: ``(option, help)`` of one more, optional package copy, passed to ``run`` as its second argument (None
+    when not given).
 
     Example (not run: it measures on a GPU)::
 
@@ -621,6 +623,8 @@ def paired_run_main(argv, description: str, run, blocks, result_name: str, h100_
     parser.add_argument("--out", help=f"directory for <gpu>-{result_name}")
     parser.add_argument("--render", nargs="?", const=h100_result,
                         help=f"write the tables of a results file into docs/{os.path.basename(doc)}")
+    if extra:
+        parser.add_argument(extra[0], dest="extra", help=extra[1])
     args = parser.parse_args(argv)
     if args.render:
         render_results(doc, blocks, args.render)
@@ -629,7 +633,7 @@ def paired_run_main(argv, description: str, run, blocks, result_name: str, h100_
         parser.error("--against is required to measure (a copy of the previous version's kernels/streamkl)")
     from bench_attention_kl import gpu_tag, write_json
 
-    data = run(args.against)
+    data = run(args.against, args.extra) if extra else run(args.against)
     out = os.path.join(args.out or RESULTS, f"{gpu_tag(data['device'])}-{result_name}")
     write_json(out, data)
     for table in blocks(data).values():

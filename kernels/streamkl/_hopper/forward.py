@@ -159,6 +159,27 @@ def _load_fixed(a_desc, b_desc, b, h_a, h_b, row, bar, a_smem, b_smem):
 
 
 @gluon.jit
+def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q, qk_scale_a, qk_scale_b):
+    """Write the KL and both log-sum-exps of rows ``rows`` from their final running state (the portable kernel's
+    epilogue, without sinks); returns ``(valid, z_a_safe, out, row_in)``: which rows have a key, side a's sums with
+    1 elsewhere, the rows' flat output offsets and which rows exist."""
+    row_in = rows < N_Q
+    valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
+    mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
+    mc_b = gl.maximum(m_b * qk_scale_b, NEG_BIG)
+    z_a_safe = gl.where(valid, z_a, 1.0)
+    z_b_safe = gl.where(valid, z_b, 1.0)
+    lse2_a = mc_a + gl.log2(z_a_safe)
+    lse2_b = mc_b + gl.log2(z_b_safe)
+    kl = gl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
+    out = (b.to(gl.int64) * H + h) * N_Q + rows
+    gl.store(KL + out, kl, mask=row_in)
+    gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
+    gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
+    return valid, z_a_safe, out, row_in
+
+
+@gluon.jit
 def _hopper_fwd_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
@@ -245,19 +266,7 @@ def _hopper_fwd_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    row_in = rows < N_Q
-    valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
-    mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
-    mc_b = gl.maximum(m_b * qk_scale_b, NEG_BIG)
-    z_a_safe = gl.where(valid, z_a, 1.0)
-    z_b_safe = gl.where(valid, z_b, 1.0)
-    lse2_a = mc_a + gl.log2(z_a_safe)
-    lse2_b = mc_b + gl.log2(z_b_safe)
-    kl = gl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
-    out = (b.to(gl.int64) * H + h) * N_Q + rows
-    gl.store(KL + out, kl, mask=row_in)
-    gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
-    gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
+    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q, qk_scale_a, qk_scale_b)
 
 
 def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:

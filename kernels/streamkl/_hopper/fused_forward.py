@@ -46,10 +46,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import LN2_C, NEG_BIG, side_scales
+from .._triton._helpers import NEG_BIG, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
-from .forward import _descriptor, _is_sm90, _issue_scores, _tma_load
+from .forward import _descriptor, _is_sm90, _issue_scores, _store_kl_lse, _tma_load
 from .forward import in_scope as _forward_in_scope
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
@@ -136,22 +136,11 @@ def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
 @gluon.jit
 def _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
                 grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr):
-    """Write the KL, both log-sum-exps and side b's query gradient per unit upstream gradient of rows ``rows`` from
-    their final running state (as the portable kernel's epilogue, without sinks)."""
+    """Write the KL, both log-sum-exps (:func:`streamkl._hopper.forward._store_kl_lse`) and side b's query gradient per
+    unit upstream gradient of rows ``rows`` from their final running state."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    row_in = rows < N_Q
-    valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
-    mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
-    mc_b = gl.maximum(m_b * qk_scale_b, NEG_BIG)
-    z_a_safe = gl.where(valid, z_a, 1.0)
-    z_b_safe = gl.where(valid, z_b, 1.0)
-    lse2_a = mc_a + gl.log2(z_a_safe)
-    lse2_b = mc_b + gl.log2(z_b_safe)
-    kl = gl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
-    out = (b.to(gl.int64) * H + h) * N_Q + rows
-    gl.store(KL + out, kl, mask=row_in)
-    gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
-    gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
+    valid, z_a_safe, out, row_in = _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q,
+                                                 qk_scale_a, qk_scale_b)
     # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j = grad_scale_b · w / z_a (0 on empty rows)
     scale = gl.expand_dims(gl.convert_layout(gl.where(valid, grad_scale_b / z_a_safe, 0.0), o_row_layout), 1)
     dq = w * scale
