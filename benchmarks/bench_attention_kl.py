@@ -12,12 +12,15 @@ memory of each forward+backward (``"OOM"`` when it does not fit).
     python benchmarks/bench_attention_kl.py --max-n 4096    # re-measure the short rows, merged into <gpu>.json
     python benchmarks/bench_attention_kl.py --memory-only   # memory rows only -> results/runs/<gpu>-memory.json
     python benchmarks/bench_attention_kl.py --merge RUN --note "..."  # fold RUN's records into <gpu>.json
+    python benchmarks/bench_attention_kl.py --out RUN.json --resume  # continue the run stopped in RUN.json.partial
     python benchmarks/report.py                             # tables + plots under docs/
 
 Only a full run replaces the grid ``benchmarks/results/<gpu>.json``; a partial run never does: ``--quick`` writes a
 run file of its own (fold it in with ``--merge``) and ``--max-n`` merges its records into the grid, keeping every row
 it did not re-measure. While a run measures, its records go to ``<out>.partial`` (the output is only written at the
-end, atomically); an interrupted run leaves the output untouched, and ``--merge <out>.partial`` keeps what it measured.
+end, atomically); an interrupted run leaves the output untouched, and ``--merge <out>.partial`` keeps what it measured,
+or ``--resume`` (with the options it was started with) measures the rest on the same kind of card, with the first
+part's ceilings (the full grid takes longer than one 10-minute call of the lent GPU).
 
 Run it from an installed checkout (``pip install -e .``) or with ``PYTHONPATH=kernels``.
 
@@ -263,23 +266,48 @@ def memory_grid(quick: bool, max_n: int | None = None) -> list[Shape]:
     return shapes
 
 
+def _rows(quick: bool, max_n: int | None, memory_only: bool) -> dict:
+    """The options that choose a run's rows, as its results file records them (``--resume`` checks them)."""
+    return {"quick": quick, "max_n": max_n, "memory_only": memory_only}
+
+
+def measured(records: list[dict]) -> tuple[set, set]:
+    """What ``records`` (a run's, possibly interrupted) already hold: the ``(shape, provider)`` pairs of its memory
+    rows and the shapes of its timed rows, each shape as ``json.dumps(asdict(shape), sort_keys=True)``. A timed
+    shape's records are written together, after all its providers, so any timed record marks the shape done."""
+    key = lambda r: json.dumps(r["shape"], sort_keys=True)
+    memory = {(key(r), r["provider"]) for r in records if r["mode"] == "mem"}
+    timed = {key(r) for r in records if r["mode"] != "mem"}
+    return memory, timed
+
+
 def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = None,
-        max_n: int | None = None, memory_only: bool = False) -> dict:
+        max_n: int | None = None, memory_only: bool = False, resume: dict | None = None) -> dict:
     """Measure the grid (``quick``: the headline rows; ``max_n``: the H=16 rows up to that N; ``memory_only``: the
     full grid's memory rows and nothing else) and return this run's results file (its metadata and its records
-    only). After every shape the records so far are written to ``progress``."""
+    only). After every shape the records so far are written to ``progress``. ``resume`` (the progress file of an
+    interrupted run of the same rows on the same card) continues that run: its ceilings and records are kept and
+    only the shapes it lacks are measured."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    ceilings = measure_ceilings()
+    if resume is None:
+        ceilings = measure_ceilings()
+        records: list[Record] = []
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "host": platform.node(),
+            "ceilings": ceilings,
+            "rows": _rows(quick, max_n, memory_only),
+        }
+    else:
+        meta = {k: v for k, v in resume.items() if k != "records"}
+        meta["resumed_on"] = [*meta.get("resumed_on", []), platform.node()]
+        ceilings = meta["ceilings"]
+        records = [Record(**r) for r in resume["records"]]
+    done_memory, done_timed = measured([asdict(r) for r in records])
     print(f"ceilings: exp2 {ceilings['exp2_per_s']:.3e}/s, bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} "
           f"TFLOP/s, copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
-    records: list[Record] = []
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "host": platform.node(),
-        "ceilings": ceilings,
-    }
 
     def result() -> dict:
         return {**meta, "records": [asdict(r) for r in records]}
@@ -298,11 +326,15 @@ def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = No
             return naive_fn(shape, inputs, False), _grad_targets(inputs)
 
         for provider, make in (("streamkl", make_streamkl), ("naive-eager", make_naive)):
+            if (json.dumps(asdict(shape), sort_keys=True), provider) in done_memory:
+                continue
             rec = peak_memory(provider, shape, make)
             records.append(rec)
             print(f"mem {provider} {shape}: {rec.peak_bytes if rec.status == 'ok' else rec.status}", flush=True)
             save()
     for shape in [] if memory_only else time_grid(quick, max_n):
+        if json.dumps(asdict(shape), sort_keys=True) in done_timed:
+            continue
         t0 = time.time()
         inputs = make_inputs(shape)
         targets = _grad_targets(inputs)
@@ -389,6 +421,24 @@ def merge_into(out: str, run_: dict, note: str, why: str) -> dict:
     return merged
 
 
+def _read_progress(progress: str, rows: dict) -> dict:
+    """The interrupted run that ``--resume`` continues: ``progress`` must exist, come from this card and have
+    measured the rows the options now choose (``rows``)."""
+    if not os.path.exists(progress):
+        raise SystemExit(f"--resume continues the run in {progress}, which does not exist (pass the --out of the "
+                         "interrupted run, or leave --resume out to start one).")
+    with open(progress) as f:
+        previous = json.load(f)
+    device = torch.cuda.get_device_name()
+    if previous.get("device") != device:
+        raise SystemExit(f"--resume: {progress} was measured on {previous.get('device')!r}, this card is {device!r}; "
+                         "one run's rows must come from one kind of card.")
+    if previous.get("rows") != rows:
+        raise SystemExit(f"--resume: {progress} measured the rows of {previous.get('rows')}, the options given now "
+                         f"choose {rows}; pass the options the interrupted run was started with.")
+    return previous
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -410,12 +460,15 @@ def main(argv: list[str] | None = None) -> None:
                              "--quick run after a kernel change) into --out (default: the grid of RUN's device), "
                              "with --note")
     parser.add_argument("--note", default="", help="the note --merge and --max-n append to the results file")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run that <out>.partial holds (one stopped by a time limit): pass the "
+                             "options it was started with; only the shapes it lacks are measured, with its ceilings")
     args = parser.parse_args(argv)
     if sum((args.quick, args.max_n is not None, args.memory_only)) > 1:
         parser.error("--quick, --max-n and --memory-only choose different rows; pass one of them")
     if args.merge:
-        if args.quick or args.max_n is not None or args.memory_only:
-            parser.error("--merge measures nothing; it takes no --quick, --max-n or --memory-only")
+        if args.quick or args.max_n is not None or args.memory_only or args.resume:
+            parser.error("--merge measures nothing; it takes no --quick, --max-n, --memory-only or --resume")
         with open(args.merge) as f:
             run_ = json.load(f)
         out = args.out or default_out(run_["device"])
@@ -429,9 +482,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_n is not None:
         read_grid(out, "--max-n")  # fail before measuring
     progress = f"{out}.partial"
+    resume = _read_progress(progress, _rows(args.quick, args.max_n, args.memory_only)) if args.resume else None
     print(f"records are saved to {progress} as they are measured; if the run stops, merge them with "
           f"--merge {progress} --out {out}", flush=True)
-    result = run(args.quick, args.naive_max_n, args.compile_n, progress, args.max_n, args.memory_only)
+    result = run(args.quick, args.naive_max_n, args.compile_n, progress, args.max_n, args.memory_only, resume)
     if args.max_n is None:
         write_json(out, result)
         print(f"wrote {out}")

@@ -320,6 +320,50 @@ def test_an_interrupted_run_leaves_its_output_alone(bench, tmp_path, monkeypatch
             and r["mode"] == "fwd"}[1024] == 1.0
 
 
+def test_a_run_stopped_by_a_time_limit_resumes_where_it_stopped(bench, tmp_path, monkeypatch):
+    """`--resume` measures only what `<out>.partial` lacks (the full grid outlasts one device call), keeps the first
+    part's ceilings, and refuses a progress file of other rows or another card."""
+    import torch
+
+    out = tmp_path / "run.json"
+    measured_after_resume: list[str] = []
+    resumed = False
+
+    def time_fwd_bwd(provider, shape, fn, targets):
+        if resumed:
+            measured_after_resume.append(shape.n)
+        elif shape.n > 2048:
+            raise TimeoutError("the call's time is up")
+        return [bench.Record(provider, mode, bench.asdict(shape), ms=float(shape.n)) for mode in ("fwd", "bwd")]
+
+    monkeypatch.setattr(bench, "time_fwd_bwd", time_fwd_bwd)
+    with pytest.raises(TimeoutError):
+        bench.main(["--out", str(out)])
+    partial = json.loads((tmp_path / "run.json.partial").read_text())
+    first = {json.dumps(r["shape"], sort_keys=True) for r in partial["records"] if r["mode"] != "mem"}
+    assert {r["mode"] for r in partial["records"]} >= {"mem", "fwd"} and not out.exists()
+
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: pytest.fail("a resumed run keeps its ceilings"))
+    with pytest.raises(SystemExit, match=r"--resume.*rows"):
+        bench.main(["--quick", "--out", str(out), "--resume"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "third GPU")
+    with pytest.raises(SystemExit, match=r"--resume.*third GPU"):
+        bench.main(["--out", str(out), "--resume"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "second GPU")
+    resumed = True
+    bench.main(["--out", str(out), "--resume"])
+    result = json.loads(out.read_text())
+    assert result["ceilings"] == partial["ceilings"] and len(result["resumed_on"]) == 1
+    timed = [json.dumps(bench.asdict(s), sort_keys=True) for s in bench.time_grid(False)]
+    keys = [(json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]) for r in result["records"]]
+    assert len(keys) == len(set(keys))  # nothing measured twice
+    assert {k[0] for k in keys if k[2] != "mem"} == set(timed)  # and nothing missing
+    assert len(first) == 2 and not first & set(measured_after_resume)  # the first part is not measured again
+    assert not (tmp_path / "run.json.partial").exists()
+    with pytest.raises(SystemExit, match="does not exist"):
+        bench.main(["--out", str(out), "--resume"])
+
+
 def test_merging_needs_an_existing_results_file(bench, tmp_path):
     run_ = tmp_path / "run.json"
     run_.write_text(json.dumps(_PREVIOUS))
