@@ -7,7 +7,7 @@ between the ``tuning`` markers of docs/perf-notes.md.
     python benchmarks/report.py --no-plots                        # the markdown only
 
 The bounds and tuning tables of docs/perf-notes.md always come from ``PERF_NOTES_GRID`` and ``PERF_NOTES_TUNING``, its
-remaining-gap table from ``PERF_NOTES_TRAINING`` and the grid's ceilings.
+remaining-gap table from ``PERF_NOTES_TRAINING`` and that grid's ceilings.
 
 Runs on any machine (no GPU needed). Every ratio in the tables compares numbers measured in the same run. Other
 JSON files under results/ (the ablation and continual results, ...) are not benchmark grids and are skipped.
@@ -32,8 +32,13 @@ IMG = os.path.join(DOCS, "img")
 PERF_NOTES = os.path.join(DOCS, "perf-notes.md")
 #: the runs whose tables docs/perf-notes.md shows (its prose quotes the same files: benchmarks/figures.py); named, not
 #: the last grid and tuning file found, so a run of another card never rewrites the H100 notes
-PERF_NOTES_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
+#: The grid as v3 to v15 measured and merged it: its ceilings are the ones every bound in docs/perf-notes.md was
+#: computed with (the full grid of v17 replaced benchmarks/results/<gpu>.json; docs/benchmarks.md renders that).
+PERF_NOTES_GRID = os.path.join(RESULTS, "runs", "nvidia-h100-80gb-hbm3-grid-v3-to-v15.json")
 PERF_NOTES_TUNING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-tuning.json")
+#: The full grid of v17's kernels, which the "grid re-measured" section of docs/perf-notes.md sets against the grid
+#: as it was published before (``PERF_NOTES_GRID``, whose long-context rows were older kernels').
+PERF_NOTES_CURRENT_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
 #: the training call whose distance to its bounds the "remaining gap" section of docs/perf-notes.md renders (v12's run)
 PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-peeled-key-pass.json")
 
@@ -359,10 +364,10 @@ def render(paths: list[str]) -> str:
            "which computes one softmax where the KL computes two); the naive materialising KL from "
            "`streamkl.naive`, eager and under `torch.compile`. \"bwd\" is the student backward (dQ_s, dK_s) with the "
            "graph retained; the default backward is the deterministic two-pass one, \"atomic bwd\" the one-pass "
-           "backward with fp32 atomic dQ (`deterministic=False`). Since v6 a frozen teacher's forward, run with "
-           "grad, also accumulates dQ_s, so in the rows measured since then \"bwd\" is only the key pass and a "
-           "scaling, while \"fwd\" (timed without grad, as a metric runs it) is the plain forward: compare "
-           "fwd+bwd. Bounds use the exp2 and bf16-matmul rates measured "
+           "backward with fp32 atomic dQ (`deterministic=False`). A frozen teacher's forward, run with grad, also "
+           "accumulates dQ_s (since v6), so in the rows measured since then (all of them since the full grid of "
+           "v17) \"bwd\" is only the key pass and a scaling, while \"fwd\" (timed without grad, as a metric runs "
+           "it) is the plain forward: compare fwd+bwd. Bounds use the exp2 and bf16-matmul rates measured "
            "in the same run. See docs/perf-notes.md for what each kernel version changed.", ""]
     for path in paths:
         meta, t = load(path)
@@ -538,12 +543,45 @@ def write_blocks(path: str, blocks: dict[str, str]) -> None:
         f.write(text)
 
 
-def perf_notes(text: str, grid_path: str, tuning_path: str, training_path: str | None = None) -> str:
+#: The long-context rows the "grid re-measured" table shows: N = 8192 (the issue's shapes) and up.
+REFRESH_NS = (8192, 16384, 32768)
+
+
+def cudnn_ratios(row: dict) -> tuple:
+    """(forward, forward+backward) of streamkl over cuDNN attention's in one grid row (None where either is
+    missing)."""
+    def ratio(mode: str):
+        a, b = row.get(f"streamkl/{mode}"), row.get(f"sdpa-default/{mode}")
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float))
+        return a / b if ok else None
+    return ratio("fwd"), ratio("fwd+bwd")
+
+
+def grid_refresh_table(before_path: str, after_path: str) -> str:
+    """The long-context rows' ratios to cuDNN attention as the grid at ``before_path`` published them and as the
+    full re-measured grid at ``after_path`` has them (not paired: two runs, and the earlier rows came from several)."""
+    before, after = load(before_path)[1], load(after_path)[1]
+    lines = ["| H | D | causal | N | fwd / cuDNN fwd, before → now | fwd+bwd / cuDNN fwd+bwd, before → now |",
+             "|---|---|---|---|---|---|"]
+    fmt = lambda v: "–" if v is None else f"{v:.2f}×"
+    for h in (16, 32):
+        for d in (64, 128):
+            for causal in (False, True):
+                for n in REFRESH_NS:
+                    (f0, fb0), (f1, fb1) = (cudnn_ratios(g.get(plain(h, d, causal, n), {})) for g in (before, after))
+                    lines.append(f"| {h} | {d} | {causal} | {n} | {fmt(f0)} → {fmt(f1)} | {fmt(fb0)} → {fmt(fb1)} |")
+    return "\n".join(lines)
+
+
+def perf_notes(text: str, grid_path: str, tuning_path: str, training_path: str | None = None,
+               current_grid_path: str | None = None) -> str:
     """``text`` (docs/perf-notes.md) with its bounds table rendered from ``grid_path``, its tuning tables from
-    ``tuning_path`` and, given ``training_path``, its remaining-gap table from that training-call run and the grid's
-    ceilings."""
+    ``tuning_path``, given ``training_path`` its remaining-gap table from that training-call run and the grid's
+    ceilings, and given ``current_grid_path`` the table of the grid re-measured against ``grid_path``."""
     meta = load(grid_path)[0]
     text = replace_block(text, "bounds", bounds_table(meta))
+    if current_grid_path is not None:
+        text = replace_block(text, "grid-refresh", grid_refresh_table(grid_path, current_grid_path))
     if training_path is not None:
         with open(training_path) as f:
             text = replace_block(text, "gap", training_gap_table(meta["ceilings"], json.load(f)))
@@ -583,10 +621,11 @@ def main(argv: list[str] | None = None) -> None:
     print("wrote docs/benchmarks.md")
     if os.path.exists(PERF_NOTES_GRID) and os.path.exists(PERF_NOTES_TUNING):
         with open(PERF_NOTES) as f:
-            text = perf_notes(f.read(), PERF_NOTES_GRID, PERF_NOTES_TUNING, PERF_NOTES_TRAINING)
+            text = perf_notes(f.read(), PERF_NOTES_GRID, PERF_NOTES_TUNING, PERF_NOTES_TRAINING,
+                              PERF_NOTES_CURRENT_GRID)
         with open(PERF_NOTES, "w") as f:
             f.write(text)
-        print("wrote the bounds, tuning and remaining-gap tables of docs/perf-notes.md")
+        print("wrote the bounds, tuning, remaining-gap and grid-refresh tables of docs/perf-notes.md")
 
 
 def render_results(doc: str, blocks, path: str, tuning_path: str | None = None) -> None:

@@ -197,6 +197,18 @@ def test_perf_notes_gap_table_is_the_committed_runs(report):
     assert (fused[0] + key[0], fused[1] + key[1]) == report.TRAINING_CALL_WORK
 
 
+def test_perf_notes_grid_refresh_table_is_the_two_committed_grids(report):
+    """The "grid re-measured" table is report.py's rendering of the grid as published before (``PERF_NOTES_GRID``)
+    against the full grid of v17 (``PERF_NOTES_CURRENT_GRID``), which is the one docs/benchmarks.md shows."""
+    text = (ROOT / "docs" / "perf-notes.md").read_text()
+    paths = (report.PERF_NOTES_GRID, report.PERF_NOTES_TUNING, report.PERF_NOTES_TRAINING,
+             report.PERF_NOTES_CURRENT_GRID)
+    assert report.perf_notes(text, *paths) == text
+    edited = report.replace_block(text, "grid-refresh", "| 16 | 64 | False | 8192 | 1.00× → 1.00× | 1.00× → 1.00× |")
+    assert edited != text and report.perf_notes(edited, *paths) == text
+    assert report.find_results(report.is_grid) == [report.PERF_NOTES_CURRENT_GRID]
+
+
 def test_perf_notes_conclusions_hold_in_the_tuning_json(report):
     """The tuning section's sentences without a number (figures.py checks the numbers) against the committed sweep."""
     text = re.sub(r"\s+", " ", (ROOT / "docs" / "perf-notes.md").read_text())
