@@ -217,6 +217,58 @@ def test_hopper_fused_forward_gives_the_portable_forwards_bits(case: Case):
     assert_close(dq_gluon, ref_dq, TOLERANCES[torch.bfloat16][1], "dq_s")
 
 
+@pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("heads", "key_heads", "d"), [(16, 16, 64), (16, 4, 128), (3, 3, 128)])
+def test_causal_gluon_forwards_order_their_rows_as_the_portable_forward(heads, key_heads, d):
+    """Both Gluon forwards launch a causal problem as the portable forward does since v12 (v18): one-dimensional,
+    longest row tiles first, in chunks of the portable forward's size (keys of both sides within half of the L2);
+    without a mask, a (row tiles, pairs) grid."""
+    from streamkl._triton._launch import tensor_geometry
+    from streamkl._triton.forward import _forward_plan
+
+    q = torch.randn(2, heads, 4096, d, dtype=torch.bfloat16)
+    k = torch.randn(2, key_heads, 4096, d, dtype=torch.bfloat16)
+    inputs = KLInputs(q, k, q, k, *[None] * 6)
+    causal = KLSpec(0.1, 0.1, window_right=0)
+    _, scalars, meta = _forward_plan(tensor_geometry(q, k, q, k, None, None, None), (q.dtype, q.dtype), causal,
+                                     (False, False), 2, False, None, True)  # the CPU's 50 MiB of L2, as below
+    assert dict(meta)["LONGEST_FIRST"]
+    portable_chunk = scalars[-1]
+    for rows in (64, 128):
+        grid, chunk = _forward.row_tile_grid(inputs, causal, rows)
+        assert grid == (4096 // rows * 2 * heads, 1) and chunk == portable_chunk
+        assert _forward.row_tile_grid(inputs, KLSpec(0.1, 0.1), rows) == ((4096 // rows, 2 * heads), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_causal_gluon_forwards_in_longest_first_chunks_give_the_one_chunk_bits(chunk, monkeypatch):
+    """With the chunk forced to 1 and to 4 (the 6 (sequence, head) pairs then end in a narrower chunk), both causal
+    Gluon forwards give bitwise the outputs of a single chunk, and the fused one still the portable kernel's: each
+    program's work does not depend on when it runs, and none is skipped or repeated."""
+    from streamkl._hopper import forward
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    inputs, spec = _fused_problem(replace(H, b=2, h=3, h_kt=3, h_ks=3, n_q=1030, n_k=1030, d_t=128, d_s=128,
+                                          causal=True))
+
+    def both():
+        dq = new_dq_b_buffer(inputs)
+        return (*forward.attention_kl_fwd_hopper(inputs, spec), *_fused.attention_kl_fused_fwd_hopper(inputs, spec,
+                                                                                                         dq), dq)
+
+    monkeypatch.setattr(forward, "longest_first_chunk", lambda *a: 6)
+    whole = both()
+    monkeypatch.setattr(forward, "longest_first_chunk", lambda *a: chunk)
+    assert forward.row_tile_grid(inputs, spec, 64)[1] == chunk
+    for name, x, y in zip(("kl", "lse_a", "lse_b", "fused kl", "fused lse_a", "fused lse_b", "dq_s"), both(), whole):
+        assert torch.equal(x, y), f"{name} depends on the chunk"
+    dq = new_dq_b_buffer(inputs)
+    portable = (*attention_kl_fwd(inputs, spec, dq_b=dq), dq)
+    assert all(torch.equal(x, y) for x, y in zip(whole[3:], portable))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 def test_default_fused_forward_selection_on_the_gpu(monkeypatch):

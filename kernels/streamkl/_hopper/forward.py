@@ -12,6 +12,9 @@ state and epilogue, see :func:`streamkl._triton.forward._attention_kl_fwd_keys`)
   the softmax work of tile ``t`` and waited for only at the top of the next iteration, so the tensor cores run while
   the same warps evaluate the exponentials (FlashAttention-3's intra-warpgroup overlap).
 
+A causal grid runs the longest row tiles first in chunks of (sequence, head) pairs, as the portable forward's does
+(v18, :func:`row_tile_grid`; the fused training forward shares it).
+
 Scope (anything else runs the portable kernels, :func:`supports`): dense ``(B, H, N, D)`` inputs with unit head-dim
 stride and 16-byte aligned strides, bf16 or fp16 on both sides, head dims 64 or 128, no masks, windows, sinks,
 soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the
@@ -30,7 +33,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import LN2_C, NEG_BIG, side_scales
+from .._triton._helpers import (
+    LN2_C,
+    NEG_BIG,
+    key_bytes_per_head,
+    l2_cache_bytes,
+    longest_first_chunk,
+    side_scales,
+)
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
 
@@ -133,6 +143,47 @@ def _longest_first(pid, n_tiles, chunk):
 
 
 @gluon.jit
+def _row_tile_start(N_Q, ROWS: gl.constexpr, CAUSAL: gl.constexpr, order_chunk):
+    """``(first query row, (sequence, head) pair)`` of this program of a query-stationary forward whose programs own
+    ``ROWS`` rows (:func:`row_tile_grid` launches it): a causal grid is one-dimensional and runs the longest row tiles
+    first, every pair's before any pair's second longest, in chunks of ``order_chunk`` pairs (:func:`_longest_first`,
+    as the portable forward does since v12); otherwise the grid is (row tiles, pairs)."""
+    if CAUSAL:
+        n_row_tiles = gl.cdiv(N_Q, ROWS)
+        rank, pid_bh = _longest_first(gl.program_id(0), n_row_tiles, order_chunk)
+        m_start = (n_row_tiles - 1 - rank) * ROWS
+    else:
+        m_start = gl.program_id(0) * ROWS
+        pid_bh = gl.program_id(1)
+    return m_start, pid_bh
+
+
+def row_tile_grid(inputs: KLInputs, spec: KLSpec, rows: int) -> tuple[tuple[int, int], int]:
+    """``(grid, order_chunk)`` of a query-stationary Gluon forward whose programs own ``rows`` query rows
+    (:func:`_row_tile_start`): (row tiles, pairs) without a mask; with one, a one-dimensional grid in longest-first
+    chunks of as many (sequence, head) pairs as have their keys (both sides) within half of the L2 cache
+    (:func:`streamkl._triton._helpers.longest_first_chunk`, the portable forward's chunks).
+
+    Example (on a CPU tensor the L2 cache is taken as 50 MiB):
+        >>> q = torch.randn(1, 16, 8192, 64, dtype=torch.bfloat16)
+        >>> row_tile_grid(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125), 128)
+        ((64, 16), 1)
+        >>> row_tile_grid(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125,
+        ...                                                                              window_right=0), 128)
+        ((1024, 1), 12)
+    """
+    q_a, k_a, k_b = inputs.q_a, inputs.k_a, inputs.k_b
+    batch, heads, n_q, _ = q_a.shape
+    grid = (triton.cdiv(n_q, rows), batch * heads)
+    if spec.window_right != 0:
+        return grid, 1
+    key_bytes = key_bytes_per_head(k_a.shape[2], heads, (k_a.shape[-1], k_a.dtype, k_a.shape[1]),
+                                   (k_b.shape[-1], k_b.dtype, k_b.shape[1]))
+    l2_bytes = l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1)
+    return (grid[0] * grid[1], 1), longest_first_chunk(key_bytes, l2_bytes)
+
+
+@gluon.jit
 def _allocate_tiles(fixed_a_desc, fixed_b_desc, ring_a_desc, ring_b_desc, STAGES: gl.constexpr):
     """Shared memory of one program: a tile of each side that stays for the whole sweep (one ``mbarrier``) and a ring
     of ``STAGES`` tiles of each side that streams through it (one ``mbarrier`` per slot), barriers initialised."""
@@ -184,6 +235,7 @@ def _hopper_fwd_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
+    order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     qk_scale_a, qk_scale_b,  # base-2 score = raw product * qk_scale (> 0)
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
@@ -195,11 +247,7 @@ def _hopper_fwd_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
-    pid_bh = gl.program_id(1)
-    if CAUSAL:  # the longest rows first
-        m_start = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    else:
-        m_start = gl.program_id(0) * BLOCK_M
+    m_start, pid_bh = _row_tile_start(N_Q, BLOCK_M, CAUSAL, order_chunk)
     b = pid_bh // H
     h = pid_bh % H
     hk_a = h // GROUP_A
@@ -356,12 +404,12 @@ def attention_kl_fwd_hopper(inputs: KLInputs, spec: KLSpec,
         return kl, lse_a, lse_b
     cfg = config or hopper_forward_config(d_a, d_b)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
-    grid = (triton.cdiv(n_q, cfg.block_m), batch * heads)
+    grid, order_chunk = row_tile_grid(inputs, spec, cfg.block_m)
     _launch_fwd(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b),
-        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b),
+        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, qk_a, qk_b),
         (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
          ("STAGES", cfg.num_stages), ("num_warps", cfg.num_warps)),
     )

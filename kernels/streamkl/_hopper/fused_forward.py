@@ -15,6 +15,10 @@ bitwise the portable kernel's; it is organised as :mod:`streamkl._hopper.key_pas
   ``2·BLOCK_M`` rows, and no consumer waits for a load or synchronises with the other;
 * the register budget moves from the producer to the consumers (``setmaxnreg``: 240 each).
 
+A causal grid is one-dimensional and runs the longest row tiles first, every (sequence, head) pair's before any
+pair's second longest, in chunks of pairs whose keys fit in half of the L2 cache (v18, :func:`.forward.row_tile_grid`,
+the portable forward's order since v12).
+
 With a causal mask the first consumer's rows see fewer keys: its steps past its diagonal are masked to zero. On a
 step past a row's diagonal a consumer copies side b's key tile into its own scratch tile with non-finite entries
 replaced by 0 and takes the query-gradient products from there: a key a row must not see cannot reach it through
@@ -35,7 +39,6 @@ and the float64 oracle.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,7 +52,7 @@ from .._problem import KLInputs, KLSpec
 from .._triton._helpers import NEG_BIG, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
-from .forward import _descriptor, _is_sm90, _issue_scores, _store_kl_lse, _tma_load
+from .forward import _descriptor, _is_sm90, _issue_scores, _row_tile_start, _store_kl_lse, _tma_load, row_tile_grid
 from .forward import in_scope as _forward_in_scope
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
@@ -268,15 +271,12 @@ def _ws_fused_fwd_kernel(
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
+    order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    pid_bh = gl.program_id(1)
-    if CAUSAL:  # the longest rows first
-        m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * 2 * BLOCK_M
-    else:
-        m0 = gl.program_id(0) * 2 * BLOCK_M
+    m0, pid_bh = _row_tile_start(N_Q, 2 * BLOCK_M, CAUSAL, order_chunk)
     b = pid_bh // H
     h = pid_bh % H
     hk_a = h // GROUP_A
@@ -384,11 +384,13 @@ def attention_kl_fused_fwd_hopper(
         return kl, lse_a, lse_b
     cfg = config or fused_forward_config(d_a, d_b)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
+    grid, order_chunk = row_tile_grid(inputs, spec, 2 * cfg.block_m)
     _launch(
-        (triton.cdiv(n_q, 2 * cfg.block_m), batch * heads),
+        grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b),
-        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], qk_a, qk_b, spec.grad_scale("b")),
+        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, qk_a, qk_b,
+         spec.grad_scale("b")),
         (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
          ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )
