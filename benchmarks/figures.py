@@ -83,6 +83,7 @@ GENERATED = {
     "lazy:tiles": "benchmarks/bench_lazy_frames.py", "lazy:op": "benchmarks/bench_lazy_frames.py",
     "gap": "benchmarks/report.py",
     "grid-refresh": "benchmarks/report.py",
+    **{f"gluon-order:{name}": "benchmarks/bench_gluon_causal_order.py" for name in ("kernel", "op", "checks")},
     "causal-order:op": "benchmarks/bench_causal_order.py", "causal-order:checks": "benchmarks/bench_causal_order.py",
     "causal-order:paths": "benchmarks/bench_causal_order.py",
     "lazy:checks": "benchmarks/bench_lazy_frames.py",
@@ -844,29 +845,81 @@ def grid_refresh_claims() -> list[Claim]:
     mm = before[0]["ceilings"]["bf16_matmul_flops"] / after[0]["ceilings"]["bf16_matmul_flops"] - 1
     assert abs(after[0]["ceilings"]["exp2_per_s"] / before[0]["ceilings"]["exp2_per_s"] - 1) < 5e-3, "same exp2 rate"
 
-    def span(values, fmt="{:.2f}", unit="×") -> str:
-        return f"{fmt.format(min(values))}–{fmt.format(max(values))}{unit}"
-
     texts = (
         f"a bf16 matmul rate {100 * mm:.0f}% lower",
         f"a ratio moves by up to {100 * report.RUN_SPREAD:.0f}% between runs of the same code",
-        f"forward+backward took {span([ratios[k][0][1] for k in long_rows])} cuDNN attention's in the grid as "
-        f"published and {span([ratios[k][1][1] for k in long_rows])} in the new run\n    ({len(long_rows)} rows)",
+        f"forward+backward took {_ratio_span([ratios[k][0][1] for k in long_rows])} cuDNN attention's in the grid as "
+        f"published and {_ratio_span([ratios[k][1][1] for k in long_rows])} in the new run "
+        f"({len(long_rows)} rows)",
         f"Of the {len(keys)} bf16 rows from N = 8192 up, {len(within)} are now within the issue's {target}× of cuDNN's "
-        f"forward+backward, {len(edge)} of them\n    at {span(edge)}",
+        f"forward+backward, {len(edge)} of them\n    at {_ratio_span(edge)}",
         f"inside the {100 * report.RUN_SPREAD:.0f}% run-to-run spread of that goal",
         f"{sum(k[1] == 128 for k in within)} of the {len(within)} are at head dim 128. The two rows below 1.0× are not "
         f"wins: from N = 16384 to 32768 the work grows {(32768 / 16384) ** 2:.0f}×",
         f"The issue's forward target ({target}×) stays far off",
-        f"the training call's times grew\n    {span([g[0] for g in growth.values()])} and cuDNN's "
-        f"{span([g[1] for g in growth.values()])}",
+        f"the training call's times grew\n    {_ratio_span([g[0] for g in growth.values()])} and cuDNN's "
+        f"{_ratio_span([g[1] for g in growth.values()])}",
         f"took {ratios[fastest[0]][1][1]:.2f}× and {ratios[fastest[1]][1][1]:.2f}× cuDNN's time are the two where\n"
         f"    cuDNN's time grew most ({growth[fastest[0][:3]][1]:.2f}× and {growth[fastest[1][:3]][1]:.2f}×)",
-        f"takes {span([ratios[k][1][0] for k in keys])} cuDNN's forward in every one of these rows",
+        f"takes {_ratio_span([ratios[k][1][0] for k in keys])} cuDNN's forward in every one of these rows",
     )
     assert sorted(g[1] for g in growth.values())[-2:] == sorted(growth[k[:3]][1] for k in fastest[:2])
     source = "benchmarks/results/nvidia-h100-80gb-hbm3.json; " + os.path.relpath(report.PERF_NOTES_GRID, ROOT)
     return [Claim("docs/perf-notes.md", t, source) for t in texts]
+
+
+def gluon_causal_order_v18_claims() -> list[Claim]:
+    """perf-notes v18: the Gluon forwards' causal order against v17 in paired rounds (which differences the sign test
+    finds), the Gluon training forward against the portable one, the training call with it forced, and the ratios to
+    cuDNN."""
+    import bench_gluon_causal_order as bench
+    import bench_ws_fused_forward as v17_bench
+
+    data = _json("nvidia-h100-80gb-hbm3-gluon-causal-order.json")
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    v17_rows = {r["shape"]["name"]: r for r in _json("nvidia-h100-80gb-hbm3-ws-fused-forward.json")["rows"]}
+    g = {n: bench.pair(r, "Gluon fused fwd") for n, r in rows.items()}
+    gp = {n: bench.pair(r, "Gluon / portable fused fwd") for n, r in rows.items()}
+    m = {n: bench.pair(r, "metric call") for n, r in rows.items()}
+    t = {n: bench.pair(r, "training call") for n, r in rows.items()}
+    f = {n: bench.pair(r, "training call, Gluon fwd forced") for n, r in rows.items()}
+    d64c, d128c, gqa = "N8192-D64-causal", "N8192-D128-causal", "N16384-D128-H32-GQA8-causal"
+    dense = [n for n in rows if "causal" not in n]
+    assert all(gp[n]["wins"] == gp[n]["rounds"] for n in rows) and all(g[n]["p"] >= 0.12 for n in dense)
+    v17_d64c = v17_bench.paired(v17_rows[d64c], "fused fwd")["ratio"]
+
+    def cell(x: dict) -> str:
+        return f"{x['wins']} of {x['rounds']}"
+
+    def cudnn(n: str, x: float) -> float:
+        return x / rows[n]["cudnn_fwd_bwd_ms"]
+
+    others = [cudnn(n, t[n]["new"]) for n in rows if n not in (d64c, d128c)]
+    texts = (
+        f"the Gluon training forward took {g[d64c]['ratio']:.2f}× v17's time at head dim 64 and "
+        f"{g[d128c]['ratio']:.2f}× at head dim 128 ({cell(g[d64c])} rounds each, p = {g[d64c]['p']:.2g})",
+        f"faster than the portable kernel on all five shapes ({_ratio_span([gp[n]['ratio'] for n in rows])}, "
+        f"{cell(gp[d64c])} rounds each), at head dim 64 with a causal mask by {gp[d64c]['ratio']:.2f}× where v17's "
+        f"took {v17_d64c:.2f}×",
+        f"The GQA shape took {g[gqa]['ratio']:.2f}× ({g[gqa]['wins']} of {g[gqa]['rounds']} rounds faster, p = "
+        f"{g[gqa]['p']:.2f})",
+        f"the non-causal controls did not move (p ≥ {min(g[n]['p'] for n in dense):.2f})",
+        f"The metric at head dim 128 with a causal mask took {m[d128c]['ratio']:.2f}× ({cell(m[d128c])}, p = "
+        f"{m[d128c]['p']:.2g})",
+        f"{t[d128c]['ratio']:.2f}× at head dim 128 with a causal mask ({cell(t[d128c])}, p = {t[d128c]['p']:.2f}, "
+        f"not significant)",
+        f"{f[d64c]['ratio']:.2f}× with the Gluon forward against the portable one ({cell(f[d64c])}, p = "
+        f"{f[d64c]['p']:.2g})",
+        f"differed by {t[d64c]['ratio']:.2f}× ({cell(t[d64c])}, p = {t[d64c]['p']:.2f})",
+        f"{cudnn(d128c, t[d128c]['new']):.2f}× cuDNN attention's forward+backward at head dim 128 with a causal mask "
+        f"and {cudnn(d64c, f[d64c]['new']):.2f}× at head dim 64 with one (with the Gluon forward), and "
+        f"{_ratio_span(others)} on the other shapes: the long-context target (≤ {report.TRAINING_TARGET}×)",
+    )
+    assert len(rows) == 5
+    assert t[d128c]["p"] >= 0.05 and f[d64c]["p"] < 0.05 and t[d64c]["p"] >= 0.05
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v18.log", "the GPU tests of the Hopper kernels passed")
+    source = "benchmarks/results/nvidia-h100-80gb-hbm3-gluon-causal-order.json"
+    return [Claim("docs/perf-notes.md", text, source) for text in texts]
 
 
 def ws_fused_forward_v17_claims() -> list[Claim]:
@@ -1476,6 +1529,7 @@ def claims(r: Results) -> list[Claim]:
     out += one_set_key_pass_v16_claims()
     out += ws_fused_forward_v17_claims()
     out += grid_refresh_claims()
+    out += gluon_causal_order_v18_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

@@ -9,9 +9,10 @@ takes about twice a portable launch's host time, v10), so it runs for head dim 1
 
 :func:`hopper_fused_forward` picks the Gluon training forward of a frozen teacher (KL, both log-sum-exps and the
 student's query gradient in one pass, :mod:`streamkl._hopper.fused_forward`: a producer warp and two consumer
-warpgroups), which gives the portable fused forward's bits. Measured on an H100
-(``benchmarks/bench_ws_fused_forward.py``, docs/perf-notes.md v17) it is faster than the portable forward at head dim
-128 and at head dim 64 without a mask, and slower at head dim 64 with a causal mask, so it runs for all but the last
+warpgroups), which gives the portable fused forward's bits. Measured on an H100 it is faster than the portable
+forward at head dims 64 and 128, with and without a causal mask (``benchmarks/bench_ws_fused_forward.py``,
+``benchmarks/bench_gluon_causal_order.py``, docs/perf-notes.md v17 and v18: it was slower at head dim 64 with a causal
+mask until v18 gave its causal grid the portable forward's longest-first order), so it runs wherever it is in scope,
 at ``HOPPER_MIN_SCORES`` score elements and more.
 
 :func:`hopper_key_pass` does the same for the backward's key pass when only side b needs gradients (a frozen
@@ -25,8 +26,7 @@ one at a time at head dim 128, where two steps in flight would spill (``benchmar
 
 None of them runs on other GPUs, under the interpreter, outside its kernel's scope, when the installed Triton has no
 usable Gluon, or with ``STREAMKL_HOPPER_KERNELS=0`` in the environment; ``STREAMKL_HOPPER_KERNELS=all`` also selects
-them for small problems, the forward for head dim 64 and the fused forward for causal head dim 64 (for
-measurements).
+them for small problems and the forward for head dim 64 (for measurements).
 """
 
 from __future__ import annotations
@@ -95,18 +95,6 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     return module.attention_kl_fwd_hopper
 
 
-def fused_forward_pays(spec: KLSpec, d_a: int, d_b: int) -> bool:
-    """Whether the fused Gluon forward was measured faster than the portable one for problems like this: at head dim
-    128 (either side), and at head dim 64 without a causal mask (docs/perf-notes.md v17).
-
-    Example:
-        >>> causal, dense = KLSpec(0.125, 0.125, window_right=0), KLSpec(0.125, 0.125)
-        >>> fused_forward_pays(causal, 64, 64), fused_forward_pays(causal, 128, 64), fused_forward_pays(dense, 64, 64)
-        (False, True, True)
-    """
-    return max(d_a, d_b) >= 128 or spec.window_right != 0
-
-
 def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     """The Hopper training forward with a frozen teacher (a function of ``(inputs, spec, dq_b)`` returning ``(kl,
     lse_a, lse_b)`` and filling ``dq_b``, :mod:`streamkl._hopper.fused_forward`), or None: the forward of a training
@@ -121,8 +109,6 @@ def hopper_fused_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
     """
     mode = os.environ.get(ENV_SWITCH, "1")
     if not inputs.q_a.is_cuda or mode == "0" or not _large_enough(inputs, mode):
-        return None
-    if mode != "all" and not fused_forward_pays(spec, inputs.q_a.shape[-1], inputs.q_b.shape[-1]):
         return None
     module = _module("fused_forward")
     if module is None or not module.supports(inputs, spec):
@@ -150,5 +136,5 @@ def hopper_key_pass(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad
     return module.attention_kl_key_pass_hopper
 
 
-__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "fused_forward_pays", "hopper_enabled", "hopper_forward",
+__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward",
            "hopper_fused_forward", "hopper_key_pass"]
