@@ -271,13 +271,17 @@ def _rows(quick: bool, max_n: int | None, memory_only: bool) -> dict:
     return {"quick": quick, "max_n": max_n, "memory_only": memory_only}
 
 
+def shape_key(shape: dict) -> str:
+    """A record's shape (``asdict(Shape)``) as a hashable key: two records are of the same row when their keys match."""
+    return json.dumps(shape, sort_keys=True)
+
+
 def measured(records: list[dict]) -> tuple[set, set]:
     """What ``records`` (a run's, possibly interrupted) already hold: the ``(shape, provider)`` pairs of its memory
-    rows and the shapes of its timed rows, each shape as ``json.dumps(asdict(shape), sort_keys=True)``. A timed
+    rows and the shapes of its timed rows, each shape as its :func:`shape_key`. A timed
     shape's records are written together, after all its providers, so any timed record marks the shape done."""
-    key = lambda r: json.dumps(r["shape"], sort_keys=True)
-    memory = {(key(r), r["provider"]) for r in records if r["mode"] == "mem"}
-    timed = {key(r) for r in records if r["mode"] != "mem"}
+    memory = {(shape_key(r["shape"]), r["provider"]) for r in records if r["mode"] == "mem"}
+    timed = {shape_key(r["shape"]) for r in records if r["mode"] != "mem"}
     return memory, timed
 
 
@@ -326,14 +330,14 @@ def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = No
             return naive_fn(shape, inputs, False), _grad_targets(inputs)
 
         for provider, make in (("streamkl", make_streamkl), ("naive-eager", make_naive)):
-            if (json.dumps(asdict(shape), sort_keys=True), provider) in done_memory:
+            if (shape_key(asdict(shape)), provider) in done_memory:
                 continue
             rec = peak_memory(provider, shape, make)
             records.append(rec)
             print(f"mem {provider} {shape}: {rec.peak_bytes if rec.status == 'ok' else rec.status}", flush=True)
             save()
     for shape in [] if memory_only else time_grid(quick, max_n):
-        if json.dumps(asdict(shape), sort_keys=True) in done_timed:
+        if shape_key(asdict(shape)) in done_timed:
             continue
         t0 = time.time()
         inputs = make_inputs(shape)
@@ -367,7 +371,7 @@ def merge_records(previous: dict, new: list[dict], note: str) -> dict:
     """``previous`` (a results file) with ``new`` records replacing the ones of the same shape, provider and mode;
     the previous run's metadata is kept and ``note`` is appended to its notes."""
     def key(r: dict) -> tuple:
-        return json.dumps(r["shape"], sort_keys=True), r["provider"], r["mode"]
+        return shape_key(r["shape"]), r["provider"], r["mode"]
 
     remeasured = {key(r) for r in new}
     kept = [r for r in previous["records"] if key(r) not in remeasured]

@@ -38,17 +38,18 @@ import os
 import platform
 import statistics
 import sys
+from unittest import mock
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_lazy_frames import ROUNDS, _bench, paired_cell  # noqa: E402
+from bench_lazy_frames import ROUNDS, _bench, cudnn_attention_ms, paired_cell, paired_labels  # noqa: E402
 from bench_ws_fused_forward import SHAPES, exactness  # noqa: E402
 from bench_ws_fused_forward import checks_table as ws_checks_table  # noqa: E402
 from bench_ws_key_pass import _problem  # noqa: E402
-from report import load_package, paired_run_main, sign_test_p  # noqa: E402
+from report import load_package, paired_run_main  # noqa: E402
 
 RESULT_NAME = "gluon-causal-order.json"
 DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
@@ -64,14 +65,8 @@ PAIRS = {
 
 
 def pair(row: dict, what: str) -> dict:
-    """Median times of both sides of ``PAIRS[what]``, the median per-round ratio new / previous, the new side's wins
-    and the sign test."""
-    new_label, old_label = PAIRS[what]
-    new, old = row["ms"][new_label], row["ms"][old_label]
-    ratios = [a / b for a, b in zip(new, old)]
-    wins = sum(r < 1.0 for r in ratios)
-    return dict(new=statistics.median(new), previous=statistics.median(old), ratio=statistics.median(ratios),
-                wins=wins, rounds=len(ratios), p=sign_test_p(wins, len(ratios)))
+    """The paired comparison (``bench_lazy_frames.paired``) of the two sides of ``PAIRS[what]``."""
+    return paired_labels(row, *PAIRS[what])
 
 
 def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
@@ -88,18 +83,13 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
         inputs.k_b.detach().requires_grad_(True)
 
     def train(module, forced: bool = False):
+        # forced: every Hopper kernel in scope; above HOPPER_MIN_SCORES only the training forward's pick moves
+        switch = {ENV_SWITCH: "all"} if forced else {}
+
         def step():
-            switch = os.environ.get(ENV_SWITCH)
-            if forced:  # every Hopper kernel in scope; above HOPPER_MIN_SCORES only the training forward's pick moves
-                os.environ[ENV_SWITCH] = "all"
-            try:
+            with mock.patch.dict(os.environ, switch):
                 loss = module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
                 return torch.autograd.grad(loss, (q_s, k_s))
-            finally:
-                if switch is None:
-                    os.environ.pop(ENV_SWITCH, None)
-                else:
-                    os.environ[ENV_SWITCH] = switch
         return step
 
     def metric(module):
@@ -124,17 +114,7 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
         for label in (order if r % 2 == 0 else order[::-1]):
             times[label].append(_bench(calls[label]))
     row = {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"), "ms": times}
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    sq, sk, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-
-    def attention_step():
-        out = sdpa(sq, sk, v, is_causal=causal)
-        return torch.autograd.grad(out, (sq, sk, v), torch.ones_like(out))
-
-    with torch.no_grad():
-        row["cudnn_fwd_ms"] = _bench(lambda: sdpa(sq, sk, v, is_causal=causal))
-    row["cudnn_fwd_bwd_ms"] = _bench(attention_step)
+    row["cudnn_fwd_ms"], row["cudnn_fwd_bwd_ms"] = cudnn_attention_ms(b, h, n, d, causal)
     print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items())
           + f", cuDNN fwd {row['cudnn_fwd_ms']:.3f}, fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f}", flush=True)
     return row

@@ -196,9 +196,30 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
     return row
 
 
+def cudnn_attention_ms(b: int, h: int, n: int, d: int, causal: bool) -> tuple[float, float]:
+    """``(forward, forward+backward)`` ms of cuDNN attention (SDPA's default backend) on bf16 ``(b, h, n, d)``
+    tensors: the scale the paired benchmarks quote their times against."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    sq, sk, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def attention_step():
+        out = sdpa(sq, sk, v, is_causal=causal)
+        return torch.autograd.grad(out, (sq, sk, v), torch.ones_like(out))
+
+    with torch.no_grad():
+        fwd = _bench(lambda: sdpa(sq, sk, v, is_causal=causal))
+    return fwd, _bench(attention_step)
+
+
 def paired(row: dict, what: str) -> dict:
     """Median times, the median per-round ratio new / previous, the new version's wins and the sign test."""
-    new, old = row["ms"][f"{what} new"], row["ms"][f"{what} previous"]
+    return paired_labels(row, f"{what} new", f"{what} previous")
+
+
+def paired_labels(row: dict, new_label: str, old_label: str) -> dict:
+    """:func:`paired` of the rounds timed under ``row["ms"][new_label]`` against those under ``old_label``."""
+    new, old = row["ms"][new_label], row["ms"][old_label]
     ratios = [a / b for a, b in zip(new, old)]
     wins = sum(r < 1.0 for r in ratios)
     return dict(new=statistics.median(new), previous=statistics.median(old), ratio=statistics.median(ratios),

@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 from bench_fused_dq import SHAPES as FUSED_SHAPES  # noqa: E402
 from bench_hopper import tiles_table as hopper_tiles_table  # noqa: E402
 from bench_hopper_key_pass import CHECKS  # noqa: E402
-from bench_lazy_frames import ROUNDS, _bench, _rel, paired, paired_cell  # noqa: E402
+from bench_lazy_frames import ROUNDS, _bench, _rel, cudnn_attention_ms, paired, paired_cell  # noqa: E402
 from bench_ws_key_pass import _problem  # noqa: E402
 from report import load_package, paired_run_main  # noqa: E402
 
@@ -96,17 +96,7 @@ def measure_shape(base, one_warpgroup, name, b, h, h_kt, n, d, causal) -> dict:
             for label in (("new", "previous") if r % 2 == 0 else ("previous", "new")):
                 times[f"{what} {label}"].append(_bench(calls[f"{what} {label}"]))
     row["ms"] = times
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    sq, sk, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-
-    def attention_step():
-        out = sdpa(sq, sk, v, is_causal=causal)
-        return torch.autograd.grad(out, (sq, sk, v), torch.ones_like(out))
-
-    with torch.no_grad():
-        row["cudnn_fwd_ms"] = _bench(lambda: sdpa(sq, sk, v, is_causal=causal))
-    row["cudnn_fwd_bwd_ms"] = _bench(attention_step)
+    row["cudnn_fwd_ms"], row["cudnn_fwd_bwd_ms"] = cudnn_attention_ms(b, h, n, d, causal)
     print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items())
           + f", cuDNN fwd {row['cudnn_fwd_ms']:.3f}, fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f}", flush=True)
     return row

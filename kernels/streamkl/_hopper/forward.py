@@ -158,6 +158,28 @@ def _row_tile_start(N_Q, ROWS: gl.constexpr, CAUSAL: gl.constexpr, order_chunk):
     return m_start, pid_bh
 
 
+def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``(kl, lse_a, lse_b, empty)``: the ``[B, H, N_q]`` fp32 outputs of a Gluon forward, and whether the problem has
+    no query row or no key, in which case they are already final (KL 0, both lse +inf) and no kernel launches.
+
+    Example:
+        >>> q = torch.randn(1, 2, 0, 64)
+        >>> kl, lse_a, lse_b, empty = forward_outputs(KLInputs(q, q, q, q, None, None, None, None, None, None))
+        >>> empty, tuple(kl.shape)
+        (True, (1, 2, 0))
+    """
+    q_a = inputs.q_a
+    kl = torch.empty(q_a.shape[:3], dtype=torch.float32, device=q_a.device)
+    lse_a = torch.empty_like(kl)
+    lse_b = torch.empty_like(kl)
+    empty = kl.numel() == 0 or inputs.k_a.shape[2] == 0
+    if empty:
+        kl.zero_()
+        lse_a.fill_(float("inf"))
+        lse_b.fill_(float("inf"))
+    return kl, lse_a, lse_b, empty
+
+
 def row_tile_grid(inputs: KLInputs, spec: KLSpec, rows: int) -> tuple[tuple[int, int], int]:
     """``(grid, order_chunk)`` of a query-stationary Gluon forward whose programs own ``rows`` query rows
     (:func:`_row_tile_start`): (row tiles, pairs) without a mask; with one, a one-dimensional grid in longest-first
@@ -392,15 +414,10 @@ def attention_kl_fwd_hopper(inputs: KLInputs, spec: KLSpec,
         ...                                            KLSpec(0.125, 0.125))  # doctest: +SKIP
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
-    batch, heads, n_q, d_a = q_a.shape
+    heads, n_q, d_a = q_a.shape[1:]
     n_k, d_b = k_a.shape[2], q_b.shape[-1]
-    kl = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q_a.device)
-    lse_a = torch.empty_like(kl)
-    lse_b = torch.empty_like(kl)
-    if kl.numel() == 0 or n_k == 0:
-        kl.zero_()
-        lse_a.fill_(float("inf"))
-        lse_b.fill_(float("inf"))
+    kl, lse_a, lse_b, empty = forward_outputs(inputs)
+    if empty:
         return kl, lse_a, lse_b
     cfg = config or hopper_forward_config(d_a, d_b)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)

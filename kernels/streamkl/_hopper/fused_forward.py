@@ -52,7 +52,16 @@ from .._problem import KLInputs, KLSpec
 from .._triton._helpers import NEG_BIG, side_scales
 from .._triton._launch import KernelLauncher
 from .._triton.configs import LaunchConfig
-from .forward import _descriptor, _is_sm90, _issue_scores, _row_tile_start, _store_kl_lse, _tma_load, row_tile_grid
+from .forward import (
+    _descriptor,
+    _is_sm90,
+    _issue_scores,
+    _row_tile_start,
+    _store_kl_lse,
+    _tma_load,
+    forward_outputs,
+    row_tile_grid,
+)
 from .forward import in_scope as _forward_in_scope
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
@@ -371,15 +380,10 @@ def attention_kl_fused_fwd_hopper(
         >>> kl, lse_a, lse_b = attention_kl_fused_fwd_hopper(inputs, KLSpec(0.125, 0.125), dq_b)  # doctest: +SKIP
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
-    batch, heads, n_q, d_a = q_a.shape
+    heads, n_q, d_a = q_a.shape[1:]
     n_k, d_b = k_a.shape[2], q_b.shape[-1]
-    kl = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q_a.device)
-    lse_a = torch.empty_like(kl)
-    lse_b = torch.empty_like(kl)
-    if kl.numel() == 0 or n_k == 0:
-        kl.zero_()
-        lse_a.fill_(float("inf"))
-        lse_b.fill_(float("inf"))
+    kl, lse_a, lse_b, empty = forward_outputs(inputs)
+    if empty:
         dq_b.zero_()
         return kl, lse_a, lse_b
     cfg = config or fused_forward_config(d_a, d_b)
