@@ -84,6 +84,7 @@ GENERATED = {
     "gap": "benchmarks/report.py",
     "grid-refresh": "benchmarks/report.py",
     **{f"gluon-order:{name}": "benchmarks/bench_gluon_causal_order.py" for name in ("kernel", "op", "checks")},
+    **{f"three-consumers:{name}": "benchmarks/bench_three_consumers.py" for name in ("op", "checks")},
     "causal-order:op": "benchmarks/bench_causal_order.py", "causal-order:checks": "benchmarks/bench_causal_order.py",
     "causal-order:paths": "benchmarks/bench_causal_order.py",
     "lazy:checks": "benchmarks/bench_lazy_frames.py",
@@ -922,6 +923,30 @@ def gluon_causal_order_v18_claims() -> list[Claim]:
     return [Claim("docs/perf-notes.md", text, source) for text in texts]
 
 
+def three_consumers_claims() -> list[Claim]:
+    """perf-notes, three consumer warpgroups tried: the offline stacks, the paired rounds (slower on every shape, in
+    every round, which the sign test finds), bitwise-equal checks."""
+    import bench_three_consumers as bench
+
+    res = {(r["causal"], r["consumers"]): r for r in _json("kernel-resources-hopper-consumers.json")["rows"]}
+    assert res[(False, 2)]["stack"] == 0 and res[(True, 2)]["stack"] == 0
+    data = _json("nvidia-h100-80gb-hbm3-three-consumers.json")
+    assert data["checks"] and all(c["bitwise_equal"] for c in data["checks"]), "the notes say the same bits"
+    fwd = [bench.paired_labels(r, *bench.PAIRS["fused fwd"]) for r in data["rows"]]
+    train = [bench.paired_labels(r, *bench.PAIRS["training call"]) for r in data["rows"]]
+    assert all(x["wins"] == 0 and x["p"] < 0.05 for x in fwd + train), "the notes say slower in every round"
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-three-consumers.log", "the notes say the GPU tests passed")
+    texts = (
+        f"a {res[(False, 3)]['stack']}-byte stack without a mask and {res[(True, 3)]['stack']} bytes with a causal "
+        f"one",
+        f"Three consumers took {_ratio_span([x['ratio'] for x in fwd])} the time of two in the fused forward and "
+        f"{_ratio_span([x['ratio'] for x in train])} in the training call, slower in every round on every shape (0 of "
+        f"{fwd[0]['rounds']} rounds faster, p = {max(x['p'] for x in fwd + train):.2g} each)",
+    )
+    return [Claim("docs/perf-notes.md", text, "benchmarks/results/nvidia-h100-80gb-hbm3-three-consumers.json")
+            for text in texts]
+
+
 def ws_fused_forward_v17_claims() -> list[Claim]:
     """perf-notes v17: the offline stacks, the paired rounds (which differences the sign test finds, and the shape
     where the Gluon forward is slower, which the selection leaves out), the ratios to cuDNN, bitwise-equal checks and
@@ -1530,6 +1555,7 @@ def claims(r: Results) -> list[Claim]:
     out += ws_fused_forward_v17_claims()
     out += grid_refresh_claims()
     out += gluon_causal_order_v18_claims()
+    out += three_consumers_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

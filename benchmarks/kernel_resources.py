@@ -175,10 +175,12 @@ def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stage
     return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
 
-def hopper_fused_forward_resources(package, d: int, causal: bool, block_m: int, block_n: int, stages: int) -> dict:
+def hopper_fused_forward_resources(package, d: int, causal: bool, block_m: int, block_n: int, stages: int,
+                                   consumers: int = 2) -> dict:
     """Resources of ``package``'s warp-specialised fused forward (``_hopper.fused_forward._ws_fused_fwd_kernel``, v17),
-    bf16, ``block_m`` rows per consumer, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer. The
-    registers and stack are each consumer's: the kernel's limit is one program's share (``KERNEL_REGS``)."""
+    bf16, ``block_m`` rows per consumer, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer,
+    ``consumers`` consumer warpgroups. The registers are the launch limit (``KERNEL_REGS``, or
+    ``THREE_KERNEL_REGS``), which ``setmaxnreg`` raises in the consumers; the stack is the largest partition's."""
     import importlib
 
     module = importlib.import_module(f"{package.__name__}._hopper.fused_forward")
@@ -187,7 +189,11 @@ def hopper_fused_forward_resources(package, d: int, causal: bool, block_m: int, 
              "KL": "*fp32", "LSE_A": "*fp32", "LSE_B": "*fp32", "DQ_B": "*bf16", "qk_scale_a": "fp32",
              "qk_scale_b": "fp32", "grad_scale_b": "fp32"}
     constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4)
-    return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs, maxnreg=module.KERNEL_REGS)
+    if consumers == 2 and "CONSUMERS" not in module._ws_fused_fwd_kernel.arg_names:  # before the option existed
+        return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs, maxnreg=module.KERNEL_REGS)
+    constexprs["CONSUMERS"] = consumers
+    return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs,
+                          maxnreg=module.KERNEL_REGS if consumers == 2 else module.THREE_KERNEL_REGS)
 
 
 def _gluon_descriptor(block: tuple[int, ...]) -> str:
@@ -249,6 +255,24 @@ def hopper_fused_forward_table() -> dict:
     return {"triton": triton.__version__, "target": "sm_90", "rows": rows}
 
 
+#: (d, causal, consumers): the training forward with two and with three consumer warpgroups, v17's tiles
+HOPPER_CONSUMERS_CASES = [(64, causal, consumers) for causal in (False, True) for consumers in (2, 3)]
+
+
+def hopper_consumers_table() -> dict:
+    """:data:`HOPPER_CONSUMERS_CASES` compiled from this checkout's package
+    (``benchmarks/bench_three_consumers.py``)."""
+    import streamkl
+
+    rows = []
+    for d, causal, consumers in HOPPER_CONSUMERS_CASES:
+        row = dict(d=d, causal=causal, consumers=consumers,
+                   **hopper_fused_forward_resources(streamkl, d, causal, 64, 64, 2, consumers))
+        print(row, flush=True)
+        rows.append(row)
+    return {"triton": triton.__version__, "target": "sm_90", "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hopper-key-pass", action="store_true", help="the one-warpgroup Gluon key pass's tiles")
@@ -259,6 +283,9 @@ def main() -> None:
     parser.add_argument("--hopper-fused-forward", action="store_true",
                         help="the warp-specialised Gluon fused forward's tiles (with --out: its JSON, "
                         "kernel-resources-hopper-fused-forward.json)")
+    parser.add_argument("--hopper-consumers", action="store_true",
+                        help="the Gluon fused forward with two and three consumer warpgroups (with --out: its JSON, "
+                        "kernel-resources-hopper-consumers.json)")
     parser.add_argument("--sweep-forward", action="store_true")
     parser.add_argument("--sweep-backward", action="store_true")
     parser.add_argument("--fused-dq", action="store_true", help="with --sweep-forward: the forward that also "
@@ -277,6 +304,13 @@ def main() -> None:
             from bench_attention_kl import write_json
 
             write_json(os.path.join(args.out, "kernel-resources-hopper-fused-forward.json"), data)
+        return
+    if args.hopper_consumers:
+        data = hopper_consumers_table()
+        if args.out:
+            from bench_attention_kl import write_json
+
+            write_json(os.path.join(args.out, "kernel-resources-hopper-consumers.json"), data)
         return
     if args.sweep_forward:
         for d in (64, 128):

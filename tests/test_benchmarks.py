@@ -731,3 +731,22 @@ def test_perf_notes_v18_tables_are_bench_gluon_causal_order_output():
     src = (ROOT / "kernels" / "streamkl" / "_hopper" / "__init__.py").read_text()
     assert "fused_forward_pays" not in src  # no rule left that keeps the Gluon training forward from a shape
 
+
+
+def test_perf_notes_three_consumer_tables_are_bench_three_consumers_output():
+    """docs/perf-notes.md's three-consumer blocks are bench_three_consumers.py's rendering of the committed H100 run
+    (its shapes, bench_hopper_key_pass's cases at head dim 64, all bitwise); the training forward keeps two consumers
+    because three were slower on every shape in every round; the offline resources are the script's cases."""
+    bench = _load(ROOT / "benchmarks" / "bench_three_consumers.py", "bench_three_consumers")
+    data = _assert_key_pass_run("bench_three_consumers")
+    assert data["checks"] and all(c["bitwise_equal"] and max(c["case"][6:8]) == 64 for c in data["checks"])
+    for row in data["rows"]:
+        for what in bench.PAIRS.values():
+            three = bench.paired_labels(row, *what)
+            assert three["ratio"] > 1 and three["wins"] == 0, (row["shape"]["name"], what)
+    from streamkl._hopper.fused_forward import fused_forward_consumers
+
+    assert fused_forward_consumers(64, 64) == 2
+    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
+    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-consumers.json").read_text())
+    assert [(r["d"], r["causal"], r["consumers"]) for r in compiled["rows"]] == resources.HOPPER_CONSUMERS_CASES

@@ -217,6 +217,36 @@ def test_hopper_fused_forward_gives_the_portable_forwards_bits(case: Case):
     assert_close(dq_gluon, ref_dq, TOLERANCES[torch.bfloat16][1], "dq_s")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FUSED_CASES if max(c.d_t, c.d_s) == 64])
+def test_three_consumer_warpgroups_give_the_two_consumers_bits(case: Case):
+    """The training forward with three consumer warpgroups (192 rows per program, benchmarks/bench_three_consumers.py;
+    not selected: it was slower) computes every row as two do: bitwise the same KL, lse and query gradient."""
+    from streamkl._triton.forward import new_dq_b_buffer
+
+    inputs, spec = _fused_problem(case)
+    dq_three, dq_two = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
+    three = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_three, consumers=3), dq_three)
+    two = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_two, consumers=2), dq_two)
+    for name, x, y in zip(("kl", "lse_a", "lse_b", "dq_s"), three, two):
+        assert torch.equal(x, y), f"{name} differs with three consumers"
+
+
+@pytest.mark.skipif(_fused is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("consumers", "d"), [(3, 128), (4, 64), (1, 64)])
+def test_the_training_forward_refuses_consumers_it_has_no_registers_for(consumers, d):
+    """Two consumer warpgroups, or three at head dim 64: anything else is an error that names the argument (checked
+    before any launch, so on the CPU)."""
+    from streamkl._triton.forward import new_dq_b_buffer
+
+    inputs = _inputs(1, 2, 256, d)
+    with pytest.raises(ValueError, match=rf"consumers: expected 2, or 3 with head dims <= 64, got {consumers}"):
+        _fused.attention_kl_fused_fwd_hopper(inputs, KLSpec(0.125, 0.125), new_dq_b_buffer(inputs),
+                                             consumers=consumers)
+    assert _fused.fused_forward_consumers(64, 64) == 2
+
+
 @pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("heads", "key_heads", "d"), [(16, 16, 64), (16, 4, 128), (3, 3, 128)])
 def test_causal_gluon_forwards_order_their_rows_as_the_portable_forward(heads, key_heads, d):
