@@ -102,13 +102,18 @@ def measure_shape(base, one_warpgroup, name, b, h, h_kt, n, d, causal) -> dict:
     return row
 
 
-def exactness() -> list[dict]:
-    """:data:`CHECKS` in the kernel's scope: whether the Gluon and portable fused forwards give the same bits, and
-    the query gradient's relative error (``reduction="sum"``'s, per unit upstream gradient) against float64."""
+def exactness(package=None) -> list[dict]:
+    """:data:`CHECKS` in the kernel's scope: whether the Gluon and portable fused forwards of ``package`` (default: this
+    checkout's ``streamkl``; or a copy loaded by ``report.load_package``) give the same bits, and the query gradient's
+    relative error (``reduction="sum"``'s, per unit upstream gradient) against float64."""
     import streamkl
     from streamkl import attention_kl
-    from streamkl._hopper.fused_forward import attention_kl_fused_fwd_hopper, in_scope
-    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+    from streamkl._triton.forward import new_dq_b_buffer
+
+    package = package or streamkl
+    fused = importlib.import_module(f"{package.__name__}._hopper.fused_forward")
+    attention_kl_fused_fwd_hopper, in_scope = fused.attention_kl_fused_fwd_hopper, fused.in_scope
+    attention_kl_fwd = importlib.import_module(f"{package.__name__}._triton.forward").attention_kl_fwd
 
     rows = []
     for i, case in enumerate(CHECKS):
