@@ -1,11 +1,13 @@
-"""v19 (issue 14): the forwards form the score difference from the two exponents, against v18 in one run.
+"""v19 (issue 14, not kept): the forwards form the score difference from the two exponents, against v18.
 
 Every forward accumulates the coupled sum ``Σ p_a·(x·c_a − y·c_b)`` of the KL. v18 formed the difference from the raw
 products (a multiply and a fused multiply-add per score element) and the exponents separately (a fused multiply-add
 each); v19 forms it from the exponents, ``(e_a − e_b) + (m_a − m_b)``, one subtraction per element and the frames'
 offset once per row (``_attention_kl_fwd_keys`` in ``kernels/streamkl/_triton/forward.py``, ``_fold_tile`` in
-``_hopper/forward.py``, ``_fold_scores`` in ``_hopper/fused_forward.py``). One instruction fewer per score element in
-a loop that issues about twenty (``benchmarks/kernel_resources.py``).
+``_hopper/forward.py``, ``_fold_scores`` in ``_hopper/fused_forward.py``): one instruction fewer per score element.
+v19 was measured and not kept (docs/perf-notes.md): the package runs v18's forwards again, and v19's lives in commit
+b64b578, which ``--new`` takes a copy of (the committed run measured that commit's checkout, the default of
+``--new``).
 
 For each long-context shape (bf16, frozen teacher; ``bench_fused_dq.SHAPES`` without the host-bound BERT one), in one
 process on one GPU, paired rounds with the order alternating, and the sign test on each pair:
@@ -19,8 +21,9 @@ process on one GPU, paired rounds with the order alternating, and the sign test 
   ``bench_lazy_frames.CHECKS`` (random inputs; a student 0.2 % sharper than its teacher, KL ~1e-6 per row; a late key
   that moves every later row's frame).
 
+    mkdir -p /tmp/v19 && git archive b64b578 kernels/streamkl | tar -x -C /tmp/v19 --strip-components=1
     PYTHONPATH=kernels:. python benchmarks/bench_exponent_difference.py --against <copy of v18's kernels/streamkl> \\
-        --out benchmarks/results     # ~4 minutes on an H100
+        --new /tmp/v19/streamkl --out benchmarks/results     # ~4 minutes on an H100
     PYTHONPATH=kernels:. python benchmarks/bench_exponent_difference.py --render   # tables into docs/perf-notes.md
 
 Timing assertions never go into tests; the numbers here are ratios measured in one run.

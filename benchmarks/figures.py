@@ -85,6 +85,7 @@ GENERATED = {
     "grid-refresh": "benchmarks/report.py",
     **{f"gluon-order:{name}": "benchmarks/bench_gluon_causal_order.py" for name in ("kernel", "op", "checks")},
     **{f"three-consumers:{name}": "benchmarks/bench_three_consumers.py" for name in ("op", "checks")},
+    **{f"exp-diff:{name}": "benchmarks/bench_exponent_difference.py" for name in ("kernel", "op", "checks", "kl")},
     "causal-order:op": "benchmarks/bench_causal_order.py", "causal-order:checks": "benchmarks/bench_causal_order.py",
     "causal-order:paths": "benchmarks/bench_causal_order.py",
     "lazy:checks": "benchmarks/bench_lazy_frames.py",
@@ -947,6 +948,42 @@ def three_consumers_claims() -> list[Claim]:
             for text in texts]
 
 
+def exponent_difference_v19_claims() -> list[Claim]:
+    """perf-notes v19 (not kept): the paired rounds of both training forwards, the calls users make (which differences
+    the sign test finds), the bits and the KL's error against float64."""
+    import bench_exponent_difference as bench
+
+    data = _json("nvidia-h100-80gb-hbm3-exponent-difference.json")
+    assert data["checks"] and all(c["bitwise_equal"] for c in data["checks"]), "the notes say the same bits"
+    rows = {r["shape"]["name"]: r for r in data["rows"]}
+    g, p, m, t = ({n: bench.pair(r, what) for n, r in rows.items()} for what in bench.PAIRS)
+    d64, d64c = "N8192-D64", "N8192-D64-causal"
+    d128 = [n for n in rows if "D128" in n]
+    assert g[d64]["ratio"] > 1 and g[d64]["wins"] == 0 and g[d64c]["ratio"] < 1 and g[d64c]["wins"] == 7
+    assert all(g[n]["p"] >= 0.05 for n in rows if n not in (d64, d64c)), "no other significant change"
+    assert all(p[n]["wins"] == 7 for n in (d64, d64c)) and all(p[n]["wins"] == 0 for n in d128)
+    assert [n for n in rows if t[n]["p"] < 0.05] == [d64c]
+    assert [n for n in rows if m[n]["p"] < 0.05] == [d64c, "N16384-D128-H32-GQA8-causal"]
+    assert all(m[n]["wins"] == 7 for n in (d64c, "N16384-D128-H32-GQA8-causal"))
+    _assert_all_passed("nvidia-h100-80gb-hbm3-hopper-tests-v19.log", "the notes say the GPU tests passed on v19")
+    kl = {c["case"][0]: c for c in data["kl_checks"]}
+    assert all(c["new"] <= c["previous"] * 1.01 for c in kl.values()), "the notes say the KL error did not grow"
+    texts = (
+        f"{g[d64]['ratio']:.2f}× at N8192-D64 (slower in every round, p = {g[d64]['p']:.2g}), {g[d64c]['ratio']:.2f}× "
+        f"at N8192-D64-causal (faster in every round, p = {g[d64c]['p']:.2g})",
+        f"The portable training forward took {_ratio_span([p[n]['ratio'] for n in (d64, d64c)])} at head dim 64 and "
+        f"{_ratio_span([p[n]['ratio'] for n in d128])} at head dim 128 (every round each way, p = "
+        f"{max(p[n]['p'] for n in rows):.2g})",
+        f"moved its time by {_ratio_span([g[n]['ratio'] for n in (d64, d64c)])} at head dim 64",
+        f"the metric call {_ratio_span([x['ratio'] for x in m.values()])} (faster in every round at",
+        f"and the training call {_ratio_span([x['ratio'] for x in t.values()])} (significant",
+        f"differs from float64 by {kl['close']['previous']:.1e} of its size in v18",
+        f"late-key variant by {kl['close, late key']['previous']:.1e}",
+    )
+    return [Claim("docs/perf-notes.md", text, "benchmarks/results/nvidia-h100-80gb-hbm3-exponent-difference.json")
+            for text in texts]
+
+
 def ws_fused_forward_v17_claims() -> list[Claim]:
     """perf-notes v17: the offline stacks, the paired rounds (which differences the sign test finds, and the shape
     where the Gluon forward is slower, which the selection leaves out), the ratios to cuDNN, bitwise-equal checks and
@@ -1556,6 +1593,7 @@ def claims(r: Results) -> list[Claim]:
     out += grid_refresh_claims()
     out += gluon_causal_order_v18_claims()
     out += three_consumers_claims()
+    out += exponent_difference_v19_claims()
 
     pairs_file = "benchmarks/results/nvidia-h100-80gb-hbm3-pairs.json"
     bert_p, padded_p, minilm_p, long_p = _json("nvidia-h100-80gb-hbm3-pairs.json")["rows"]

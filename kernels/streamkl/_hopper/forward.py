@@ -61,28 +61,24 @@ def _fold_tile(
     CAUSAL: gl.constexpr, MASKED: gl.constexpr,
 ):
     """Fold one key tile into the running maxima, sums and coupled accumulator of both distributions (base 2)."""
+    diff = x * qk_scale_a - y * qk_scale_b
     if MASKED:
         allowed = gl.expand_dims(keys, 0) < n_k
         if CAUSAL:
             allowed = allowed & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1) + offset)
         x = gl.where(allowed, x, float("-inf"))
         y = gl.where(allowed, y, float("-inf"))
-    m_a_new = gl.maximum(m_a, gl.max(x, 1))
-    m_b_new = gl.maximum(m_b, gl.max(y, 1))
-    mc_a = gl.maximum(m_a_new * qk_scale_a, NEG_BIG)
-    mc_b = gl.maximum(m_b_new * qk_scale_b, NEG_BIG)
-    alpha_a = gl.exp2(gl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
-    alpha_b = gl.exp2(gl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
-    e_a = x * qk_scale_a - gl.expand_dims(mc_a, 1)
-    e_b = y * qk_scale_b - gl.expand_dims(mc_b, 1)
-    diff = e_a - e_b  # the score difference less the frames' offset, added back once per row (the portable kernel)
-    if MASKED:
         diff = gl.where(allowed, diff, 0.0)
-    p_a = gl.exp2(e_a)
-    p_b = gl.exp2(e_b)
-    sum_a = gl.sum(p_a, 1)
-    z_a = z_a * alpha_a + sum_a
-    acc = acc * alpha_a + (gl.sum(p_a * diff, 1) + (mc_a - mc_b) * sum_a)
+    m_a_new = gl.maximum(m_a, gl.max(x, 1))
+    mc_a = gl.maximum(m_a_new * qk_scale_a, NEG_BIG)
+    alpha_a = gl.exp2(gl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
+    p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(mc_a, 1))
+    z_a = z_a * alpha_a + gl.sum(p_a, 1)
+    acc = acc * alpha_a + gl.sum(p_a * diff, 1)
+    m_b_new = gl.maximum(m_b, gl.max(y, 1))
+    mc_b = gl.maximum(m_b_new * qk_scale_b, NEG_BIG)
+    alpha_b = gl.exp2(gl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
+    p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(mc_b, 1))
     z_b = z_b * alpha_b + gl.sum(p_b, 1)
     return m_a_new, z_a, acc, m_b_new, z_b
 

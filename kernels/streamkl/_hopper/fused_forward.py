@@ -100,29 +100,24 @@ def _fold_scores(
 ):
     """The softmax work of one key tile: the running state after it, and what the query-gradient step needs, the
     tiles ``p_b`` and ``p_b·r − p_a`` (fp32), the rescalings of ``w`` and ``v`` and whether any row's frame moved."""
+    diff = x * qk_scale_a - y * qk_scale_b
     if MASKED:
         allowed = gl.expand_dims(keys, 0) < n_k
         if CAUSAL:
             allowed = allowed & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1) + offset)
         x = gl.where(allowed, x, float("-inf"))
         y = gl.where(allowed, y, float("-inf"))
+        diff = gl.where(allowed, diff, 0.0)
     m_a_new, moved_a = _lazy_max(m_a, gl.max(x, 1), qk_scale_a)
     m_b_new, moved_b = _lazy_max(m_b, gl.max(y, 1), qk_scale_b)
     mc_a = gl.maximum(m_a_new * qk_scale_a, NEG_BIG)
-    mc_b = gl.maximum(m_b_new * qk_scale_b, NEG_BIG)
     alpha_a = gl.exp2(gl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
+    p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(mc_a, 1))
+    z_a = z_a * alpha_a + gl.sum(p_a, 1)
+    acc = acc * alpha_a + gl.sum(p_a * diff, 1)
+    mc_b = gl.maximum(m_b_new * qk_scale_b, NEG_BIG)
     alpha_b = gl.exp2(gl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
-    e_a = x * qk_scale_a - gl.expand_dims(mc_a, 1)
-    e_b = y * qk_scale_b - gl.expand_dims(mc_b, 1)
-    # the score difference from the exponents (one subtraction), its frames' offset added back once per row
-    diff = e_a - e_b
-    if MASKED:
-        diff = gl.where(allowed, diff, 0.0)
-    p_a = gl.exp2(e_a)
-    p_b = gl.exp2(e_b)
-    sum_a = gl.sum(p_a, 1)
-    z_a = z_a * alpha_a + sum_a
-    acc = acc * alpha_a + (gl.sum(p_a * diff, 1) + (mc_a - mc_b) * sum_a)
+    p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(mc_b, 1))
     z_b = z_b * alpha_b + gl.sum(p_b, 1)
     r = z_a / gl.where(z_b > 0.0, z_b, 1.0)
     coef = r * alpha_b - rho * alpha_a

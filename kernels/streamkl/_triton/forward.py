@@ -119,9 +119,8 @@ def _attention_kl_fwd_keys(
     """Fold the key tiles of ``[lo, hi)`` into the running state of both distributions.
 
     The running max is taken on the pre-exponents (their multipliers are > 0), so each exponent is one FMA:
-    ``exp2(u·c − m·c)``. ``acc`` accumulates ``Σ e^(x−m)(x − y)`` in base-2 units, the difference formed from the
-    two exponents (``(e_a − e_b) + (m_a − m_b)``, the second term once per row). Padded keys are loaded as 0 and
-    masked entries of the difference are zeroed, so non-finite values a row never sees cannot reach it.
+    ``exp2(u·c − m·c)``. ``acc`` accumulates ``Σ e^(x−m)(x − y)`` in base-2 units. Padded keys are loaded as 0
+    and masked entries of ``x − y`` are zeroed, so non-finite values a row never sees cannot reach it.
     """
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + offs_n
@@ -141,6 +140,7 @@ def _attention_kl_fwd_keys(
         k_b = tl.load(kb_ptrs + _offset(n0, stride_kb_n, WIDE), mask=kb_load, other=0.0)
         x = _pre_exponent(_dot(q_a, k_a, DOT_PRECISION_A, INTERPRET), cap_scale_a, SOFTCAP_A)
         y = _pre_exponent(_dot(q_b, k_b, DOT_PRECISION_B, INTERPRET), cap_scale_b, SOFTCAP_B)
+        diff = x * qk_scale_a - y * qk_scale_b
         cap_grad = 1.0
         if FUSED_DQ and SOFTCAP_B:
             cap_grad = 1.0 - y * y  # d tanh: finite before masking (masked entries have p = 0)
@@ -149,6 +149,8 @@ def _attention_kl_fwd_keys(
                                stride_am_k, HAS_LEFT, HAS_RIGHT, MASKED, HAS_KEY_MASK, HAS_ATTN_MASK)
             x = tl.where(allowed, x, float("-inf"))
             y = tl.where(allowed, y, float("-inf"))
+            if MASKED:
+                diff = tl.where(allowed, diff, 0.0)
         if FUSED_DQ:  # lazy frames: most tiles then leave the [BLOCK_M, D] accumulators alone
             m_a_new, moved_a = _lazy_max(m_a, tl.max(x, 1), qk_scale_a)
             m_b_new, moved_b = _lazy_max(m_b, tl.max(y, 1), qk_scale_b)
@@ -156,20 +158,13 @@ def _attention_kl_fwd_keys(
             m_a_new = tl.maximum(m_a, tl.max(x, 1))
             m_b_new = tl.maximum(m_b, tl.max(y, 1))
         mc_a = tl.maximum(m_a_new * qk_scale_a, NEG_BIG)  # the clamp keeps an empty row finite for any scale
-        mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
         alpha_a = tl.exp2(tl.maximum(m_a * qk_scale_a, NEG_BIG) - mc_a)
+        p_a = tl.exp2(x * qk_scale_a - mc_a[:, None])  # exactly 0 on masked keys
+        z_a_new = z_a * alpha_a + tl.sum(p_a, 1)
+        acc = acc * alpha_a + tl.sum(p_a * diff, 1)
+        mc_b = tl.maximum(m_b_new * qk_scale_b, NEG_BIG)
         alpha_b = tl.exp2(tl.maximum(m_b * qk_scale_b, NEG_BIG) - mc_b)
-        e_a = x * qk_scale_a - mc_a[:, None]  # the exponents (-inf on masked keys)
-        e_b = y * qk_scale_b - mc_b[:, None]
-        # x·c_a − y·c_b = (e_a − e_b) + (mc_a − mc_b): one subtraction per element, the frames' offset once per row
-        diff = e_a - e_b
-        if MASKED or HAS_KEY_MASK:
-            diff = tl.where(allowed, diff, 0.0)  # -inf - -inf
-        p_a = tl.exp2(e_a)  # exactly 0 on masked keys
-        p_b = tl.exp2(e_b)
-        sum_a = tl.sum(p_a, 1)
-        z_a_new = z_a * alpha_a + sum_a
-        acc = acc * alpha_a + (tl.sum(p_a * diff, 1) + (mc_a - mc_b) * sum_a)
+        p_b = tl.exp2(y * qk_scale_b - mc_b[:, None])
         z_b_new = z_b * alpha_b + tl.sum(p_b, 1)
         if FUSED_DQ:
             if MASKED:  # a masked-out key's non-finite values must not reach a row through 0·inf
