@@ -34,7 +34,6 @@ from __future__ import annotations
 import importlib
 import os
 import platform
-import statistics
 import sys
 
 import torch
@@ -43,7 +42,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_lazy_frames import CHECKS as KL_CHECKS  # noqa: E402
-from bench_lazy_frames import ROUNDS, _bench, _rel, _tensors, cudnn_attention_ms, paired_cell, paired_labels  # noqa: E402
+from bench_lazy_frames import (  # noqa: E402
+    ROUNDS,
+    _rel,
+    _tensors,
+    metric_call,
+    paired_cell,
+    paired_labels,
+    paired_rounds,
+    training_step,
+)
 from bench_ws_fused_forward import SHAPES, exactness  # noqa: E402
 from bench_ws_fused_forward import checks_table as ws_checks_table  # noqa: E402
 from bench_ws_key_pass import _problem  # noqa: E402
@@ -109,16 +117,10 @@ def measure_shape(base, new, name, b, h, h_kt, n, d, causal) -> dict:
         inputs.k_b.detach().requires_grad_(True)
 
     def train(module):
-        def step():
-            loss = module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
-            return torch.autograd.grad(loss, (q_s, k_s))
-        return step
+        return training_step(module, q_t, k_t, q_s, k_s, causal)
 
     def metric(module):
-        def call():
-            with torch.no_grad():
-                return module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
-        return call
+        return metric_call(module, q_t, k_t, q_s, k_s, causal)
 
     calls = {
         "Gluon fused fwd v19": lambda: new_gluon(inputs, spec, buf),
@@ -130,16 +132,7 @@ def measure_shape(base, new, name, b, h, h_kt, n, d, causal) -> dict:
         "training call v19": train(new),
         "training call v18": train(base),
     }
-    order = list(calls)
-    times = {label: [] for label in calls}
-    for r in range(ROUNDS):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            times[label].append(_bench(calls[label]))
-    row = {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"), "ms": times}
-    row["cudnn_fwd_ms"], row["cudnn_fwd_bwd_ms"] = cudnn_attention_ms(b, h, n, d, causal)
-    print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items())
-          + f", cuDNN fwd {row['cudnn_fwd_ms']:.3f}, fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f}", flush=True)
-    return row
+    return paired_rounds(calls, name, b, h, h_kt, n, d, causal)
 
 
 def run(against: str, new_path: str | None = None) -> dict:

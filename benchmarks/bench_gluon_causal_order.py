@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib
 import os
 import platform
-import statistics
 import sys
 from unittest import mock
 
@@ -45,7 +44,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_lazy_frames import ROUNDS, _bench, cudnn_attention_ms, paired_cell, paired_labels  # noqa: E402
+from bench_lazy_frames import ROUNDS, metric_call, paired_cell, paired_labels, paired_rounds, training_step  # noqa: E402
 from bench_ws_fused_forward import SHAPES, exactness  # noqa: E402
 from bench_ws_fused_forward import checks_table as ws_checks_table  # noqa: E402
 from bench_ws_key_pass import _problem  # noqa: E402
@@ -85,18 +84,10 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
     def train(module, forced: bool = False):
         # forced: every Hopper kernel in scope; above HOPPER_MIN_SCORES only the training forward's pick moves
         switch = {ENV_SWITCH: "all"} if forced else {}
-
-        def step():
-            with mock.patch.dict(os.environ, switch):
-                loss = module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
-                return torch.autograd.grad(loss, (q_s, k_s))
-        return step
+        return training_step(module, q_t, k_t, q_s, k_s, causal, lambda: mock.patch.dict(os.environ, switch))
 
     def metric(module):
-        def call():
-            with torch.no_grad():
-                return module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
-        return call
+        return metric_call(module, q_t, k_t, q_s, k_s, causal)
 
     calls = {
         "Gluon fused fwd v18": lambda: attention_kl_fused_fwd_hopper(inputs, spec, buf),
@@ -108,16 +99,7 @@ def measure_shape(base, name, b, h, h_kt, n, d, causal) -> dict:
         "training call v17": train(base),
         "training call v18, Gluon fwd forced": train(streamkl, forced=True),
     }
-    order = list(calls)
-    times = {label: [] for label in calls}
-    for r in range(ROUNDS):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            times[label].append(_bench(calls[label]))
-    row = {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"), "ms": times}
-    row["cudnn_fwd_ms"], row["cudnn_fwd_bwd_ms"] = cudnn_attention_ms(b, h, n, d, causal)
-    print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items())
-          + f", cuDNN fwd {row['cudnn_fwd_ms']:.3f}, fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f}", flush=True)
-    return row
+    return paired_rounds(calls, name, b, h, h_kt, n, d, causal)
 
 
 def run(against: str) -> dict:

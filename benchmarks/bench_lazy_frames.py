@@ -27,6 +27,7 @@ Timing assertions never go into tests; the numbers here are ratios measured in o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import platform
@@ -210,6 +211,40 @@ def cudnn_attention_ms(b: int, h: int, n: int, d: int, causal: bool) -> tuple[fl
     with torch.no_grad():
         fwd = _bench(lambda: sdpa(sq, sk, v, is_causal=causal))
     return fwd, _bench(attention_step)
+
+
+def paired_rounds(calls: dict, name: str, b: int, h: int, h_kt: int, n: int, d: int, causal: bool) -> dict:
+    """One shape's row of a paired benchmark: every call of ``calls`` (label -> function) timed once per round for
+    :data:`ROUNDS` rounds, the order reversed every other round, then cuDNN attention's forward and forward+backward
+    on the student's shapes (:func:`cudnn_attention_ms`)."""
+    order = list(calls)
+    times = {label: [] for label in calls}
+    for r in range(ROUNDS):
+        for label in (order if r % 2 == 0 else order[::-1]):
+            times[label].append(_bench(calls[label]))
+    row = {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"), "ms": times}
+    row["cudnn_fwd_ms"], row["cudnn_fwd_bwd_ms"] = cudnn_attention_ms(b, h, n, d, causal)
+    print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items())
+          + f", cuDNN fwd {row['cudnn_fwd_ms']:.3f}, fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f}", flush=True)
+    return row
+
+
+def training_step(module, q_t, k_t, q_s, k_s, causal: bool, context=contextlib.nullcontext):
+    """The training call as users make it through ``module`` (``attention_kl``, then the student's q and k
+    gradients), inside ``context()`` (a patched selection, say)."""
+    def step():
+        with context():
+            loss = module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
+            return torch.autograd.grad(loss, (q_s, k_s))
+    return step
+
+
+def metric_call(module, q_t, k_t, q_s, k_s, causal: bool):
+    """The metric's call through ``module``: ``attention_kl`` without grad."""
+    def call():
+        with torch.no_grad():
+            return module.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
+    return call
 
 
 def paired(row: dict, what: str) -> dict:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 from unittest import mock
 
@@ -38,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_hopper_key_pass import CHECKS  # noqa: E402
-from bench_lazy_frames import ROUNDS, _bench, cudnn_attention_ms, paired_cell, paired_labels  # noqa: E402
+from bench_lazy_frames import ROUNDS, paired_cell, paired_labels, paired_rounds, training_step  # noqa: E402
 from bench_ws_key_pass import _problem  # noqa: E402
 from report import RESULTS, render_results  # noqa: E402
 
@@ -101,11 +100,7 @@ def measure_shape(name, b, h, h_kt, n, d, causal) -> dict:
         inputs.k_b.detach().requires_grad_(True)
 
     def train(consumers: int):
-        def step():
-            with _consumers(consumers):
-                loss = streamkl.attention_kl(q_t, k_t, q_s, k_s, causal=causal)
-                return torch.autograd.grad(loss, (q_s, k_s))
-        return step
+        return training_step(streamkl, q_t, k_t, q_s, k_s, causal, lambda: _consumers(consumers))
 
     calls = {
         "fused fwd, 3 consumers": lambda: attention_kl_fused_fwd_hopper(inputs, spec, buf, consumers=3),
@@ -113,16 +108,7 @@ def measure_shape(name, b, h, h_kt, n, d, causal) -> dict:
         "training call, 3 consumers": train(3),
         "training call, 2 consumers": train(2),
     }
-    order = list(calls)
-    times = {label: [] for label in calls}
-    for r in range(ROUNDS):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            times[label].append(_bench(calls[label]))
-    row = {"shape": dict(name=name, b=b, h=h, h_kt=h_kt, n=n, d=d, causal=causal, dtype="bfloat16"), "ms": times}
-    row["cudnn_fwd_ms"], row["cudnn_fwd_bwd_ms"] = cudnn_attention_ms(b, h, n, d, causal)
-    print(f"{name}: " + ", ".join(f"{k} {statistics.median(t):.3f}" for k, t in times.items())
-          + f", cuDNN fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f}", flush=True)
-    return row
+    return paired_rounds(calls, name, b, h, h_kt, n, d, causal)
 
 
 def run() -> dict:

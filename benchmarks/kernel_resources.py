@@ -188,10 +188,8 @@ def hopper_fused_forward_resources(package, d: int, causal: bool, block_m: int, 
              "ka_desc": _gluon_descriptor((1, 1, block_n, d)), "kb_desc": _gluon_descriptor((1, 1, block_n, d)),
              "KL": "*fp32", "LSE_A": "*fp32", "LSE_B": "*fp32", "DQ_B": "*bf16", "qk_scale_a": "fp32",
              "qk_scale_b": "fp32", "grad_scale_b": "fp32"}
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4)
-    if consumers == 2 and "CONSUMERS" not in module._ws_fused_fwd_kernel.arg_names:  # before the option existed
-        return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs, maxnreg=module.KERNEL_REGS)
-    constexprs["CONSUMERS"] = consumers
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers,
+                      num_warps=4)
     return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs,
                           maxnreg=module.KERNEL_REGS if consumers == 2 else module.THREE_KERNEL_REGS)
 
