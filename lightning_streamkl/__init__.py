@@ -12,6 +12,8 @@ own attention. The demo job (``streamkl-distill``) lives in :mod:`lightning_stre
 imports.
 """
 
+import logging
+
 from .callback import StreamKLDistillation
 from .capture import AttentionCapture, HFAttentionCapture, MultiheadAttentionCapture, RecorderCapture, record
 from .config import AttentionKLOptions, LayerPair, StreamKLConfig, load_config, to_yaml, validate_config
@@ -30,6 +32,14 @@ from .loss import AttentionDistillationLoss, explicit_pairs, last_k_pairs, last_
 from .metrics import AttentionKLDivergence
 from .mixin import AttentionDistillationMixin
 from .teacher import AdaptersOff
+
+# The pairing line each front door prints (INFO, from the engine) reaches the console as Lightning's own messages do:
+# the package's logger prints INFO itself unless the application configured logging (a handler on the root logger).
+_logger = logging.getLogger(__name__)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _logger.setLevel(logging.INFO)
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 __all__ = [
     "AdaptersOff",

@@ -370,6 +370,9 @@ class EngineCallback(LossTermCallback):
     #: Whether the adapter lays its teacher out for FSDP and model parallelism (:func:`place_teacher`); the others
     #: refuse those strategies.
     sharding: bool = False
+    #: Whether :meth:`_prepare` prints the engine's ``describe()`` line; False for an engine that logs it itself at
+    #: the end of its first step, when it can name each pair's product precision (:class:`AttentionDistiller`).
+    describe_at_setup: bool = True
     #: The module the layers were last resolved on.
     _prepared_for: LightningModule | None = None
 
@@ -423,7 +426,7 @@ class EngineCallback(LossTermCallback):
         if self.sharding:
             place_teacher(trainer, pl_module, self._distiller)
         self._prepared_for = pl_module
-        if first:
+        if first and self.describe_at_setup:
             rank_zero_info(self._distiller.describe())
 
     @override

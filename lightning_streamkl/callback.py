@@ -109,6 +109,7 @@ class StreamKLDistillation(EngineCallback):
 
     alternative = "AttentionDistillationMixin"
     sharding = True
+    describe_at_setup = False  # the engine logs the pairing line, with each pair's precision, after the first step
     state_version = _STATE_VERSION
 
     @signature_from_fields(StreamKLConfig, skip=("pairs",))

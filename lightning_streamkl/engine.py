@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -24,10 +25,12 @@ import torch
 from torch import nn
 
 from .capture import AttentionCapture, build_capture, closest
-from .config import StreamKLConfig, validate_config
+from .config import LayerPair, StreamKLConfig, validate_config
 from .loss import AttentionDistillationLoss, LossOutput
 from .metrics import AttentionKLDivergence
 from .teacher import AdaptersOff, FrozenTeacher, InputRecorder, SelfTeacher, find_copy, stop_after, to_device
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AttentionDistiller", "DistillationMetrics", "DistillationStep", "default_student_forward",
            "default_teacher_forward", "padding_mask_from_batch"]
@@ -275,6 +278,7 @@ class AttentionDistiller:
         self.inputs_from: str | None = None
         self._inputs: InputRecorder | None = None
         self._teacher_ran = False
+        self._announced = False
         if student is not None:
             self.setup(student)
 
@@ -350,16 +354,27 @@ class AttentionDistiller:
         self.teacher.shard(mesh)
 
     def describe(self) -> str:
-        """One line saying what is distilled, e.g. for the start of a run.
+        """One line saying what is distilled: each pair's layers and, once a step has run, the precision of its
+        products (``bf16``, ``fp16``, ``fp32 (TF32)``, ``fp32 (IEEE)``; see :mod:`streamkl.precision`). The engine
+        logs it at the end of its first step (logger ``lightning_streamkl.engine``, INFO, global rank 0).
 
         Example:
-            >>> model = lambda: nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2))
-            >>> d = AttentionDistiller(model(), {"pairs": [[0, 0]], "name": "kd"})
-            >>> _ = d.setup(model())
+            >>> encoder = lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 1,
+            ...                                         enable_nested_tensor=False)
+            >>> d = AttentionDistiller(encoder(), {"pairs": [[0, 0]], "name": "kd", "causal": False}, student=encoder())
             >>> d.describe()
-            "StreamKL 'kd': distilling 1 layer pair(s): t0_s0 (1 -> 1)"
+            "StreamKL 'kd': distilling 1 layer pair(s): t0_s0 (layers.0.self_attn -> layers.0.self_attn)"
+            >>> _ = d(torch.randn(2, 5, 16))
+            >>> d.describe()
+            "StreamKL 'kd': distilling 1 layer pair(s): t0_s0 (layers.0.self_attn -> layers.0.self_attn, fp32 (IEEE))"
         """
-        pairs = ", ".join(f"{p.label} ({t} -> {s})" for p, (t, s) in zip(self.config.pairs, self.resolved))
+        precisions = self.loss.precisions
+
+        def products(pair: LayerPair) -> str:
+            terms = [precisions[n] for n in self.loss.term_names(pair) if n in precisions]
+            return f", {'; '.join(dict.fromkeys(terms))}" if terms else ""
+
+        pairs = ", ".join(f"{p.label} ({t} -> {s}{products(p)})" for p, (t, s) in zip(self.config.pairs, self.resolved))
         fed = f"; the teacher is fed the inputs of the student's {self.inputs_from!r}" if self.inputs_from else ""
         shards = self.teacher.shards
         sharded = f"; the teacher is sharded over {shards} processes" if shards > 1 else ""
@@ -478,10 +493,16 @@ class AttentionDistiller:
         _, teacher_capture, student_capture = self._ready()
         try:
             mask = self.padding_mask(batch)
-            return self.loss(teacher_capture.pop(), student_capture.pop(), key_padding_mask=mask,
-                             query_mask=mask if self.config.mask_queries else None)
+            terms = self.loss(teacher_capture.pop(), student_capture.pop(), key_padding_mask=mask,
+                              query_mask=mask if self.config.mask_queries else None)
         finally:
             self.clear()
+        if not self._announced:
+            self._announced = True
+            if not torch.distributed.is_available() or not torch.distributed.is_initialized() \
+                    or torch.distributed.get_rank() == 0:
+                log.info(self.describe())
+        return terms
 
     def clear(self) -> None:
         """Release everything captured in this step."""

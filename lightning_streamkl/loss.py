@@ -240,6 +240,20 @@ class AttentionDistillationLoss:
         self.weights = [p.weight for p in self.config.pairs for _ in _term_names(p, self.config)]
         self._resolved: list[_ResolvedPair] | None = None
         self._memo: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
+        #: ``{term name: the precision of its products}`` as of the last call, e.g. ``"bf16"``, or
+        #: ``"teacher bf16, student fp32 (TF32)"`` when the sides differ (:func:`streamkl.precision.product_precision`).
+        self.precisions: dict[str, str] = {}
+
+    def term_names(self, pair: LayerPair) -> list[str]:
+        """The names of ``pair``'s terms: its label, or ``<label>/<relation>`` per relation it compares.
+
+        Example:
+            >>> loss = AttentionDistillationLoss({"pairs": [{"teacher": 0, "student": 0, "name": "a"}],
+            ...                                   "relations": ["qq", "kk"]})
+            >>> loss.term_names(loss.config.pairs[0])
+            ['a/qq', 'a/kk']
+        """
+        return _term_names(pair, self.config)
 
     @property
     def needs_values(self) -> bool:
@@ -307,6 +321,7 @@ class AttentionDistillationLoss:
                     calls.append(self._term_call(r, t, s, key_padding_mask, query_mask, relation))
         finally:
             self._memo.clear()
+        self.precisions = dict(zip(self.pair_names, (call.precision() for call in calls)))
         means: list[torch.Tensor | None] = [None] * len(calls)
         sums: list[torch.Tensor | None] = [None] * len(calls)
         rows: list[torch.Tensor | None] = [None] * len(calls)

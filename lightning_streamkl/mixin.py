@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from .adapter import check_strategy, load_metric_state, log_epoch, log_step, metric_state, place_teacher
@@ -268,11 +268,7 @@ class _MixinHooks(Callback):
     @staticmethod
     def _prepare(trainer: Any, pl_module: Any) -> None:
         """Resolve the layers and lay the teacher out for the strategy (once per module)."""
-        first = pl_module._streamkl.student is not pl_module
-        distiller = pl_module._streamkl_ready()
-        place_teacher(trainer, pl_module, distiller)
-        if first:
-            rank_zero_info(distiller.describe())
+        place_teacher(trainer, pl_module, pl_module._streamkl_ready())  # (the engine logs its pairing line itself)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._configured(pl_module):

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from streamkl import attention_kl
+from streamkl.api import resolve_backend
+from streamkl.precision import product_precision
 
 from .capture.masks import Masking, PackedSequences, dense_allowed
 
@@ -151,9 +153,24 @@ class TermCall:
         """The bytes of the four tensors (what a fused call copies)."""
         return sum(x.numel() * x.element_size() for x in (self.q_t, self.k_t, self.q_s, self.k_s))
 
+    def precision(self) -> str:
+        """The precision of the term's products (:func:`streamkl.precision.product_precision`): one name when both
+        sides compute alike, else ``"teacher <t>, student <s>"``.
+
+        Example:
+            >>> q = torch.randn(1, 2, 4, 8)
+            >>> TermCall(q.bfloat16(), q.bfloat16(), q, q, Masking(causal=True)).precision()
+            'teacher bf16, student fp32 (IEEE)'
+        """
+        backend = resolve_backend((self.options or {}).get("backend", "auto"), self.q_s.device,
+                                  (self.q_t.dtype, self.q_s.dtype))
+        t, s = (product_precision(x.dtype, backend=backend) for x in (self.q_t, self.q_s))
+        return t if t == s else f"teacher {t}, student {s}"
+
     def run(self, reduction: str) -> torch.Tensor:
         """``attention_kl`` of the term (``reduction`` "sum", or "none": per row ``[B, H, N_q]``, ``[T, H]`` when
-        packed), outside autocast (the op computes in fp32 itself)."""
+        packed), outside autocast: the captures recorded each layer's tensors in the dtype its attention computed
+        in (cast to the autocast dtype under autocast), and the op takes them as they are."""
         m = self.masking
         kw = dict(self.options or {}, causal=bool(m.causal), window=m.window, sinks_t=self.sinks_t,
                   sinks_s=self.sinks_s, reduction=reduction)

@@ -8,6 +8,7 @@ import torch
 
 from ._validation import prepare_problem
 from .autograd import attention_kl_per_row
+from .precision import cast_for_autocast, resolve_allow_tf32
 
 
 def resolve_backend(backend: str, device: torch.device, dtypes: tuple[torch.dtype, ...] = (),
@@ -75,7 +76,7 @@ def attention_kl(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     attn_mask: torch.Tensor | None = None,
-    allow_tf32: bool = False,
+    allow_tf32: bool | None = None,
     deterministic: bool = True,
     check_finite: bool = False,
 ) -> torch.Tensor:
@@ -106,6 +107,12 @@ def attention_kl(
     fp32 numbers per row; the backward recomputes the probabilities tile by tile. Memory is ``O(N)``
     per head: no ``N_q × N_k`` map is ever stored. Key tiles outside every row's window, and tiles that would
     cross a packed sequence's boundary, are never visited: the cost follows the allowed band, not ``N²``.
+
+    Precision, as torch's own attention: under ``torch.autocast`` the queries and keys are cast once to the autocast
+    dtype of their device (float64 stays), as ``F.scaled_dot_product_attention``'s inputs are; the statistics,
+    accumulators and the result are float32 whatever the input dtype. float32 inputs outside autocast follow
+    ``torch.get_float32_matmul_precision()`` (see ``allow_tf32``). Teacher and student may have different dtypes;
+    each side's products use its own.
 
     Args:
         q_t: teacher queries ``[B, H, N_q, D_t]`` (layout "bhnd"), ``[B, N_q, H, D_t]`` ("bnhd") or
@@ -147,8 +154,11 @@ def attention_kl(
             prefix-LM or custom block mask a model built); combined with every other mask. It costs an ``N_q × N_k``
             bool read and every tile is masked, so prefer the structured options where they describe the mask
             (not with "thd"). Default: ``None``.
-        allow_tf32: let float32 inputs use TF32 tensor-core products (Triton backend). Default: ``False``
-            (true fp32 products).
+        allow_tf32: whether float32 inputs may use TF32 tensor-core products (Triton backend; the reference
+            backend computes IEEE-fp32). Default: ``None``: follow ``torch.get_float32_matmul_precision()`` as
+            ``torch.matmul`` does (``"highest"``: IEEE-fp32 products; ``"high"``, ``"medium"``: TF32). Under autocast
+            the inputs are cast to the autocast dtype first (as ``F.scaled_dot_product_attention``'s are), so this
+            applies only to float32 inputs outside autocast.
         deterministic: bitwise-reproducible gradients. ``True`` runs the two-pass backward (a key-stationary
             pass for dK, a query-stationary pass for dQ, no atomics), which was also the faster design on an
             H100 at D=64/128 (docs/perf-notes.md). ``False`` runs the one-pass backward that adds dQ with fp32
@@ -199,6 +209,7 @@ def attention_kl(
         >>> tuple(per_row.shape)
         (16, 4)
     """
+    q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)
     problem = prepare_problem(
         q_t,
         k_t,
@@ -235,8 +246,7 @@ def attention_kl(
                     f"Expected argument `{name}` to hold only finite values (check_finite=True), but it contains "
                     f"{int(torch.isnan(x).sum())} NaN and {int(torch.isinf(x).sum())} infinite entries."
                 )
-    if not isinstance(allow_tf32, bool):
-        raise TypeError(f"Expected argument `allow_tf32` to be a bool, but got {type(allow_tf32).__name__}.")
+    allow_tf32 = resolve_allow_tf32(allow_tf32)
     if not isinstance(deterministic, bool):
         raise TypeError(f"Expected argument `deterministic` to be a bool, but got {type(deterministic).__name__}.")
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()

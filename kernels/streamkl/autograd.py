@@ -32,6 +32,7 @@ from ._hopper import hopper_forward, hopper_fused_forward
 from ._problem import KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
+from .precision import no_autocast
 
 _EMPTY_SHAPE = (0,)
 
@@ -46,7 +47,12 @@ def _triton_kernels():
 def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
     """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, a buffer from
     :func:`streamkl._triton.forward.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit
-    upstream gradient (see :func:`fused_forward`)."""
+    upstream gradient (see :func:`fused_forward`). Autocast is off inside (the inputs arrive cast already)."""
+    with no_autocast(inputs.q_a.device):
+        return _forward_impl(inputs, spec, backend, allow_tf32, dq_b)
+
+
+def _forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None):
     if backend == "triton":
         if dq_b is None:
             hopper = hopper_forward(inputs, spec)  # the sm_90 kernels where they apply (streamkl._hopper)
@@ -86,12 +92,15 @@ def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, nee
                   need_grad_b: bool, backend: str, allow_tf32: bool, deterministic: bool,
                   dq_b: torch.Tensor | None = None):
     """``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes, None where not requested; ``dq_b``: the forward's fused
-    query gradient of side b (Triton only)."""
-    if backend == "triton":
-        grads = _triton_kernels()[1].attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
-                                                       need_grad_b, allow_tf32, deterministic, dq_b=dq_b)
-    else:
-        grads = reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b)
+    query gradient of side b (Triton only). Autocast is off inside: a backward run under autocast (``loss.backward()``
+    inside the block, on the CPU, runs in the caller's thread) computes as the forward did."""
+    with no_autocast(inputs.q_a.device):
+        if backend == "triton":
+            grads = _triton_kernels()[1].attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
+                                                           need_grad_b, allow_tf32, deterministic, dq_b=dq_b)
+        else:
+            grads = reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
+                                                       need_grad_b)
     return tuple(g if g is None or g.dtype == x.dtype else g.to(x.dtype) for g, x in zip(grads, inputs[:4]))
 
 

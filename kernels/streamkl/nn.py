@@ -44,7 +44,7 @@ class AttentionKLLoss(nn.Module):
         window: tuple[int, int] | None = None,
         softcap_t: float | None = None,
         softcap_s: float | None = None,
-        allow_tf32: bool = False,
+        allow_tf32: bool | None = None,
         deterministic: bool = True,
         check_finite: bool = False,
     ) -> None:

@@ -55,6 +55,7 @@ from ._reduction import reduce_per_row_kl
 from ._validation import prepare_problem
 from .api import resolve_backend
 from .autograd import _triton_kernels, forward_impl, sink_gradients
+from .precision import cast_for_autocast, no_autocast, resolve_allow_tf32
 
 __all__ = [
     "KLPartial",
@@ -230,11 +231,12 @@ def _partial_backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, ali
         return tuple(grads)
     sub, sub_spec, rows, keys = cut
     stats = [x[:, :, :rows].contiguous() for x in (grad_kl, kl, lse_a, lse_b)]
-    if backend == "triton":
-        parts = _triton_kernels()[1].attention_kl_bwd(stats[0], sub, sub_spec, *stats[1:], need_a, need_b, allow_tf32,
-                                                      deterministic)
-    else:
-        parts = reference.chunked_attention_kl_bwd(stats[0], sub, sub_spec, *stats[1:], need_a, need_b)
+    with no_autocast(kl.device):
+        if backend == "triton":
+            parts = _triton_kernels()[1].attention_kl_bwd(stats[0], sub, sub_spec, *stats[1:], need_a, need_b,
+                                                          allow_tf32, deterministic)
+        else:
+            parts = reference.chunked_attention_kl_bwd(stats[0], sub, sub_spec, *stats[1:], need_a, need_b)
     for grad, part, n in zip(grads, parts, (rows, keys, rows, keys)):
         if grad is not None:
             grad[:, :, :n] = part
@@ -251,6 +253,7 @@ def _prepare(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s: torch
             "Expected argument `layout` to be 'bhnd' or 'bnhd' for a sharded KL, but got 'thd': packed sequences are "
             "not sharded; shard each sequence on its own (layout 'bhnd' with B = 1)."
         )
+    q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)  # as attention_kl (streamkl.precision)
     problem = prepare_problem(q_t, k_t, q_s, k_s, reduction="none", **options, **masks)
     backend = resolve_backend(options.get("backend", "auto"), problem.q_t.device,
                               (problem.q_t.dtype, problem.q_s.dtype), (problem.q_t.shape[-1], problem.q_s.shape[-1]))
@@ -297,7 +300,7 @@ def attention_kl_partial(
     softcap_s: float | None = None,
     layout: str = "bhnd",
     backend: str = "auto",
-    allow_tf32: bool = False,
+    allow_tf32: bool | None = None,
 ) -> KLPartial:
     r"""The per-row statistics of the attention KL over one shard of the keys (no gradient).
 
@@ -367,7 +370,7 @@ def _shard_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s:
                                            query_mask=given["query_mask"], attn_mask=given["attn_mask"])
     align = _alignment(problem.n_q, problem.n_k, given["query_start"], given["key_start"], given["total_q"],
                        given["total_k"], _positional(given["causal"], given["window"]))
-    return inputs, spec, problem, align, (impl, _check_flag("allow_tf32", given["allow_tf32"]))
+    return inputs, spec, problem, align, (impl, resolve_allow_tf32(given["allow_tf32"]))
 
 
 def merge_partials(partials: Sequence[KLPartial]) -> KLPartial:
@@ -568,7 +571,7 @@ def sharded_attention_kl(
     sinks_s: torch.Tensor | None = None,
     layout: str = "bhnd",
     backend: str = "auto",
-    allow_tf32: bool = False,
+    allow_tf32: bool | None = None,
     deterministic: bool = True,
 ) -> torch.Tensor:
     r"""The attention KL of the queries against keys given as consecutive shards, differentiable.
@@ -624,7 +627,7 @@ def sharded_attention_kl(
         raise ValueError(f"Expected `k_t` and `k_s` to hold the same number of shards, but got {len(k_t)} and "
                          f"{len(k_s)}.")
     deterministic = _check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
-    allow_tf32 = _check_flag("allow_tf32", allow_tf32)
+    allow_tf32 = resolve_allow_tf32(allow_tf32)
     if not isinstance(reduction, str) or reduction not in ("none", "sum", "mean"):
         raise ValueError(f"Expected argument `reduction` to be one of ['none', 'sum', 'mean'], but got {reduction!r}.")
     seq_dim = 1 if layout == "bnhd" else 2

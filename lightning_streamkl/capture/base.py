@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from streamkl.precision import cast_for_autocast
+
 from .masks import Masking, PackedSequences
 
 log = logging.getLogger(__name__)
@@ -285,9 +287,16 @@ class AttentionCapture(ABC):
 
         ``v`` is kept only when the capture was made with ``capture_values=True``. A layer that runs twice in one
         recording (a module reused across depths) keeps its last call.
+
+        Under autocast, ``q``, ``k`` and ``v`` are kept in the autocast dtype of their device (a differentiable
+        cast), as ``F.scaled_dot_product_attention`` and flash-attention receive them: under ``bf16-mixed`` a Llama
+        layer's queries leave the rotary embedding in float32 (its fp32 ``cos``/``sin`` promote them), but its
+        attention computes in bf16, and so does the KL of its record.
         """
         if self.selected is not None and name not in self.selected:
             return
+        with torch.enable_grad():  # (the cast of a reentrant checkpoint's leaf copies, made under no_grad, too)
+            q, k, v = cast_for_autocast(q, k, v)
         self.records[name] = CapturedAttention(
             q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v if self.capture_values else None,
             window, softcap, sinks, attn_mask, query_mask, packed, masks_from_call)

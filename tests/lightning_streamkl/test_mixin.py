@@ -129,7 +129,7 @@ def test_overriding_the_batch_hooks_without_super_still_distils_and_the_pairing_
         trainer(max_steps=2).fit(model, loader(8, 4))
     assert all(s > t for s, t in zip(model.step_losses, model.task_losses)) and len(model.step_losses) == 2
     assert "StreamKL 'attn_kl': distilling 1 layer pair(s): last (model.layers.1.self_attn -> " \
-           "model.model.layers.1.self_attn)" in caplog.text
+           "model.model.layers.1.self_attn, fp32 (IEEE))" in caplog.text
 
 
 def test_dropping_the_mixins_callback_says_what_is_missing():

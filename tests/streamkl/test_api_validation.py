@@ -59,7 +59,7 @@ def test_shape_error_names_layout_and_shapes():
         (dict(scale_s=0.0), ValueError, r"`scale_s` to be a finite float > 0, but got 0.0"),
         (dict(scale_s=-0.5), ValueError, r"`scale_s` to be a finite float > 0, but got -0.5"),
         (dict(causal=1), TypeError, r"`causal` to be a bool, but got int"),
-        (dict(allow_tf32="yes"), TypeError, r"`allow_tf32` to be a bool, but got str"),
+        (dict(allow_tf32="yes"), TypeError, r"`allow_tf32` to be None or a bool, but got str"),
         (dict(deterministic=1), TypeError, r"`deterministic` to be a bool, but got int"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
