@@ -150,3 +150,18 @@ def test_the_float32_matmul_precision_reaches_the_triton_launch(monkeypatch, mat
     attention_kl(q_t, k_t, q_s, k_s, backend="triton", allow_tf32=allow_tf32, deterministic=True).backward()
     assert launched and set(launched) == {expected}
     assert resolve_allow_tf32(allow_tf32) is (expected == "tf32")
+
+
+def test_torch_compile_traces_the_autocast_cast_and_the_precision_setting_without_a_graph_break(matmul_precision):
+    """``fullgraph=True``: the autocast cast and ``torch.get_float32_matmul_precision()`` (read when the graph is
+    traced) trace into one graph, with the eager call's value."""
+    torch._dynamo.reset()
+    matmul_precision("high")
+    tensors = [x.detach() for x in _inputs()]
+
+    def loss(*xs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return attention_kl(*xs, causal=True, backend="reference")
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*tensors), loss(*tensors))

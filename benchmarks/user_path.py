@@ -1,0 +1,517 @@
+r"""The user's path, end to end: a real-scale Hugging Face teacher and student through a Lightning ``Trainer``.
+
+A Llama teacher of 1.1B parameters (22 layers, 32 query and 8 key-value heads of 64, as TinyLlama-1.1B but with 8 KV
+heads; bf16, frozen) and a Llama student of 0.25B (16 layers, 16 / 4 heads of 64), both built from their configs, one
+sequence of ``N`` tokens per step, gradient checkpointing on the student, AdamW. Each *cell* fits the student for a
+few steps and reports the median step time and the peak CUDA memory of the fit:
+
+- ``plain``: the student alone;
+- ``four``: with :class:`~lightning_streamkl.StreamKLDistillation` on four layer pairs (``head_map="group"``);
+- ``uniform``: with ``uniform_pairs`` over every student layer;
+- ``naive``: the KD a user writes without the op, eager attention with ``output_attentions=True`` and the KL of the
+  maps, as far as it fits in memory.
+
+over ``Trainer(precision=...)`` ``bf16-mixed``, ``bf16-true``, ``16-mixed`` and ``32-true`` (with
+``torch.set_float32_matmul_precision("high")``), attention implementations ``sdpa`` and ``flex_attention``, and the
+student with and without ``torch.compile``. For a distilled cell the run also times its irreducible parts alone: the
+teacher's pass up to its deepest paired layer (the engine's own ``run_teacher``), and each pair's ``attention_kl``
+forward+backward replayed on the tensors the loss handed the op in a step (their shapes, dtypes and options). The
+rest of the extra time is the pipeline around the op. Ratios compare cells measured in the same run.
+
+Peak memory is the fit's: the most allocated during it, less what was allocated before the student was built, plus
+the teacher's weights for a distilled cell (the teacher stays resident between cells of one run).
+
+Parts (each resumes: cells already in ``--out`` are skipped, so a run stopped by a time limit is continued by the
+same command)::
+
+    python benchmarks/user_path.py --part n16384            # the full matrix at N = 16384, without compile
+    python benchmarks/user_path.py --part n16384-compile    # the same cells with a compiled student
+    python benchmarks/user_path.py --part ends              # N = 4096 and 32768: bf16-mixed and bf16-true, sdpa, four
+    python benchmarks/user_path.py --part naive             # the KD without the op at N = 4096 and 8192
+    python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
+    python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
+
+Needs a CUDA GPU, ``transformers`` and the repository's packages (``PYTHONPATH=kernels:.``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+ROOT = os.path.dirname(HERE)
+PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
+README = os.path.join(ROOT, "README.md")
+#: The committed run the docs render.
+H100_RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
+
+PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
+ATTENTIONS = ("sdpa", "flex_attention")
+#: teacher layer -> student layer of the four pairs (the teacher's 22 layers against the student's 16, spread evenly)
+FOUR_PAIRS = {3: 5, 7: 10, 11: 15, 15: 21}
+TEACHER = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=8)
+STUDENT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=4)
+VOCAB = 32000
+#: The targets of the user-path issue, checked by the rendered table.
+PIPELINE_TARGET = 1.15  # extra time <= 1.15 x (teacher's pass + the KL ops)
+MEMORY_TARGET = 1.15  # peak memory <= 1.15 x the plain step's
+HEADLINE_TARGET = 2.6  # bf16-mixed, N = 32768, four pairs: step <= 2.6 x the plain step
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One fit: sequence length, precision, attention implementation, compiled or not, and what is distilled."""
+
+    n: int
+    precision: str
+    attention: str
+    compiled: bool
+    pairs: str  # "plain" | "four" | "uniform" | "naive"
+
+    @property
+    def key(self) -> str:
+        return f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
+
+    @property
+    def baseline(self) -> Cell:
+        return Cell(self.n, self.precision, self.attention, self.compiled, "plain")
+
+
+def part_cells(part: str) -> list[Cell]:
+    """The cells of a part (see the module docstring), plain cells first within each setting."""
+    cells: list[Cell] = []
+    if part in ("n16384", "n16384-compile"):
+        compiled = part.endswith("compile")
+        for precision in PRECISIONS:
+            for attention in ATTENTIONS:
+                cells += [Cell(16384, precision, attention, compiled, p) for p in ("plain", "four", "uniform")]
+    elif part == "ends":
+        for n in (4096, 32768):
+            for precision in ("bf16-mixed", "bf16-true"):
+                cells += [Cell(n, precision, "sdpa", False, p) for p in ("plain", "four")]
+    elif part == "naive":
+        for n in (4096, 8192):
+            cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
+    elif part == "smoke":
+        for precision in PRECISIONS:
+            for attention in ATTENTIONS:
+                cells += [Cell(512, precision, attention, False, p) for p in ("plain", "four", "uniform")]
+        cells += [Cell(512, "bf16-mixed", "sdpa", True, p) for p in ("plain", "four")]
+        cells += [Cell(512, "bf16-mixed", "sdpa", False, "naive")]
+    else:
+        raise SystemExit(f"unknown part {part!r}")
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------- models and the fit
+def llama(shape: dict, n: int, attention: str, seed: int, dtype):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**shape, vocab_size=VOCAB, max_position_embeddings=max(n, 2048), attn_implementation=attention,
+                      tie_word_embeddings=False)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(cfg).to(dtype)
+
+
+def enable_checkpointing(model) -> None:
+    """Gradient checkpointing as a user turns it on (transformers' default kwargs)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def batch_of(n: int, seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (1, n), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _module_classes():
+    import lightning as L
+    import torch
+
+    class StudentLM(L.LightningModule):
+        """The user's module: the Hugging Face causal LM's own loss."""
+
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    class NaiveKD(StudentLM):
+        """The KD without the op: both models return their attention maps and the KL is taken on them (each teacher
+        head against the student head of its group)."""
+
+        def __init__(self, model, teacher) -> None:
+            super().__init__(model)
+            object.__setattr__(self, "_teacher", teacher)  # frozen, outside the module (not trained, not saved)
+
+        def training_step(self, batch, batch_idx):
+            with torch.no_grad():
+                maps_t = self._teacher(input_ids=batch["input_ids"], output_attentions=True, use_cache=False).attentions
+            out = self.model(**batch, output_attentions=True)
+            kl = 0.0
+            for s, t in FOUR_PAIRS.items():
+                p_t = maps_t[t].float()
+                group = p_t.shape[1] // out.attentions[s].shape[1]
+                log_s = out.attentions[s].float().clamp_min(1e-30).log().repeat_interleave(group, dim=1)
+                kl = kl + (p_t * (p_t.clamp_min(1e-30).log() - log_s)).sum(-1).mean() / len(FOUR_PAIRS)
+            return out.loss + kl
+
+    class StepTimer(L.Callback):
+        """Wall-clock time of every training batch, the GPU drained at both ends."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._start)
+
+    return StudentLM, NaiveKD, StepTimer
+
+
+def _bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "32-true" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def median_time(fn, repeats: int = 5) -> float:
+    """The median wall-clock seconds of ``fn()`` (the GPU drained at both ends), after one warm-up call."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def op_calls(distiller, model, batch, context) -> list[tuple[tuple, dict]]:
+    """The ``attention_kl`` calls the loss makes in one step (tensors and options), from a step run by hand."""
+    from lightning_streamkl import terms
+
+    calls: list[tuple[tuple, dict]] = []
+    op = terms.attention_kl
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return op(*args, **kwargs)
+
+    terms.attention_kl = spy
+    try:
+        with context:
+            distiller.begin_step(batch)
+            with distiller.student_recording():
+                model(**batch)
+            distiller.end_step(batch)
+    finally:
+        terms.attention_kl = op
+    return calls
+
+
+def replay_seconds(call: tuple[tuple, dict]) -> float:
+    """One ``attention_kl`` call's forward+backward alone, on copies of its tensors (the student's requiring grad)."""
+    import torch
+
+    from streamkl import attention_kl
+
+    args, kwargs = call
+    q_t, k_t = (x.detach() for x in args[:2])
+    q_s, k_s = (x.detach().clone().requires_grad_() for x in args[2:4])
+
+    def step():
+        out = attention_kl(q_t, k_t, q_s, k_s, **kwargs)
+        out.backward(torch.ones_like(out))
+        q_s.grad = k_s.grad = None
+
+    with torch.autocast("cuda", enabled=False):
+        return median_time(step, repeats=10)
+
+
+def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
+    """Fit the student of ``cell`` for ``warmup + steps`` steps; the record of the cell."""
+    import lightning as L
+    import torch
+
+    from lightning_streamkl import StreamKLDistillation, explicit_pairs, uniform_pairs
+
+    StudentLM, NaiveKD, StepTimer = _module_classes()
+    teacher.config._attn_implementation = "eager" if cell.pairs == "naive" else cell.attention
+    record: dict[str, Any] = {"key": cell.key, **cell.__dict__}
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with matmul_precision(cell.precision):
+        hf = llama(STUDENT, cell.n, "eager" if cell.pairs == "naive" else cell.attention, seed=1,
+                   dtype=torch.float32)
+        enable_checkpointing(hf)
+        hf.train()
+        student = torch.compile(hf) if cell.compiled else hf
+        module = NaiveKD(student, teacher) if cell.pairs == "naive" else StudentLM(student)
+        timer = StepTimer()
+        callbacks: list[Any] = [timer]
+        distill = None
+        if cell.pairs in ("four", "uniform"):
+            pairs = explicit_pairs(FOUR_PAIRS, head_map="group") if cell.pairs == "four" else \
+                uniform_pairs(teacher, hf, head_map="group")
+            distill = StreamKLDistillation(teacher, pairs=pairs)
+            callbacks.append(distill)
+        data = [batch_of(cell.n, seed) for seed in range(warmup + steps)]
+        trainer = L.Trainer(accelerator="gpu", devices=1, precision=cell.precision, max_steps=warmup + steps,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+        peak = torch.cuda.max_memory_allocated() - base + (_bytes(teacher) if cell.pairs in ("four", "uniform",
+                                                                                              "naive") else 0)
+        record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times, peak_gib=peak / 2**30)
+        if distill is not None:
+            distiller = distill.distiller
+            batch = {k: v.cuda() for k, v in data[0].items()}
+            plugin = trainer.precision_plugin
+            record["pairing"] = distiller.describe()
+
+            def teacher_pass():
+                with plugin.forward_context():
+                    distiller.run_teacher(batch)
+                distiller.clear()
+
+            record["teacher_s"] = median_time(teacher_pass)
+            calls = op_calls(distiller, student, batch, plugin.forward_context())
+            record["kl_s"] = [replay_seconds(c) for c in calls]
+            record["kl_calls"] = [{"shapes": [list(x.shape) for x in c[0][:4]], "dtypes": [str(x.dtype) for x in
+                                   c[0][:4]], "reduction": c[1].get("reduction")} for c in calls]
+    return record
+
+
+def run_part(part: str, out: str, steps: int, warmup: int) -> dict:
+    import lightning
+    import torch
+    import transformers
+    import triton
+
+    data: dict[str, Any] = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            data = json.load(f)
+    device = torch.cuda.get_device_name()
+    if data.get("device", device) != device:
+        raise SystemExit(f"{out} holds a run on {data['device']}, not {device}; pass another --out")
+    data.update(device=device, torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, lightning=lightning.__version__,
+                teacher=TEACHER, student=STUDENT, vocab=VOCAB, four_pairs={str(k): v for k, v in FOUR_PAIRS.items()},
+                steps=steps, warmup=warmup)
+    cells = data.setdefault("cells", {})
+    todo = [c for c in part_cells(part) if c.key not in cells]
+    teachers: dict[int, Any] = {}
+    for cell in todo:
+        if cell.n not in teachers:
+            teachers.clear()
+            gc.collect()
+            teachers[cell.n] = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
+        start = time.perf_counter()
+        try:
+            record = run_cell(cell, teachers[cell.n], steps, warmup)
+        except torch.cuda.OutOfMemoryError as err:
+            record = {"key": cell.key, **cell.__dict__, "error": f"out of memory: {str(err).splitlines()[0]}"}
+        except Exception as err:  # a cell that fails is a result (e.g. compile not supported)
+            traceback.print_exc()
+            record = {"key": cell.key, **cell.__dict__, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+        record["wall_s"] = time.perf_counter() - start
+        cells[cell.key] = record
+        _write(out, data)
+        print(summary_line(record, cells), flush=True)
+    return data
+
+
+def _write(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(f"{path}.tmp", path)
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def derived(record: dict, cells: dict) -> dict[str, float] | None:
+    """Ratios of a distilled cell against its plain cell of the same run: step and memory, and the pipeline's
+    extra time over its irreducible parts (``None`` when either cell failed or is missing)."""
+    plain = cells.get(Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain").key)
+    if plain is None or "error" in plain or "error" in record:
+        return None
+    out = {"ratio": record["step_s"] / plain["step_s"], "memory": record["peak_gib"] / plain["peak_gib"]}
+    if "teacher_s" in record:
+        irreducible = record["teacher_s"] + sum(record["kl_s"])
+        out.update(extra_s=record["step_s"] - plain["step_s"], irreducible_s=irreducible,
+                   pipeline=(record["step_s"] - plain["step_s"]) / irreducible)
+    return out
+
+
+def summary_line(record: dict, cells: dict) -> str:
+    if "error" in record:
+        return f"{record['key']}: {record['error']}"
+    line = f"{record['key']}: step {record['step_s'] * 1e3:.1f} ms, peak {record['peak_gib']:.2f} GiB"
+    d = derived(record, cells)
+    if d:
+        line += f", {d['ratio']:.2f}x plain, memory {d['memory']:.2f}x"
+        if "pipeline" in d:
+            line += (f", teacher {record['teacher_s'] * 1e3:.1f} ms + KL {sum(record['kl_s']) * 1e3:.1f} ms, "
+                     f"extra/irreducible {d['pipeline']:.2f}")
+    return line
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def matrix_table(data: dict, n: int) -> str:
+    """The cells of one ``N`` as a markdown table: plain step, step with the callback, ratio, memory ratio and the
+    breakdown of the extra time."""
+    cells = data["cells"]
+    rows = ["| precision | attention | student | pairs | plain step (ms) | with attention KL (ms) | ratio | "
+            "peak memory ratio | teacher to the deepest pair (ms) | KL ops, fwd+bwd (ms) | rest (ms) | "
+            "extra / (teacher + KL) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for record in cells.values():
+        if record["n"] != n or record["pairs"] in ("plain", "naive"):
+            continue
+        plain = cells.get(Cell(n, record["precision"], record["attention"], record["compiled"], "plain").key, {})
+        head = (f"| {record['precision']} | {record['attention']} | {'compiled' if record['compiled'] else 'eager'} | "
+                f"{record['pairs']} | ")
+        if "error" in record or "error" in plain:
+            why = record.get("error") or plain.get("error")
+            rows.append(head + f"{_ms(plain['step_s']) if 'step_s' in plain else '–'} | {why} | | | | | | |")
+            continue
+        d = derived(record, cells)
+        kl = sum(record["kl_s"])
+        rest = d["extra_s"] - record["teacher_s"] - kl
+        rows.append(head + f"{_ms(plain['step_s'])} | {_ms(record['step_s'])} | {d['ratio']:.2f}× | "
+                    f"{d['memory']:.2f}× | {_ms(record['teacher_s'])} | {_ms(kl)} | {_ms(rest)} | "
+                    f"{d['pipeline']:.2f} |")
+    return "\n".join(rows)
+
+
+def naive_table(data: dict) -> str:
+    cells = data["cells"]
+    rows = ["| N | plain step (ms) | KD on attention maps (ms) | ratio | peak memory (GiB), plain / KD on maps |",
+            "|---|---|---|---|---|"]
+    for record in cells.values():
+        if record["pairs"] != "naive":
+            continue
+        plain = cells.get(record["key"].replace("/naive", "/plain"), {})
+        if "error" in record:
+            rows.append(f"| {record['n']} | {_ms(plain['step_s']) if 'step_s' in plain else '–'} | {record['error']} | "
+                        f"| {plain.get('peak_gib', 0):.1f} / – |")
+            continue
+        rows.append(f"| {record['n']} | {_ms(plain['step_s'])} | {_ms(record['step_s'])} | "
+                    f"{record['step_s'] / plain['step_s']:.1f}× | {plain['peak_gib']:.1f} / {record['peak_gib']:.1f} |")
+    return "\n".join(rows)
+
+
+def headline(data: dict) -> str:
+    """One sentence for the README: the documented setup at the longest measured N."""
+    cells = data["cells"]
+    four = [r for r in cells.values() if r["pairs"] == "four" and r["precision"] == "bf16-mixed"
+            and r["attention"] == "sdpa" and not r["compiled"] and "error" not in r]
+    if not four:
+        return "(no run)"
+    record = max(four, key=lambda r: r["n"])
+    d = derived(record, cells)
+    return (f"On one {data['device']}, a 0.25B Llama student distilled from a 1.1B Llama teacher (bf16) on four layer "
+            f"pairs at N = {record['n']} under `Trainer(precision=\"bf16-mixed\")` took {d['ratio']:.2f}× the plain "
+            f"student's step ({_ms(record['step_s'])} ms against {_ms(record['step_s'] / d['ratio'])} ms) and "
+            f"{d['memory']:.2f}× its peak memory; the teacher's own forward is most of the difference "
+            f"([the user-path benchmark](docs/guides/precision.md#what-it-costs)).")
+
+
+def blocks(data: dict) -> dict[str, dict[str, str]]:
+    """``{file: {block name: markdown}}`` rendered from a results file."""
+    ns = sorted({r["n"] for r in data["cells"].values() if r["pairs"] != "naive"})
+    tables = {f"user-path:n{n}": matrix_table(data, n) for n in ns}
+    header = (f"Measured on one {data['device']} (torch {data['torch']}, Triton {data['triton']}, transformers "
+              f"{data['transformers']}, Lightning {data['lightning']}); median of {data['steps']} steps after "
+              f"{data['warmup']}.")
+    tables["user-path:setup"] = header
+    tables["user-path:naive"] = naive_table(data)
+    return {PRECISION_DOC: tables, README: {"user-path:readme": headline(data)}}
+
+
+def render(path: str) -> None:
+    sys.path.insert(0, HERE)
+    from report import write_blocks
+
+    with open(path) as f:
+        data = json.load(f)
+    for doc, named in blocks(data).items():
+        write_blocks(doc, named)
+        print(f"wrote {', '.join(named)} into {os.path.relpath(doc, ROOT)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive"))
+    parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
+    parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per cell")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--render", nargs="?", const=H100_RESULT, help="write a results file's tables into the docs")
+    args = parser.parse_args(argv)
+    if args.render:
+        render(args.render)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the user-path benchmark needs a CUDA GPU")
+    tag = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
+    if args.smoke:
+        run_part("smoke", args.out or "/tmp/user-path-smoke.json", steps=1, warmup=1)
+        return
+    if not args.part:
+        parser.error("give --part, --smoke or --render")
+    run_part(args.part, args.out or os.path.join(RESULTS, f"{tag}-user-path.json"), args.steps, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
