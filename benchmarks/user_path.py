@@ -28,6 +28,7 @@ same command)::
     python benchmarks/user_path.py --part n16384-compile    # the same cells with a compiled student
     python benchmarks/user_path.py --part ends              # N = 4096 and 32768: bf16-mixed and bf16-true, sdpa, four
     python benchmarks/user_path.py --part naive             # the KD without the op at N = 4096 and 8192
+    python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
 
@@ -94,26 +95,27 @@ class Cell:
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
+    if part not in ("n16384", "n16384-compile", "ends", "naive", "smoke"):
+        raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
         for precision in PRECISIONS:
             for attention in ATTENTIONS:
                 cells += [Cell(16384, precision, attention, compiled, p) for p in ("plain", "four", "uniform")]
-    elif part == "ends":
+    if part == "n16384-compile":  # the setups people compile first: the rest as far as time allows
+        cells.sort(key=lambda c: (c.precision not in ("bf16-mixed", "bf16-true"), c.attention != "sdpa"))
+    if part == "ends":
         for n in (4096, 32768):
             for precision in ("bf16-mixed", "bf16-true"):
                 cells += [Cell(n, precision, "sdpa", False, p) for p in ("plain", "four")]
-    elif part == "naive":
+    if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
-    elif part == "smoke":
-        for precision in PRECISIONS:
-            for attention in ATTENTIONS:
-                cells += [Cell(512, precision, attention, False, p) for p in ("plain", "four", "uniform")]
+    if part == "smoke":  # every kind of cell once
+        cells += [Cell(512, precision, "sdpa", False, p) for precision in PRECISIONS for p in ("plain", "four")]
+        cells += [Cell(512, "bf16-mixed", "flex_attention", False, p) for p in ("plain", "four")]
+        cells += [Cell(512, "bf16-mixed", "sdpa", False, "uniform"), Cell(512, "bf16-mixed", "sdpa", False, "naive")]
         cells += [Cell(512, "bf16-mixed", "sdpa", True, p) for p in ("plain", "four")]
-        cells += [Cell(512, "bf16-mixed", "sdpa", False, "naive")]
-    else:
-        raise SystemExit(f"unknown part {part!r}")
     return cells
 
 
@@ -202,11 +204,12 @@ def _bytes(module) -> int:
 
 
 @contextlib.contextmanager
-def matmul_precision(precision: str) -> Iterator[None]:
+def matmul_precision(setting: str) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(setting)`` inside the block."""
     import torch
 
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "32-true" else "highest")
+    torch.set_float32_matmul_precision(setting)
     try:
         yield
     finally:
@@ -284,7 +287,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with matmul_precision(cell.precision):
+    with matmul_precision("high" if cell.precision == "32-true" else "highest"):
         hf = llama(STUDENT, cell.n, "eager" if cell.pairs == "naive" else cell.attention, seed=1,
                    dtype=torch.float32)
         enable_checkpointing(hf)
@@ -326,7 +329,9 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
     return record
 
 
-def run_part(part: str, out: str, steps: int, warmup: int) -> dict:
+def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | None = None) -> dict:
+    """Run the cells of ``part`` that ``out`` does not hold yet (or that failed, unless out of memory), rewriting
+    ``out`` after each; with ``budget_s``, start no cell once that many seconds have passed."""
     import lightning
     import torch
     import transformers
@@ -344,9 +349,16 @@ def run_part(part: str, out: str, steps: int, warmup: int) -> dict:
                 teacher=TEACHER, student=STUDENT, vocab=VOCAB, four_pairs={str(k): v for k, v in FOUR_PAIRS.items()},
                 steps=steps, warmup=warmup)
     cells = data.setdefault("cells", {})
-    todo = [c for c in part_cells(part) if c.key not in cells]
+    todo = [c for c in part_cells(part)
+            if c.key not in cells or cells[c.key].get("error", "out of memory").split(":")[0] != "out of memory"]
     teachers: dict[int, Any] = {}
+    began = time.perf_counter()
     for cell in todo:
+        if budget_s is not None and time.perf_counter() - began > budget_s:
+            print(f"budget of {budget_s:.0f} s spent: {len(todo) - todo.index(cell)} cells left for the next run")
+            break
+        if cell.compiled:
+            torch._dynamo.reset()
         if cell.n not in teachers:
             teachers.clear()
             gc.collect()
@@ -371,6 +383,61 @@ def _write(path: str, data: dict) -> None:
     with open(f"{path}.tmp", "w") as f:
         json.dump(data, f, indent=1)
     os.replace(f"{path}.tmp", path)
+
+
+# ---------------------------------------------------------------------------------------------- accuracy
+#: The settings whose accuracy is measured: (name, autocast dtype or None, float32 matmul precision)
+ACCURACY_SETTINGS = (("bf16 (autocast)", "bfloat16", "highest"), ("fp16 (autocast)", "float16", "highest"),
+                     ("fp32 (TF32)", None, "high"), ("fp32 (IEEE)", None, "highest"))
+
+
+def accuracy(seed: int = 0) -> list[dict[str, Any]]:
+    """The relative L2 error of the per-row KL and of the student's query and key gradients of each setting against
+    the float64 oracle on the same float32 inputs (B=1, H=16, N=4096, D=64, causal), for random attention and for a
+    student close to its teacher."""
+    import torch
+
+    from streamkl import attention_kl, naive_attention_kl
+
+    def rel(a, b):
+        return float(torch.linalg.vector_norm(a.double() - b) / torch.linalg.vector_norm(b))
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (1, 16, 4096, 64)
+    rows = []
+    for case in ("random", "close"):
+        q_t, k_t = (torch.randn(shape, generator=g, device="cuda") * 1.5 for _ in range(2))
+        if case == "random":
+            q_s, k_s = (torch.randn(shape, generator=g, device="cuda") * 1.5 for _ in range(2))
+        else:  # the student is its teacher made slightly sharper, plus noise
+            q_s, k_s = q_t * 1.05 + 0.01 * torch.randn(shape, generator=g, device="cuda"), k_t.clone()
+        exact = [x.double().requires_grad_(i >= 2) for i, x in enumerate((q_t, k_t, q_s, k_s))]
+        oracle = naive_attention_kl(*exact, causal=True, reduction="none", compute_dtype=torch.float64)
+        upstream = torch.randn(oracle.shape, generator=g, device="cuda", dtype=torch.float64)
+        d_q, d_k = torch.autograd.grad((oracle * upstream).sum(), exact[2:])
+        for name, autocast, setting in ACCURACY_SETTINGS:
+            q, k = q_s.detach().clone().requires_grad_(), k_s.detach().clone().requires_grad_()
+            with matmul_precision(setting), \
+                    torch.autocast("cuda", dtype=getattr(torch, autocast or "float32"), enabled=autocast is not None):
+                kl = attention_kl(q_t, k_t, q, k, causal=True, reduction="none")
+            got_q, got_k = torch.autograd.grad((kl * upstream.float()).sum(), (q, k))
+            rows.append({"case": case, "setting": name, "kl": rel(kl, oracle), "dq": rel(got_q, d_q),
+                         "dk": rel(got_k, d_k)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def accuracy_table(data: dict) -> str:
+    rows = ["| products | KL, random attention | dQ_s, dK_s, random | KL, student close to teacher | "
+            "dQ_s, dK_s, close |",
+            "|---|---|---|---|---|"]
+    by = {(r["case"], r["setting"]): r for r in data.get("accuracy", [])}
+    for name, _, _ in ACCURACY_SETTINGS:
+        r, c = by.get(("random", name)), by.get(("close", name))
+        if r and c:
+            rows.append(f"| {name} | {r['kl']:.1e} | {r['dq']:.1e}, {r['dk']:.1e} | {c['kl']:.1e} | "
+                        f"{c['dq']:.1e}, {c['dk']:.1e} |")
+    return "\n".join(rows)
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -474,6 +541,7 @@ def blocks(data: dict) -> dict[str, dict[str, str]]:
               f"{data['warmup']}.")
     tables["user-path:setup"] = header
     tables["user-path:naive"] = naive_table(data)
+    tables["user-path:accuracy"] = accuracy_table(data)
     return {PRECISION_DOC: tables, README: {"user-path:readme": headline(data)}}
 
 
@@ -490,11 +558,12 @@ def render(path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive"))
+    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "accuracy"))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--budget-s", type=float, help="start no cell after this many seconds (resume later)")
     parser.add_argument("--render", nargs="?", const=H100_RESULT, help="write a results file's tables into the docs")
     args = parser.parse_args(argv)
     if args.render:
@@ -506,11 +575,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the user-path benchmark needs a CUDA GPU")
     tag = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
     if args.smoke:
-        run_part("smoke", args.out or "/tmp/user-path-smoke.json", steps=1, warmup=1)
+        run_part("smoke", args.out or "/tmp/user-path-smoke.json", steps=1, warmup=1, budget_s=args.budget_s)
         return
     if not args.part:
         parser.error("give --part, --smoke or --render")
-    run_part(args.part, args.out or os.path.join(RESULTS, f"{tag}-user-path.json"), args.steps, args.warmup)
+    if args.part == "accuracy":
+        out = args.out or os.path.join(RESULTS, f"{tag}-user-path.json")
+        data = {"device": torch.cuda.get_device_name(), "cells": {}}
+        if os.path.exists(out):
+            with open(out) as f:
+                data = json.load(f)
+        data["accuracy"] = accuracy()
+        _write(out, data)
+        return
+    run_part(args.part, args.out or os.path.join(RESULTS, f"{tag}-user-path.json"), args.steps, args.warmup,
+             args.budget_s)
 
 
 if __name__ == "__main__":
