@@ -59,14 +59,18 @@ README = os.path.join(ROOT, "README.md")
 H100_RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
+#: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
+DEVICE = "cuda"
 ATTENTIONS = ("sdpa", "flex_attention")
-#: teacher layer -> student layer of the four pairs (the teacher's 22 layers against the student's 16, spread evenly)
+#: student layer -> teacher layer of the four pairs (the student's 16 layers against the teacher's 22, spread evenly)
 FOUR_PAIRS = {3: 5, 7: 10, 11: 15, 15: 21}
 TEACHER = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=8)
 STUDENT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
                num_key_value_heads=4)
 VOCAB = 32000
+#: ``--cpu-smoke``: the same depths and head counts, tiny widths
+TINY = {"hidden_size": 64, "intermediate_size": 64}
 #: The targets of the user-path issue, checked by the rendered table.
 PIPELINE_TARGET = 1.15  # extra time <= 1.15 x (teacher's pass + the KL ops)
 MEMORY_TARGET = 1.15  # peak memory <= 1.15 x the plain step's
@@ -95,7 +99,7 @@ class Cell:
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
-    if part not in ("n16384", "n16384-compile", "ends", "naive", "smoke"):
+    if part not in ("n16384", "n16384-compile", "ends", "naive", "smoke", "cpu-smoke"):
         raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
@@ -111,6 +115,10 @@ def part_cells(part: str) -> list[Cell]:
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
+    if part == "cpu-smoke":  # what runs on a CPU: the script's logic on tiny models
+        cells += [Cell(64, precision, "sdpa", False, p) for precision in ("bf16-mixed", "32-true")
+                  for p in ("plain", "four")]
+        cells += [Cell(64, "bf16-true", "sdpa", False, "uniform"), Cell(64, "bf16-mixed", "sdpa", False, "naive")]
     if part == "smoke":  # every kind of cell once
         cells += [Cell(512, precision, "sdpa", False, p) for precision in PRECISIONS for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "flex_attention", False, p) for p in ("plain", "four")]
@@ -125,9 +133,12 @@ def llama(shape: dict, n: int, attention: str, seed: int, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**shape, vocab_size=VOCAB, max_position_embeddings=max(n, 2048), attn_implementation=attention,
-                      tie_word_embeddings=False)
-    with torch.device("cuda"):
+    if DEVICE == "cpu":
+        shape = {**shape, **TINY, "num_attention_heads": shape["num_attention_heads"] // 4,
+                 "num_key_value_heads": shape["num_key_value_heads"] // 4}
+    cfg = LlamaConfig(**shape, vocab_size=VOCAB if DEVICE == "cuda" else 97, max_position_embeddings=max(n, 2048),
+                      attn_implementation=attention, tie_word_embeddings=False)
+    with torch.device(DEVICE):
         return LlamaForCausalLM(cfg).to(dtype)
 
 
@@ -141,7 +152,7 @@ def batch_of(n: int, seed: int = 0) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (1, n), generator=g)
+    ids = torch.randint(1, VOCAB if DEVICE == "cuda" else 97, (1, n), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
@@ -189,14 +200,23 @@ def _module_classes():
             self.times: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            torch.cuda.synchronize()
+            sync()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            torch.cuda.synchronize()
+            sync()
             self.times.append(time.perf_counter() - self._start)
+            print(f"  step {batch_idx}: {self.times[-1] * 1e3:.1f} ms", flush=True)
 
     return StudentLM, NaiveKD, StepTimer
+
+
+def sync() -> None:
+    """Wait for the GPU (a no-op on the CPU)."""
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _bytes(module) -> int:
@@ -218,15 +238,13 @@ def matmul_precision(setting: str) -> Iterator[None]:
 
 def median_time(fn, repeats: int = 5) -> float:
     """The median wall-clock seconds of ``fn()`` (the GPU drained at both ends), after one warm-up call."""
-    import torch
-
     fn()
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -269,8 +287,28 @@ def replay_seconds(call: tuple[tuple, dict]) -> float:
         out.backward(torch.ones_like(out))
         q_s.grad = k_s.grad = None
 
-    with torch.autocast("cuda", enabled=False):
+    with torch.autocast(DEVICE, enabled=False):
         return median_time(step, repeats=10)
+
+
+def breakdown(distill, module, batch: dict, plugin) -> dict[str, Any]:
+    """The irreducible parts of a distilled step, measured with the model where the fit left it (call it before the
+    fit ends: Lightning moves the module back to the CPU then): the teacher's pass up to its deepest paired layer,
+    and each ``attention_kl`` call of a step replayed alone."""
+    distiller = distill.distiller
+
+    def teacher_pass():
+        with plugin.forward_context():
+            distiller.run_teacher(batch)
+        distiller.clear()
+
+    out: dict[str, Any] = {"teacher_s": median_time(teacher_pass)}
+    calls = op_calls(distiller, module.model, batch, plugin.forward_context())
+    out["kl_s"] = [replay_seconds(c) for c in calls]
+    out["kl_calls"] = [{"shapes": [list(x.shape) for x in c[0][:4]], "dtypes": [str(x.dtype) for x in c[0][:4]],
+                        "reduction": c[1].get("reduction")} for c in calls]
+    out["pairing"] = distiller.describe()
+    return out
 
 
 def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
@@ -284,9 +322,11 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
     teacher.config._attn_implementation = "eager" if cell.pairs == "naive" else cell.attention
     record: dict[str, Any] = {"key": cell.key, **cell.__dict__}
     gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     with matmul_precision("high" if cell.precision == "32-true" else "highest"):
         hf = llama(STUDENT, cell.n, "eager" if cell.pairs == "naive" else cell.attention, seed=1,
                    dtype=torch.float32)
@@ -296,36 +336,32 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         module = NaiveKD(student, teacher) if cell.pairs == "naive" else StudentLM(student)
         timer = StepTimer()
         callbacks: list[Any] = [timer]
-        distill = None
+        data = [batch_of(cell.n, seed) for seed in range(warmup + steps)]
         if cell.pairs in ("four", "uniform"):
             pairs = explicit_pairs(FOUR_PAIRS, head_map="group") if cell.pairs == "four" else \
                 uniform_pairs(teacher, hf, head_map="group")
             distill = StreamKLDistillation(teacher, pairs=pairs)
-            callbacks.append(distill)
-        data = [batch_of(cell.n, seed) for seed in range(warmup + steps)]
-        trainer = L.Trainer(accelerator="gpu", devices=1, precision=cell.precision, max_steps=warmup + steps,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=callbacks)
+
+            class Breakdown(L.Callback):
+                def on_train_end(self, trainer, pl_module):
+                    batch = {k: v.to(DEVICE) for k, v in data[0].items()}
+                    try:
+                        record.update(breakdown(distill, pl_module, batch, trainer.precision_plugin))
+                    except Exception as err:  # the steps are a result without it
+                        traceback.print_exc()
+                        record["breakdown_error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+            callbacks += [distill, Breakdown()]
+        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=cell.precision,
+                            max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
-        peak = torch.cuda.max_memory_allocated() - base + (_bytes(teacher) if cell.pairs in ("four", "uniform",
-                                                                                              "naive") else 0)
-        record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times, peak_gib=peak / 2**30)
-        if distill is not None:
-            distiller = distill.distiller
-            batch = {k: v.cuda() for k, v in data[0].items()}
-            plugin = trainer.precision_plugin
-            record["pairing"] = distiller.describe()
-
-            def teacher_pass():
-                with plugin.forward_context():
-                    distiller.run_teacher(batch)
-                distiller.clear()
-
-            record["teacher_s"] = median_time(teacher_pass)
-            calls = op_calls(distiller, student, batch, plugin.forward_context())
-            record["kl_s"] = [replay_seconds(c) for c in calls]
-            record["kl_calls"] = [{"shapes": [list(x.shape) for x in c[0][:4]], "dtypes": [str(x.dtype) for x in
-                                   c[0][:4]], "reduction": c[1].get("reduction")} for c in calls]
+    record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times)
+    if cuda:
+        resident = _bytes(teacher) if cell.pairs in ("four", "uniform", "naive") else 0
+        record["peak_gib"] = (torch.cuda.max_memory_allocated() - base + resident) / 2**30
+    else:
+        record["peak_gib"] = 1.0  # not measured on the CPU
     return record
 
 
@@ -341,7 +377,7 @@ def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | Non
     if os.path.exists(out):
         with open(out) as f:
             data = json.load(f)
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     if data.get("device", device) != device:
         raise SystemExit(f"{out} holds a run on {data['device']}, not {device}; pass another --out")
     data.update(device=device, torch=torch.__version__, triton=triton.__version__,
@@ -363,10 +399,11 @@ def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | Non
             teachers.clear()
             gc.collect()
             teachers[cell.n] = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
+        print(f"{cell.key} ...", flush=True)
         start = time.perf_counter()
         try:
             record = run_cell(cell, teachers[cell.n], steps, warmup)
-        except torch.cuda.OutOfMemoryError as err:
+        except torch.OutOfMemoryError as err:
             record = {"key": cell.key, **cell.__dict__, "error": f"out of memory: {str(err).splitlines()[0]}"}
         except Exception as err:  # a cell that fails is a result (e.g. compile not supported)
             traceback.print_exc()
@@ -560,6 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "accuracy"))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
+    parser.add_argument("--cpu-smoke", action="store_true", help="the script's logic on tiny models, on the CPU")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -571,6 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     import torch
 
+    if args.cpu_smoke:
+        global DEVICE
+        DEVICE = "cpu"
+        run_part("cpu-smoke", args.out or "/tmp/user-path-cpu-smoke.json", steps=1, warmup=1)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("the user-path benchmark needs a CUDA GPU")
     tag = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
