@@ -91,17 +91,14 @@ def resolve_allow_tf32(allow_tf32: bool | None) -> bool:
         >>> torch.set_float32_matmul_precision(previous)
     """
     if allow_tf32 is None:
-        return _torch_allows_tf32()
+        if torch.compiler.is_compiling():  # read once, when the graph is traced (streamkl._traced_precision)
+            from ._traced_precision import torch_allows_tf32
+
+            return torch_allows_tf32()
+        return torch.get_float32_matmul_precision() != "highest"
     if not isinstance(allow_tf32, bool):
         raise TypeError(f"Expected argument `allow_tf32` to be None or a bool, but got {type(allow_tf32).__name__}.")
     return allow_tf32
-
-
-@torch.compiler.assume_constant_result
-def _torch_allows_tf32() -> bool:
-    """``torch.get_float32_matmul_precision() != "highest"``; under ``torch.compile`` read when the graph is traced
-    (the setting is process-wide; a graph compiled before it changes keeps the value it was traced with)."""
-    return torch.get_float32_matmul_precision() != "highest"
 
 
 def product_precision(dtype: torch.dtype, allow_tf32: bool | None = None, *, backend: str = "triton") -> str:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from streamkl.precision import cast_for_autocast
+
 from .base import AttentionCapture
 from .masks import Masking, allowed_map, describe_allowed, flash_masking
 
@@ -540,7 +542,10 @@ class HFAttentionCapture(AttentionCapture):
         softcap, scale = kwargs.get("softcap"), kwargs.get("scaling")
         value = value if self.capture_values else None
         if _without_graph():  # kept until the recomputation (or this module's next recording)
-            query, key, value = (None if t is None else t.detach().requires_grad_() for t in (query, key, value))
+            # leaf copies of what the record keeps (cast under autocast first: a float32 leaf would hold the layer's
+            # float32 query alive beside its bf16 record, 80 MiB a layer at N = 16384 for 16 heads of 64)
+            query, key, value = (None if t is None else t.detach().requires_grad_()
+                                 for t in cast_for_autocast(query, key, value))
             _drop_pending(id(module))
             _PENDING[id(module)] = _Pending((query, key, value), _retain_again(self._handles.get(id(module), [])))
         self.record(path, query, key, scale=None if scale is None else float(scale), causal=masking.causal,

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from lightning_streamkl import AttentionDistiller, StreamKLDistillation
 from lightning_streamkl import terms as terms_module
+from lightning_streamkl.capture.hf import _PENDING
 from streamkl import naive_attention_kl
 
 from ._models import CausalLM, loader, token_batch, trainer
@@ -125,6 +126,10 @@ def test_gradient_checkpointing_under_autocast_gives_the_gradients_without_it(us
         distiller = AttentionDistiller(teacher, {"pairs": [LAST, {"teacher": 0, "student": 0}]}, student=model)
         with torch.autocast("cpu", dtype=BF16):
             kd = distiller(batch)
+        # reentrant checkpointing: the leaf copies waiting for the recomputation are the records' dtype (a float32
+        # leaf would keep the layer's float32 query alive beside its bf16 record)
+        assert {leaf.dtype for p in _PENDING.values() for leaf in p.leaves if leaf is not None} <= {BF16}
+        assert bool(_PENDING) is (use_reentrant and model is student)
         (kd + distiller.student_output.loss).backward()
         return float(kd), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
