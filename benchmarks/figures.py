@@ -40,7 +40,8 @@ sys.path.insert(0, HERE)
 import report  # noqa: E402
 
 #: the pages whose figures are checked (benchmarks.md is generated whole by report.py and tested there)
-PAGES = ("README.md", "docs/index.md", "docs/quickstart.md", "docs/concepts/attention-distillation.md",
+PAGES = ("README.md", "docs/guides/precision.md", "docs/index.md", "docs/quickstart.md",
+         "docs/concepts/attention-distillation.md",
          "docs/concepts/streamkl.md", "docs/guides/choosing.md", "docs/guides/cli.md", "docs/guides/continual.md",
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
          "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
@@ -73,6 +74,8 @@ GENERATED = {
     "figures:v4-first": "benchmarks/figures.py", "figures:v4-final": "benchmarks/figures.py",
     "indexer-gpu": "benchmarks/bench_indexer.py", "indexer-example": "examples/sparse_indexer.py",
     "sharding-gpu": "benchmarks/bench_sharding.py", "sharding-gpu-context": "benchmarks/bench_sharding.py",
+    **{f"user-path:{name}": "benchmarks/user_path.py"
+       for name in ("readme", "setup", "n4096", "n16384", "n32768", "naive", "accuracy")},
     "fused-dq:tiles": "benchmarks/bench_fused_dq.py", "fused-dq:op": "benchmarks/bench_fused_dq.py",
     "fused-dq:kernels": "benchmarks/bench_fused_dq.py",
     "hopper:tiles": "benchmarks/bench_hopper.py", "hopper:op": "benchmarks/bench_hopper.py",

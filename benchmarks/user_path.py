@@ -56,7 +56,7 @@ ROOT = os.path.dirname(HERE)
 PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
-H100_RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
+RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 #: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
@@ -330,6 +330,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
     with matmul_precision("high" if cell.precision == "32-true" else "highest"):
         hf = llama(STUDENT, cell.n, "eager" if cell.pairs == "naive" else cell.attention, seed=1,
                    dtype=torch.float32)
+        record["student_params"] = sum(p.numel() for p in hf.parameters())
         enable_checkpointing(hf)
         hf.train()
         student = torch.compile(hf) if cell.compiled else hf
@@ -399,17 +400,22 @@ def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | Non
             teachers.clear()
             gc.collect()
             teachers[cell.n] = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
+            data["teacher_gib"] = _bytes(teachers[cell.n]) / 2**30
+            data["teacher_params"] = sum(p.numel() for p in teachers[cell.n].parameters())
         print(f"{cell.key} ...", flush=True)
         start = time.perf_counter()
         try:
             record = run_cell(cell, teachers[cell.n], steps, warmup)
-        except torch.OutOfMemoryError as err:
-            record = {"key": cell.key, **cell.__dict__, "error": f"out of memory: {str(err).splitlines()[0]}"}
+        except torch.OutOfMemoryError:
+            total = torch.cuda.get_device_properties(0).total_memory / 2**30
+            record = {"key": cell.key, **cell.__dict__, "error": f"out of memory ({total:.0f} GiB card)"}
         except Exception as err:  # a cell that fails is a result (e.g. compile not supported)
             traceback.print_exc()
             record = {"key": cell.key, **cell.__dict__, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
         record["wall_s"] = time.perf_counter() - start
         cells[cell.key] = record
+        if "student_params" in record:
+            data["student_params"] = record.pop("student_params")
         _write(out, data)
         print(summary_line(record, cells), flush=True)
     return data
@@ -513,11 +519,13 @@ def matrix_table(data: dict, n: int) -> str:
     """The cells of one ``N`` as a markdown table: plain step, step with the callback, ratio, memory ratio and the
     breakdown of the extra time."""
     cells = data["cells"]
+    ordered = sorted(cells.values(), key=lambda r: (PRECISIONS.index(r["precision"]), ATTENTIONS.index(r["attention"]),
+                                                    r["compiled"], r["pairs"] != "four"))
     rows = ["| precision | attention | student | pairs | plain step (ms) | with attention KL (ms) | ratio | "
-            "peak memory ratio | teacher to the deepest pair (ms) | KL ops, fwd+bwd (ms) | rest (ms) | "
-            "extra / (teacher + KL) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for record in cells.values():
+            "teacher to the deepest pair (ms) | KL ops, fwd+bwd (ms) | rest (ms) | extra / (teacher + KL) | "
+            "peak memory ratio | without the teacher's weights |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for record in ordered:
         if record["n"] != n or record["pairs"] in ("plain", "naive"):
             continue
         plain = cells.get(Cell(n, record["precision"], record["attention"], record["compiled"], "plain").key, {})
@@ -525,14 +533,15 @@ def matrix_table(data: dict, n: int) -> str:
                 f"{record['pairs']} | ")
         if "error" in record or "error" in plain:
             why = record.get("error") or plain.get("error")
-            rows.append(head + f"{_ms(plain['step_s']) if 'step_s' in plain else '–'} | {why} | | | | | | |")
+            rows.append(head + f"{_ms(plain['step_s']) if 'step_s' in plain else '–'} | {why} | | | | | | | |")
             continue
         d = derived(record, cells)
         kl = sum(record["kl_s"])
         rest = d["extra_s"] - record["teacher_s"] - kl
+        own = (record["peak_gib"] - data["teacher_gib"]) / plain["peak_gib"]
         rows.append(head + f"{_ms(plain['step_s'])} | {_ms(record['step_s'])} | {d['ratio']:.2f}× | "
-                    f"{d['memory']:.2f}× | {_ms(record['teacher_s'])} | {_ms(kl)} | {_ms(rest)} | "
-                    f"{d['pipeline']:.2f} |")
+                    f"{_ms(record['teacher_s'])} | {_ms(kl)} | {_ms(rest)} | {d['pipeline']:.2f} | "
+                    f"{d['memory']:.2f}× | {own:.2f}× |")
     return "\n".join(rows)
 
 
@@ -562,7 +571,9 @@ def headline(data: dict) -> str:
         return "(no run)"
     record = max(four, key=lambda r: r["n"])
     d = derived(record, cells)
-    return (f"On one {data['device']}, a 0.25B Llama student distilled from a 1.1B Llama teacher (bf16) on four layer "
+    student_params = data["student_params"]
+    return (f"On one {data['device']}, a {student_params / 1e9:.2f}B Llama student distilled from a "
+            f"{data['teacher_params'] / 1e9:.2f}B Llama teacher (bf16) on four layer "
             f"pairs at N = {record['n']} under `Trainer(precision=\"bf16-mixed\")` took {d['ratio']:.2f}× the plain "
             f"student's step ({_ms(record['step_s'])} ms against {_ms(record['step_s'] / d['ratio'])} ms) and "
             f"{d['memory']:.2f}× its peak memory; the teacher's own forward is most of the difference "
@@ -571,11 +582,18 @@ def headline(data: dict) -> str:
 
 def blocks(data: dict) -> dict[str, dict[str, str]]:
     """``{file: {block name: markdown}}`` rendered from a results file."""
-    ns = sorted({r["n"] for r in data["cells"].values() if r["pairs"] != "naive"})
+    ns = sorted({r["n"] for r in data["cells"].values() if r["pairs"] in ("four", "uniform")})
     tables = {f"user-path:n{n}": matrix_table(data, n) for n in ns}
-    header = (f"Measured on one {data['device']} (torch {data['torch']}, Triton {data['triton']}, transformers "
-              f"{data['transformers']}, Lightning {data['lightning']}); median of {data['steps']} steps after "
-              f"{data['warmup']}.")
+    student_params = data["student_params"]
+    t, s = data["teacher"], data["student"]
+    header = (f"Teacher: {data['teacher_params'] / 1e9:.2f}B parameters, {t['num_hidden_layers']} layers, "
+              f"{t['num_attention_heads']} query and {t['num_key_value_heads']} key-value heads of "
+              f"{t['hidden_size'] // t['num_attention_heads']}, bf16 ({data['teacher_gib']:.2f} GiB). Student: "
+              f"{student_params / 1e9:.2f}B parameters, {s['num_hidden_layers']} layers, {s['num_attention_heads']} "
+              f"and {s['num_key_value_heads']} heads of {s['hidden_size'] // s['num_attention_heads']}, fp32 weights "
+              f"(bf16 under `bf16-true`). Measured on one {data['device']} (torch {data['torch']}, Triton "
+              f"{data['triton']}, transformers {data['transformers']}, Lightning {data['lightning']}); median of "
+              f"{data['steps']} steps after {data['warmup']}.")
     tables["user-path:setup"] = header
     tables["user-path:naive"] = naive_table(data)
     tables["user-path:accuracy"] = accuracy_table(data)
@@ -602,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--budget-s", type=float, help="start no cell after this many seconds (resume later)")
-    parser.add_argument("--render", nargs="?", const=H100_RESULT, help="write a results file's tables into the docs")
+    parser.add_argument("--render", nargs="?", const=RESULT, help="write a results file's tables into the docs")
     args = parser.parse_args(argv)
     if args.render:
         render(args.render)

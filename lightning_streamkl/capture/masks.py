@@ -198,27 +198,51 @@ def _blocks_to_dense(num: torch.Tensor, indices: torch.Tensor, n_kv_blocks: int)
 
 def _block_mask_map(block_mask, n_q: int, n_k: int) -> torch.Tensor:
     """What flex_attention computes with ``block_mask``: full blocks are allowed whole, partial blocks where the
-    ``mask_mod`` allows, other blocks never."""
-    from torch.nn.attention.flex_attention import create_mask
+    ``mask_mod`` allows, other blocks never.
 
+    The ``mask_mod`` is evaluated on the partial blocks only (a causal mask's diagonal: ``N / 128`` blocks of 128²
+    instead of ``N²`` scores; evaluating it everywhere, as ``create_mask`` does, cost tens of milliseconds and
+    gigabytes of index grids per pass at N = 16384).
+    """
     b, h, q_len, kv_len = block_mask.shape
+    if (q_len, kv_len) != (n_q, n_k):
+        raise ValueError(f"The BlockMask covers {q_len} x {kv_len} scores, but the call has N_q={n_q}, N_k={n_k}.")
     device = block_mask.kv_indices.device
-    by_mod = create_mask(block_mask.mask_mod, b, h, q_len, kv_len, device=device)
     q_block, kv_block = (block_mask.BLOCK_SIZE, block_mask.BLOCK_SIZE) if isinstance(block_mask.BLOCK_SIZE, int) \
         else block_mask.BLOCK_SIZE
     n_kv_blocks = -(-kv_len // kv_block)
 
-    def tokens(blocks: torch.Tensor) -> torch.Tensor:
-        dense = blocks.repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)
-        return dense[..., :q_len, :kv_len].expand(b, h, q_len, kv_len)
+    def tokens(blocks: torch.Tensor) -> torch.Tensor:  # [B|1, H|1, Q blocks, KV blocks] -> [B, H, N_q, N_k], one copy
+        n_qb, n_kb = blocks.shape[-2:]
+        dense = blocks.expand(b, h, n_qb, n_kb)[:, :, :, None, :, None].expand(b, h, n_qb, q_block, n_kb, kv_block)
+        return dense.reshape(b, h, n_qb * q_block, n_kb * kv_block)[..., :q_len, :kv_len].contiguous()
 
-    allowed = tokens(_blocks_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, n_kv_blocks)) & by_mod
+    partial = _blocks_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, n_kv_blocks)
+    full = None
     if block_mask.full_kv_num_blocks is not None:
-        allowed = allowed | tokens(_blocks_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                                                    n_kv_blocks))
-    if (q_len, kv_len) != (n_q, n_k):
-        raise ValueError(f"The BlockMask covers {q_len} x {kv_len} scores, but the call has N_q={n_q}, N_k={n_k}.")
+        full = _blocks_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_kv_blocks)
+        partial = partial & ~full
+    partial = partial.expand(b, h, *partial.shape[-2:])
+    allowed = tokens(full) if full is not None else torch.zeros(b, h, q_len, kv_len, dtype=torch.bool, device=device)
+    blocks = partial.nonzero()  # [P, 4]: (batch, head, query block, key block) of every partial block
+    if len(blocks):
+        q_off, kv_off = torch.arange(q_block, device=device), torch.arange(kv_block, device=device)
+        q_idx = (blocks[:, 2, None, None] * q_block + q_off[None, :, None]).expand(-1, q_block, kv_block)
+        kv_idx = (blocks[:, 3, None, None] * kv_block + kv_off[None, None, :]).expand(-1, q_block, kv_block)
+        inside = (q_idx < q_len) & (kv_idx < kv_len)
+        b_idx, h_idx = (blocks[:, i, None, None].expand(-1, q_block, kv_block)[inside] for i in (0, 1))
+        q_idx, kv_idx = q_idx[inside], kv_idx[inside]
+        allowed[b_idx, h_idx, q_idx, kv_idx] = _mask_mod_values(block_mask.mask_mod, b_idx, h_idx, q_idx, kv_idx)
     return allowed
+
+
+def _mask_mod_values(mask_mod, b_idx: torch.Tensor, h_idx: torch.Tensor, q_idx: torch.Tensor,
+                     kv_idx: torch.Tensor) -> torch.Tensor:
+    """``mask_mod(b, h, q, kv)`` at each position of the index vectors (elementwise, through ``vmap`` as flex
+    attention's own ``create_mask`` evaluates it)."""
+    from torch.func import vmap
+
+    return vmap(mask_mod)(b_idx, h_idx, q_idx, kv_idx).to(torch.bool)
 
 
 # ------------------------------------------------------------------------------------------------ structure

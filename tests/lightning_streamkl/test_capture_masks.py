@@ -307,3 +307,28 @@ def test_row_counts_are_the_ops_mean_denominator(window, causal):
     total = attention_kl(qt, kt, kt, qt, reduction="sum", **options)
     mean = attention_kl(qt, kt, kt, qt, reduction="mean", **options)
     torch.testing.assert_close(total / count_packed_rows(packed, 3, causal=causal, window=window), mean)
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(300, 300), (256, 256), (200, 300)])
+def test_a_block_mask_reads_as_flex_attention_applies_it(n_q, n_k):
+    """The mask_mod is evaluated on the partial blocks only; full blocks are allowed whole, others never: the map
+    equals flex attention's own dense ``create_mask`` for causal, padded, windowed and packed masks, odd lengths and
+    N_q != N_k included."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from lightning_streamkl.capture.masks import allowed_map
+
+    pad = torch.ones(2, n_k, dtype=torch.bool)
+    pad[1, :37] = False
+    docs = (torch.arange(n_k) >= 120).long()
+    shift = n_k - n_q
+    mods = {
+        "causal": (lambda b, h, q, kv: q + shift >= kv, 1, 1),
+        "padded": (lambda b, h, q, kv: (q + shift >= kv) & pad[b, kv], 2, 1),
+        "window": (lambda b, h, q, kv: (q + shift >= kv) & (q + shift - kv <= 50), 1, 2),
+        "packed": (lambda b, h, q, kv: (docs[q + shift] == docs[kv]) & (q + shift >= kv), 1, 1),
+    }
+    for name, (mod, batch, heads) in mods.items():
+        block_mask = create_block_mask(mod, batch, heads, n_q, n_k, device="cpu", BLOCK_SIZE=64)
+        expected = create_mask(mod, batch, heads, n_q, n_k, device="cpu")
+        assert torch.equal(allowed_map(block_mask, n_q, n_k), expected), name

@@ -1,0 +1,73 @@
+"""The user-path benchmark (``benchmarks/user_path.py``): the docs show exactly what its committed run says, it covers
+the matrix it promises, and its logic runs end to end (a Lightning fit with and without the callback, the teacher's
+pass and the op's calls timed alone) on tiny models on the CPU."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ._helpers import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def user_path():
+    return load_script(ROOT / "benchmarks" / "user_path.py", "user_path")
+
+
+def _block(text: str, name: str) -> str:
+    match = re.search(rf"<!-- {re.escape(name)}:start -->\n(.*?)\n<!-- {re.escape(name)}:end -->", text, re.S)
+    assert match, f"the markers of {name} are missing"
+    return match.group(1)
+
+
+def test_the_docs_show_the_committed_run(user_path):
+    with open(user_path.RESULT) as f:
+        data = json.load(f)
+    for doc, named in user_path.blocks(data).items():
+        text = Path(doc).read_text()
+        for name, body in named.items():
+            assert _block(text, name) == body, f"{name} in {Path(doc).relative_to(ROOT)} is not a fresh render"
+
+
+def test_the_parts_cover_the_matrix(user_path):
+    """The full matrix at N = 16384 (every precision, sdpa and flex, with and without compile, plain, four pairs and
+    uniform_pairs); bf16-mixed and bf16-true with sdpa and four pairs at N = 4096 and 32768; the KD without the op."""
+    full = {(c.precision, c.attention, c.compiled, c.pairs) for part in ("n16384", "n16384-compile")
+            for c in user_path.part_cells(part) if c.n == 16384}
+    assert full == {(p, a, c, pairs) for p in user_path.PRECISIONS for a in ("sdpa", "flex_attention")
+                    for c in (False, True) for pairs in ("plain", "four", "uniform")}
+    ends = {(c.n, c.precision, c.pairs) for c in user_path.part_cells("ends")}
+    assert ends == {(n, p, pairs) for n in (4096, 32768) for p in ("bf16-mixed", "bf16-true")
+                    for pairs in ("plain", "four")}
+    assert {c.pairs for c in user_path.part_cells("naive")} == {"plain", "naive"}
+
+
+@pytest.mark.slow
+def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(user_path, "DEVICE", "cpu")
+    out = tmp_path / "run.json"
+    data = user_path.run_part("cpu-smoke", str(out), steps=1, warmup=1)
+    assert json.loads(out.read_text())["cells"].keys() == data["cells"].keys()
+    cells = data["cells"]
+    assert not [r["key"] for r in cells.values() if "error" in r or "breakdown_error" in r]
+    four = cells["N64/bf16-mixed/sdpa/eager/four"]
+    # tiny layers: the four terms run as one call on their heads concatenated (the teacher's 8 heads each)
+    assert four["step_s"] > 0 and four["teacher_s"] > 0 and len(four["kl_s"]) == len(four["kl_calls"]) >= 1
+    assert sum(call["shapes"][0][1] for call in four["kl_calls"]) == 4 * 8
+    assert all(call["dtypes"] == ["torch.bfloat16"] * 4 for call in four["kl_calls"])  # autocast reaches the op
+    mixed = cells["N64/32-true/sdpa/eager/four"]["kl_calls"][0]["dtypes"]
+    assert mixed == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2  # the bf16 teacher beside the fp32 student
+    assert sum(call["shapes"][0][1] for call in cells["N64/bf16-true/sdpa/eager/uniform"]["kl_calls"]) == 16 * 8
+    derived = user_path.derived(four, cells)
+    assert derived["ratio"] > 0 and derived["pipeline"] > 0
+    # a second run of the same part finds every cell done and runs none
+    before = {k: r["wall_s"] for k, r in cells.items()}
+    again = user_path.run_part("cpu-smoke", str(out), steps=1, warmup=1)
+    assert {k: r["wall_s"] for k, r in again["cells"].items()} == before
