@@ -380,6 +380,9 @@ class FrozenTeacher:
             )
         teacher.eval()
         teacher.requires_grad_(False)
+        if self.offload and is_sharded(teacher):  # before any move: a DTensor cannot be moved or pinned as a whole
+            self.module = teacher
+            self._check_placement("pass the teacher unsharded")
         if self.offload:
             teacher.to("cpu")
             _pin(teacher)

@@ -36,13 +36,23 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
     fn(rank, *args)
 
 
-def launch(fn: Callable[..., None], world: int, *args: Any, start_method: str = "fork") -> None:
-    """Run ``fn(rank, *args)`` in ``world`` processes that see one external-launch environment.
+def start_method_for(requested: str | None = None) -> str:
+    """``requested``, else ``"fork"`` while this process has not initialised CUDA and ``"spawn"`` once it has.
 
-    ``"fork"`` (CPU) starts them in well under a second: they inherit the imported modules, and set one intra-op
-    thread first. CUDA cannot be used in a forked process once the parent has touched it: GPU tests ``"spawn"``.
+    ``"fork"`` starts the processes in well under a second: they inherit the imported modules. A forked process
+    cannot use CUDA once the parent initialised it ("Cannot re-initialize CUDA in forked subprocess"), which any GPU
+    test earlier in the same pytest run does; a spawned one starts clean whatever ran before.
     """
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method=start_method)
+    if requested is not None:
+        return requested
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def launch(fn: Callable[..., None], world: int, *args: Any, start_method: str | None = None) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` processes that see one external-launch environment (each sets one
+    intra-op thread first), started as :func:`start_method_for` says."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world,
+                       start_method=start_method_for(start_method))
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -89,7 +99,7 @@ def full_state(trainer: Any, module: torch.nn.Module, grads: bool) -> dict[str, 
     return {n: v for n, p in module.named_parameters() if (v := read(p)) is not None}
 
 
-def run_and_collect(fn: Callable[..., None], world: int, *args: Any, start_method: str = "fork"
+def run_and_collect(fn: Callable[..., None], world: int, *args: Any, start_method: str | None = None
                     ) -> list[dict[str, Any]]:
     """:func:`launch` ``fn(rank, out_dir, *args)``, which saves ``<out_dir>/rank<r>.pt``; returns those records."""
     with tempfile.TemporaryDirectory() as tmp:

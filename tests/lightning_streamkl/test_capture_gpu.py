@@ -1,5 +1,6 @@
-"""On a GPU: the capture under the real flash-attention 2 (when ``flash_attn`` imports) and a student compiled with
-the default ``torch.compile`` backend (inductor). Skipped without CUDA::
+"""On a GPU: the capture under the real flash-attention kernels (2, 3 and 4, each when its package imports:
+``flash_attn``, ``flash_attn_interface``, ``flash_attn.cute`` of the ``flash-attn-4`` wheel, the optional extra
+``fa4``), and a student compiled with the default ``torch.compile`` backend (inductor). Skipped without CUDA::
 
     python -m pytest -m gpu tests/lightning_streamkl/test_capture_gpu.py
 """
@@ -13,7 +14,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_streamkl import HFAttentionCapture
 
 from ._hf import distil, packed_row, tiny
 from ._models import token_batch
@@ -26,27 +26,44 @@ def _on_gpu(batch):
     return {k: v.cuda() for k, v in batch.items()}
 
 
+#: transformers' implementation name -> the module its kernels come from
+FLASH = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface",
+         "flash_attention_4": "flash_attn.cute"}
+
+
+def _flash_batch(kind: str) -> dict:
+    """A padded batch, a packed row read from restarting ``position_ids``, or the same row with flash-attention's
+    ``cu_seq_lens_*`` keys (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)."""
+    if kind == "padded":
+        return _on_gpu(token_batch(3, 11, pad="left"))
+    batch = _on_gpu(packed_row([6, 3, 7])[0])
+    if kind == "cu_seq_lens":
+        cu = torch.tensor([0, 6, 9, 16], dtype=torch.int32, device="cuda")
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    return batch
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("packed", [False, True])
-def test_real_flash_attention_2_reads_the_same_masks_as_sdpa(packed):
-    pytest.importorskip("flash_attn")
+@pytest.mark.parametrize("kind", ["padded", "position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("impl", list(FLASH))
+def test_real_flash_attention_reads_the_same_masks_as_sdpa(impl, kind):
+    """Sliding-window (Mistral) models, padded and packed: the capture under the real kernels of ``impl`` gives the
+    masks, row counts and KL that it gives under sdpa."""
+    pytest.importorskip(FLASH[impl])
     teacher = tiny("mistral", seed=0, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16).cuda()
     student = tiny("mistral", seed=1, hidden=64, heads=4, kv_heads=1, dtype=torch.bfloat16).cuda()
-    batch = _on_gpu(packed_row([6, 3, 7])[0] if packed else token_batch(3, 11, pad="left"))
+    batch = _flash_batch(kind)
+    sdpa_batch = {k: v for k, v in batch.items() if not k.startswith(("cu_seq_lens", "max_length"))}
     results = {}
-    for impl in ("sdpa", "flash_attention_2"):
+    for name in ("sdpa", impl):
         for model in (teacher, student):
-            model.set_attn_implementation(impl)  # transformers' own check: flash_attn must load
-        capture = HFAttentionCapture(teacher)
-        with torch.no_grad(), capture.recording():
-            teacher(**batch, use_cache=False)
-            assert teacher.config._attn_implementation == impl
-        out, t_rec, _, _ = distil(teacher, student, batch, [[0, 0], [-1, -1]])
-        rec = t_rec["model.layers.0.self_attn"]
-        results[impl] = (out, rec.masking().summary())
-    (sdpa, sdpa_masks), (flash, flash_masks) = results["sdpa"], results["flash_attention_2"]
-    assert flash_masks == sdpa_masks == ("causal, window (3, 0), 3 packed sequences" if packed
-                                         else "causal, window (3, 0), key padding")
+            model.set_attn_implementation(name)  # transformers' own check: the kernels must load
+        out, t_rec, _, _ = distil(teacher, student, batch if name == impl else sdpa_batch, [[0, 0], [-1, -1]])
+        assert teacher.config._attn_implementation == name
+        results[name] = (out, t_rec["model.layers.0.self_attn"].masking().summary())
+    (sdpa, sdpa_masks), (flash, flash_masks) = results["sdpa"], results[impl]
+    assert flash_masks == sdpa_masks == ("causal, window (3, 0), key padding" if kind == "padded"
+                                         else "causal, window (3, 0), 3 packed sequences")
     # layer 0's queries and keys come before any attention: the same inputs to the op under both implementations
     torch.testing.assert_close(flash.per_pair["t0_s0"], sdpa.per_pair["t0_s0"], rtol=0, atol=0)
     torch.testing.assert_close(flash.per_pair["t-1_s-1"], sdpa.per_pair["t-1_s-1"], rtol=5e-2, atol=1e-3)

@@ -292,6 +292,9 @@ def _user_sharded_worker(rank: int, out: str) -> None:
     from lightning_streamkl.teacher import FrozenTeacher
 
     module, result = user_sharded_teacher(), {}
+    # as on a machine with a GPU, where offloading pins the host copies: a DTensor cannot be pinned (NotImplementedError
+    # from aten.is_pinned); the refusal must come before any move
+    torch.cuda.is_available = lambda: True
     for name, kwargs in (("offload", {"offload": True}), ("device", {"device": "cpu"})):
         with pytest.raises(ValueError) as info:
             FrozenTeacher(module, **kwargs).sharded()

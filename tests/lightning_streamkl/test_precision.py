@@ -52,7 +52,8 @@ class SdpaSpy:
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+            device = query.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
             assert attn_mask is None, "the test batches carry no padding"
             self.calls.append((query.detach().to(dtype), key.detach().to(dtype), scale, is_causal))
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -152,3 +153,30 @@ def test_a_bf16_teacher_beside_a_float32_student_keeps_each_sides_dtype(monkeypa
     assert ops.dtypes == [(BF16, BF16, torch.float32, torch.float32)]
     assert "last (model.layers.1.self_attn -> model.model.layers.1.self_attn, teacher bf16, student fp32 (IEEE))" \
         in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_gpu_fit_under_mixed_precision_hands_the_op_the_autocast_dtype(monkeypatch, precision):
+    """The user path of the mixed-precision issue on the GPU: a Lightning fit of a Hugging Face student (sdpa) with
+    the callback; the op receives the autocast dtype (the Triton kernels run it), the logged KL is the exact KL of what
+    sdpa received, and under ``16-mixed`` the GradScaler's scaled step leaves finite gradients that train."""
+    ops, sdpa = OpSpy(monkeypatch), SdpaSpy(monkeypatch)
+    low = BF16 if precision == "bf16-mixed" else torch.float16
+    rec = Recorder("train/attn_kl/last_step")
+    student = make_student()
+    before = [p.detach().clone() for p in student.parameters()]
+    t = trainer(max_steps=1, accelerator="gpu", precision=precision, log_every_n_steps=1,
+                callbacks=[StreamKLDistillation(make_teacher(), pairs=[LAST]), rec])
+    t.fit(student, unpadded())
+    assert ops.dtypes == [(low,) * 4]
+    assert rec.values["train/attn_kl/last_step"][0] == pytest.approx(sdpa.last_layers_kl(), rel=1e-3)
+    after = list(student.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    trained = any(not torch.equal(a.detach().cpu(), b.cpu()) for a, b in zip(after, before))
+    if precision == "16-mixed":  # the GradScaler either stepped or skipped an overflowing step and lowered its scale
+        scaler = t.precision_plugin.scaler
+        assert scaler is not None and (trained or scaler.get_scale() < 2.0**16)
+    else:
+        assert trained
