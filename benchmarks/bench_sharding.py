@@ -58,7 +58,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import write_blocks, write_json  # noqa: E402
+from common import rel_l2, write_blocks, write_json  # noqa: E402
 
 WORLD = 2
 
@@ -304,11 +304,6 @@ def _timed_backward(kl, q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
     return _timed(run, device, repeats)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
-
-
 def measure_context_parallel(rank: int, sizes: Sizes, device: torch.device, backend_kl: str) -> dict:
     """Each measurement holds only its own inputs (the peaks include them): this GPU's half for the sharded run,
     the whole sequence for one GPU."""
@@ -344,9 +339,9 @@ def _measure_one_gpu(sizes: Sizes, device: torch.device, dtype: torch.dtype, tok
     rows = slice(rank * half, (rank + 1) * half)
     kl, dq, dk = sharded
     exactness = {
-        "kl_rel_error": _rel(kl, reference.detach()[:, :, rows]),
-        "dq_s_rel_error": _rel(dq, q_s.grad[:, :, rows]),
-        "dk_s_rel_error": _rel(dk, k_s.grad[:, :, rows]),
+        "kl_rel_error": rel_l2(kl, reference.detach()[:, :, rows]),
+        "dq_s_rel_error": rel_l2(dq, q_s.grad[:, :, rows]),
+        "dk_s_rel_error": rel_l2(dk, k_s.grad[:, :, rows]),
         "kl_sum_sharded": float(kl.double().sum()),
         "kl_sum_one_gpu": float(reference.detach()[:, :, rows].double().sum()),
     }

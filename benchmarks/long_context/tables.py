@@ -25,7 +25,6 @@ from paired import paired  # noqa: E402
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context_h100", "results.json")
 CPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context_cpu.json")
-GPU_LONG = os.path.join(ROOT, "benchmarks", "results", "gpu_long_h100", "results.json")
 THRESHOLDS = ("0.5", "0.9")
 
 
@@ -371,39 +370,12 @@ def readme(results: dict[str, Any]) -> str:
     return text
 
 
-def gpu_long_table(g: dict[str, Any]) -> str:
-    """The CLI job's ``gpu_long`` run on one H100 (``benchmarks/results/gpu_long_h100``), per model."""
-    runs, setup, ev = g["runs"], g["setup"], g["eval"]
-    td, sd, kl = setup["teacher_data"], setup["data"], ev["attention_kl"]
-    n, n_max, models = setup["train_seq_len"], max(ev["lengths"]), ("teacher", "student_kl", "student_base")
-    naive = g["naive_loss"]
-
-    def acc(length: int) -> list[str]:
-        return [_pct(ev["accuracy"][m][str(length)]) for m in models]
-
-    rows = [("steps", [str(runs[m]["steps"]) for m in models]),
-            ("batch", [f"{td['batch_size']} × N ∈ {{{', '.join(map(str, td['seq_len']))}}}",
-                       f"{sd['batch_size']} × {sd['seq_len']}", f"{sd['batch_size']} × {sd['seq_len']}"]),
-            ("time per step (median)", [f"{runs[m]['step_ms_median']:.1f} ms" for m in runs]),
-            ("peak CUDA memory", [_gib(runs[m]["peak_cuda_bytes"]) for m in runs]),
-            (f"held-out attention KL to the teacher, layer 0 / layer 1 (N = {ev['attention_kl_seq_len']})",
-             ["–", *(" / ".join(f"{kl[r][p]:.3g}" for p in kl[r]) for r in models[1:])]),
-            (f"held-out accuracy at N = {n}", acc(n)), (f"held-out accuracy at N = {n_max}", acc(n_max))]
-    lines = ["| | teacher | student with attention KL | student without |", "|---|---|---|---|"]
-    for label, (t, w, b) in rows:
-        lines.append(f"| {label} | {t} | {w} | {b} |")
-    lines += ["", f"The naive materialised loss on the students' shapes would need {_gib(naive['maps'])} of fp32 "
-                  f"probability maps and {_gib(naive['with_grad'])} with one map-sized gradient per pair."]
-    return "\n".join(lines)
-
-
 def blocks() -> dict[str, dict[str, str]]:
     """Every generated block of the long-context guide and README's sentence, from the committed results: page ->
     block name -> markdown."""
-    results, gpu_long = load(), load(GPU_LONG)
+    results = load()
     guide = {"findings": findings, "setup": setup_table, "teacher": teacher_table, "students": students_table,
              "every-row": every_row_table, "runs": runs_table, "cost": cost_table}
     page = {f"long-context:{name}": render(results) for name, render in guide.items()}
     page["long-context:cpu"] = cpu_table()
-    page["long-context:gpu-long"] = gpu_long_table(gpu_long)
     return {"docs/guides/long-context.md": page, "README.md": {"long-context:readme": readme(results)}}
