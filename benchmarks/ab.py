@@ -34,7 +34,13 @@ BENCHES = {"grid": "bench_attention_kl", "overhead": "overhead"}
 
 @contextlib.contextmanager
 def revision_tree(rev: str, repo: str = ROOT) -> Iterator[str]:
-    """A detached ``git worktree`` of ``rev`` in a temporary folder, removed afterwards."""
+    """A detached ``git worktree`` of ``rev`` in a temporary folder, removed afterwards.
+
+    Example (not run: it adds a worktree to the repository)::
+
+        with revision_tree("HEAD~1") as tree:
+            base = load_revision(tree)
+    """
     folder = tempfile.mkdtemp(prefix="streamkl-ab-")
     subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "--quiet", folder, rev], check=True)
     try:
@@ -44,12 +50,22 @@ def revision_tree(rev: str, repo: str = ROOT) -> Iterator[str]:
 
 
 def load_revision(tree: str, name: str = "streamkl_base"):
-    """The ``streamkl`` package of the checkout ``tree``, imported as ``name``."""
+    """The ``streamkl`` package of the checkout ``tree``, imported as ``name``.
+
+    Example:
+        >>> load_revision(ROOT, "streamkl_this_tree").__name__
+        'streamkl_this_tree'
+    """
     return load_package(os.path.join(tree, "kernels", "streamkl"), name)
 
 
 def timer_for(device: str) -> Callable[[Callable], float]:
-    """``do_bench``'s median on a GPU, the median of 10 wall-clock calls on the CPU (ms)."""
+    """``do_bench``'s median on a GPU, the median of 10 wall-clock calls on the CPU (ms).
+
+    Example:
+        >>> timer_for("cpu")(lambda: None) >= 0
+        True
+    """
     return do_bench_ms if device != "cpu" else (lambda fn: wall_ms(fn, device="cpu"))
 
 
@@ -72,7 +88,13 @@ def run(cases: dict[str, Callable], new, base, rounds: int, timer: Callable[[Cal
 
 
 def table(results: dict) -> str:
-    """The verdicts as a markdown table."""
+    """The verdicts as a markdown table.
+
+    Example:
+        >>> from common import compare
+        >>> print(table({"N8192 fwd": compare([0.9] * 7, [1.0] * 7)}).splitlines()[-1])
+        | N8192 fwd | 0.900 | 1.000 | 0.900× | 7 of 7 | 0.0156 | faster |
+    """
     lines = ["| case | this tree ms | other ms | this / other | rounds faster | sign test p | verdict |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():

@@ -31,7 +31,12 @@ MARKER = re.compile(r"<!-- (\S+?):start -->")
 
 def script(path: str):
     """The script at ``path`` (from the repository root), imported under its own name with its folder on
-    ``sys.path`` (as when it runs); loaded once."""
+    ``sys.path`` (as when it runs); loaded once.
+
+    Example:
+        >>> script("benchmarks/common.py").gpu_tag("NVIDIA H200")
+        'nvidia-h200'
+    """
     name = "_blocks_" + re.sub(r"\W", "_", path.removesuffix(".py"))
     if name in sys.modules:
         return sys.modules[name]
@@ -112,7 +117,12 @@ SOURCES: dict[str, Callable[[], dict[str, dict[str, str]]]] = {
 
 
 def render_all() -> dict[str, dict[str, str]]:
-    """page -> block name -> its rendering, over every source."""
+    """page -> block name -> its rendering, over every source.
+
+    Example (not run here: it imports every script; tests/test_numbers.py runs it)::
+
+        render_all()["docs/concepts/kernels.md"]["kernels:bounds"]
+    """
     pages: dict[str, dict[str, str]] = {}
     for source in SOURCES.values():
         for page, named in source().items():
@@ -121,13 +131,23 @@ def render_all() -> dict[str, dict[str, str]]:
 
 
 def whole_pages() -> dict[str, str]:
-    """The pages generated whole: page -> text."""
+    """The pages generated whole: page -> text.
+
+    Example (not run here: tests/test_numbers.py runs it)::
+
+        whole_pages()["docs/benchmarks.md"].startswith("# Benchmarks")
+    """
     return {"docs/benchmarks.md": script("benchmarks/report.py").page()}
 
 
 def stale(texts: dict[str, str] | None = None) -> list[str]:
     """Every problem: a block that differs from its rendering or whose markers are missing, a marker in a page that no
-    source renders, a whole page that differs. ``texts`` (page -> text) stands in for the committed pages."""
+    source renders, a whole page that differs. ``texts`` (page -> text) stands in for the committed pages.
+
+    Example (not run here: tests/test_numbers.py runs it)::
+
+        assert stale() == []
+    """
     rendered, problems = render_all(), []
     pages = sorted({"README.md", *rendered, *(os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in
                                               os.walk(os.path.join(ROOT, "docs")) for f in files if f.endswith(".md"))})
@@ -153,6 +173,7 @@ def stale(texts: dict[str, str] | None = None) -> list[str]:
 
 
 def write() -> None:
+    """Rewrite every generated block and every page generated whole from the committed results."""
     for page, named in render_all().items():
         path = os.path.join(ROOT, page)
         with open(path) as f:

@@ -65,7 +65,13 @@ TRAINING_SHAPES = {
 
 
 def make_inputs(shape: Shape, device: str = "cuda", seed: int = 0) -> tuple:
-    """``(q_t, k_t, q_s, k_s)`` of ``shape``, ``[B, H, N, D]``; the student's (and a trainable teacher's) need grad."""
+    """``(q_t, k_t, q_s, k_s)`` of ``shape``, ``[B, H, N, D]``; the student's (and a trainable teacher's) need grad.
+
+    Example:
+        >>> q_t, k_t, q_s, k_s = make_inputs(Shape(1, 4, 8, 16, False, "float32", h_kt=2, d_s=8), "cpu")
+        >>> tuple(k_t.shape), tuple(q_s.shape), q_t.requires_grad, q_s.requires_grad
+        ((1, 2, 8, 16), (1, 4, 8, 8), False, True)
+    """
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -80,7 +86,13 @@ def make_inputs(shape: Shape, device: str = "cuda", seed: int = 0) -> tuple:
 
 
 def rel_l2(a, b) -> float:
-    """``‖a − b‖ / ‖b‖`` in float64."""
+    """``‖a − b‖ / ‖b‖`` in float64.
+
+    Example:
+        >>> import torch
+        >>> rel_l2(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 0.0]))
+        1.3333333333333333
+    """
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
@@ -127,7 +139,12 @@ def wall_ms(fn: Callable[[], object], iters: int = 10, device: str = "cuda") -> 
 def per_call_us(fn: Callable[[], object], n: int, sync: Callable[[], object] = lambda: None,
                 repeats: int = 5) -> float:
     """Best of ``repeats`` averages over ``n`` back-to-back calls, in µs (synchronised before and after): host time
-    per call where the device work is negligible."""
+    per call where the device work is negligible.
+
+    Example:
+        >>> per_call_us(lambda: None, 10) < 1e6
+        True
+    """
     for _ in range(20):
         fn()
     sync()
@@ -249,7 +266,14 @@ def gpu_tag(device: str) -> str:
 
 
 def write_json(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (a crash mid-write leaves the previous file whole)."""
+    """Write ``data`` to ``path`` atomically (a crash mid-write leaves the previous file whole).
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "run", "result.json")
+        >>> write_json(path, {"ms": 1.5}); read_json(path)
+        {'ms': 1.5}
+    """
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(f"{path}.tmp", "w") as f:
         json.dump(data, f, indent=1)
@@ -257,6 +281,7 @@ def write_json(path: str, data: dict) -> None:
 
 
 def read_json(path: str):
+    """The JSON file at ``path`` (see :func:`write_json`)."""
     with open(path) as f:
         return json.load(f)
 
@@ -292,7 +317,16 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def write_blocks(path: str, blocks: dict[str, str]) -> None:
-    """Rewrite the file at ``path`` with each ``name -> body`` of ``blocks`` between its markers."""
+    """Rewrite the file at ``path`` with each ``name -> body`` of ``blocks`` between its markers.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "page.md")
+        >>> with open(path, "w") as f:
+        ...     _ = f.write("<!-- t:start -->\\n<!-- t:end -->\\n")
+        >>> write_blocks(path, {"t": "| 1 |"}); read_block(open(path).read(), "t")
+        '| 1 |'
+    """
     with open(path) as f:
         text = f.read()
     for name, body in blocks.items():
@@ -304,7 +338,14 @@ def write_blocks(path: str, blocks: dict[str, str]) -> None:
 # ------------------------------------------------------------------------------------------------------ packages
 def load_package(path: str, name: str):
     """Import the package folder at ``path`` (relative imports only, as ``kernels/streamkl``) as module ``name``, so
-    that two versions of it run in one process."""
+    that two versions of it run in one process.
+
+    Example:
+        >>> import streamkl
+        >>> copy = load_package(os.path.join(ROOT, "kernels", "streamkl"), "streamkl_load_example")
+        >>> copy.__name__, copy.attention_kl is streamkl.attention_kl
+        ('streamkl_load_example', False)
+    """
     spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
                                                   submodule_search_locations=[path])
     module = importlib.util.module_from_spec(spec)

@@ -128,6 +128,17 @@ def test_blocks_are_read_and_replaced_between_their_markers(common, tmp_path):
         common.replace_block("no markers", "x", "body")
 
 
+@pytest.mark.parametrize("script", ["common.py", "ab.py", "blocks.py", "report.py", "bench_attention_kl.py",
+                                    "continual/stats.py", "long_context/paired.py", "long_context/tables.py"])
+def test_the_examples_in_the_benchmark_helpers_run(script):
+    """The suite collects doctests under kernels/ and lightning_streamkl/ only; these are the benchmarks' shared ones."""
+    import doctest
+
+    module = _load(ROOT / "benchmarks" / script, "doctest_" + script.replace("/", "_").removesuffix(".py"))
+    failed, attempted = doctest.testmod(module)
+    assert attempted and not failed
+
+
 @pytest.fixture(scope="module")
 def ab():
     return _load(ROOT / "benchmarks" / "ab.py", "bench_ab")
