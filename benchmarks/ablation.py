@@ -30,6 +30,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
 RESULTS = os.path.join(HERE, "results", "ablation_cpu.json")
+sys.path.insert(0, HERE)
+from common import write_blocks  # noqa: E402
+
 DOC = os.path.join(ROOT, "docs", "guides", "choosing.md")
 
 #: name -> command-line overrides of the default job's student with attention KL. ``None``: the student without
@@ -116,13 +119,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def update_docs(results: dict[str, Any]) -> None:
-    start, end = "<!-- ablation:table -->", "<!-- /ablation -->"
-    with open(DOC) as f:
-        text = f.read()
-    block = f"{start}\n{markdown(results)}\n{end}"
-    text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
-    with open(DOC, "w") as f:
-        f.write(text)
+    write_blocks(DOC, {"ablation": markdown(results)})
 
 
 def main(argv: list[str] | None = None) -> None:

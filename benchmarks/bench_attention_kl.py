@@ -20,7 +20,7 @@ run file of its own (fold it in with ``--merge``) and ``--max-n`` merges its rec
 it did not re-measure. While a run measures, its records go to ``<out>.partial`` (the output is only written at the
 end, atomically); an interrupted run leaves the output untouched, and ``--merge <out>.partial`` keeps what it measured,
 or ``--resume`` (with the options it was started with) measures the rest on the same kind of card, with the first
-part's ceilings (the full grid takes longer than one 10-minute call of the lent GPU).
+part's ceilings (the full grid can be measured over several calls).
 
 Run it from an installed checkout (``pip install -e .``) or with ``PYTHONPATH=kernels``.
 
@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -43,27 +44,8 @@ import torch.nn.functional as F
 from streamkl import attention_kl
 from streamkl.naive import naive_attention_kl
 
-
-@dataclass
-class Shape:
-    b: int
-    h: int
-    n: int
-    d: int
-    causal: bool
-    dtype: str = "bfloat16"
-    h_kt: int | None = None  # GQA teacher key heads (None = h)
-    d_s: int | None = None  # student head dim (None = d)
-    teacher_grad: bool = False
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def elements(self) -> float:
-        """Score elements per distribution actually computed (causal ~ half)."""
-        e = self.b * self.h * self.n * self.n
-        return e * (self.n + 1) / (2 * self.n) if self.causal else e
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, Shape, do_bench_ms, gpu_tag, make_inputs, write_json
 
 
 @dataclass
@@ -75,12 +57,6 @@ class Record:
     peak_bytes: int | None = None
     status: str = "ok"
     extra: dict = field(default_factory=dict)
-
-
-def _do_bench(fn, rep: int = 200) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
 # ----------------------------------------------------------------------------------------------- ceilings
@@ -107,18 +83,18 @@ def measure_ceilings() -> dict:
     n, iters, block = 1 << 24, 256, 1024
     x = torch.rand(n, device="cuda")
     y = torch.empty_like(x)
-    ms = _do_bench(lambda: _exp2_chain[(n // block,)](x, y, ITERS=iters, BLOCK=block, num_warps=8))
+    ms = do_bench_ms(lambda: _exp2_chain[(n // block,)](x, y, ITERS=iters, BLOCK=block, num_warps=8))
     exp_rate = n * iters * 4 / (ms * 1e-3)
 
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     bm = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    ms = _do_bench(lambda: a @ bm)
+    ms = do_bench_ms(lambda: a @ bm)
     mm_rate = 2 * m**3 / (ms * 1e-3)
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = _do_bench(lambda: dst.copy_(src))
+    ms = do_bench_ms(lambda: dst.copy_(src))
     copy_bw = 2 * src.numel() / (ms * 1e-3)
     return {"exp2_per_s": exp_rate, "bf16_matmul_flops": mm_rate, "copy_bytes_per_s": copy_bw}
 
@@ -138,20 +114,6 @@ def bounds(shape: Shape, ceilings: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- providers
-def make_inputs(shape: Shape):
-    dt = shape.torch_dtype
-    d_s = shape.d_s or shape.d
-    h_kt = shape.h_kt or shape.h
-    q_t = torch.randn(shape.b, shape.h, shape.n, shape.d, device="cuda", dtype=dt)
-    k_t = torch.randn(shape.b, h_kt, shape.n, shape.d, device="cuda", dtype=dt)
-    q_s = torch.randn(shape.b, shape.h, shape.n, d_s, device="cuda", dtype=dt, requires_grad=True)
-    k_s = torch.randn(shape.b, shape.h, shape.n, d_s, device="cuda", dtype=dt, requires_grad=True)
-    if shape.teacher_grad:
-        q_t.requires_grad_(True)
-        k_t.requires_grad_(True)
-    return q_t, k_t, q_s, k_s
-
-
 def _grad_targets(inputs):
     return [x for x in inputs if x.requires_grad]
 
@@ -172,7 +134,7 @@ def naive_fn(shape: Shape, inputs, compiled: bool):
 def sdpa_fn(shape: Shape, backend: str | None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dt = shape.torch_dtype
+    dt = getattr(torch, shape.dtype)
     q, k, v = (torch.randn(shape.b, shape.h, shape.n, shape.d, device="cuda", dtype=dt, requires_grad=True)
                for _ in range(3))
 
@@ -192,11 +154,11 @@ def time_fwd_bwd(provider: str, shape: Shape, make_fwd, targets) -> list[Record]
     try:
         fwd = make_fwd
         with torch.no_grad():
-            ms_f = _do_bench(fwd)
+            ms_f = do_bench_ms(fwd)
         out.append(Record(provider, "fwd", sd, ms=ms_f))
         y = fwd()
         grad = torch.randn_like(y) if y.dim() else None
-        ms_b = _do_bench(lambda: torch.autograd.grad(y, targets, grad, retain_graph=True))
+        ms_b = do_bench_ms(lambda: torch.autograd.grad(y, targets, grad, retain_graph=True))
         out.append(Record(provider, "bwd", sd, ms=ms_b))
         y = None  # free the retained graph before timing forward+backward
 
@@ -204,7 +166,7 @@ def time_fwd_bwd(provider: str, shape: Shape, make_fwd, targets) -> list[Record]
             z = fwd()
             torch.autograd.grad(z, targets, grad)
 
-        out.append(Record(provider, "fwd+bwd", sd, ms=_do_bench(fb)))
+        out.append(Record(provider, "fwd+bwd", sd, ms=do_bench_ms(fb)))
     except torch.OutOfMemoryError:
         out.append(Record(provider, "fwd+bwd", sd, status="OOM"))
     except Exception as exc:  # a baseline that cannot run this shape is recorded, not fatal
@@ -367,6 +329,43 @@ def run(quick: bool, naive_max_n: int, compile_n: int, progress: str | None = No
     return result()
 
 
+def ab_cases(device: str = "cuda", quick: bool = True) -> dict:
+    """The grid's timed calls for ``ab.py``: ``"<shape> fwd"`` (no grad) and ``"<shape> fwd+bwd"`` -> a function of a
+    ``streamkl`` package returning the call; the quick rows (N = 8192) or every timed row, and on the CPU two tiny
+    float32 problems through the op's default backend.
+
+    Example:
+        >>> import streamkl
+        >>> cases = ab_cases("cpu")
+        >>> sorted(cases)[:2]
+        ['H2 D16 N64 causal float32 fwd', 'H2 D16 N64 causal float32 fwd+bwd']
+        >>> cases['H2 D16 N64 causal float32 fwd'](streamkl)()
+    """
+    shapes = time_grid(quick) if device != "cpu" else [Shape(1, 2, 64, 16, c, dtype="float32") for c in (False, True)]
+    kw = {"backend": "triton"} if device != "cpu" else {}
+    cases = {}
+    for shape in shapes:
+        name = " ".join(x for x in (f"H{shape.h} D{shape.d}" + (f"/{shape.d_s}" if shape.d_s else ""), f"N{shape.n}",
+                                    "causal" * shape.causal, shape.dtype, f"GQA{shape.h_kt}" * bool(shape.h_kt),
+                                    "teacher grad" * shape.teacher_grad) if x)
+
+        def fwd(pkg, shape=shape):
+            inputs = make_inputs(shape, device)
+
+            def call():
+                with torch.no_grad():
+                    pkg.attention_kl(*inputs, causal=shape.causal, **kw)
+            return call
+
+        def fwd_bwd(pkg, shape=shape):
+            inputs = make_inputs(shape, device)
+            targets = _grad_targets(inputs)
+            return lambda: torch.autograd.grad(pkg.attention_kl(*inputs, causal=shape.causal, **kw), targets)
+
+        cases[f"{name} fwd"], cases[f"{name} fwd+bwd"] = fwd, fwd_bwd
+    return cases
+
+
 def merge_records(previous: dict, new: list[dict], note: str) -> dict:
     """``previous`` (a results file) with ``new`` records replacing the ones of the same shape, provider and mode;
     the previous run's metadata is kept and ``note`` is appended to its notes."""
@@ -380,14 +379,6 @@ def merge_records(previous: dict, new: list[dict], note: str) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------- files
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def gpu_tag(device: str) -> str:
-    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"`` (the name of the device's results file)."""
-    return "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-
-
 def default_out(device: str, quick: bool = False, memory_only: bool = False) -> str:
     """Where a run of ``device`` writes without ``--out``: its grid ``results/<gpu>.json`` (a full run replaces it,
     ``--max-n`` and ``--merge`` merge into it), or for ``--quick`` a run file of its own,
@@ -396,15 +387,6 @@ def default_out(device: str, quick: bool = False, memory_only: bool = False) -> 
         kind = "quick" if quick else "memory"
         return os.path.join(RESULTS, "runs", f"{gpu_tag(device)}-{kind}.json")
     return os.path.join(RESULTS, f"{gpu_tag(device)}.json")
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (a crash mid-write leaves the previous file whole)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def read_grid(path: str, why: str) -> dict:

@@ -14,15 +14,15 @@ Dense stage N = 4k..64k, sparse stage (K = 2048 keys per row picked at random am
 H = 16 and 64. It reports the fraction of the bf16 tensor-core floor reached: the tensor-core FLOPs the kernels
 issue (forward ``2·(2·H·D + H_I·D_I)`` per score element, ``2·(H·D + H_I·D_I)`` with the lse given; backward
 ``2·(H·D + 5·H_I·D_I)`` dense, ``2·(H·D + 3·H_I·D_I)`` sparse; causal elements ``N(N+1)/2``, sparse
-``Σ_t min(K, t+1)``) at 756 TFLOP/s (an 8192³ bf16 matmul on the project's H100; the run also measures its own).
-The fused op runs with ``check_indices=False`` (the index check is a sort; the benchmark's selection is valid).
+``Σ_t min(K, t+1)``) at :data:`BF16_FLOOR_FLOPS` (an 8192³ bf16 matmul on an H100; the run also measures its
+own). The fused op runs with ``check_indices=False`` (the index check is a sort; the benchmark's selection is valid).
 
-    python benchmarks/bench_indexer.py                       # GPU grid, stops starting shapes after 300 s
+    python benchmarks/bench_indexer.py                       # GPU grid
     python benchmarks/bench_indexer.py --smoke               # tiny shapes on the CPU (reference backend), for CI
 
-Writes ``benchmarks/results/indexer_<gpu>.json`` and, with ``--out DIR``, a copy there (``--smoke`` writes
-``indexer_smoke_cpu.json`` into ``--out`` alone when given), and prints a table. Shapes left when
-``--budget-s`` runs out are recorded as skipped.
+Writes ``indexer_<gpu>.json`` (``--smoke``: ``indexer_smoke_cpu.json``) into ``--out`` (default
+``benchmarks/results``) after every shape, and prints a table. With ``--budget-s``, shapes left when it runs out are
+recorded as skipped.
 
     python benchmarks/bench_indexer.py --docs benchmarks/results/indexer_nvidia-h100-80gb-hbm3.json
 
@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -47,9 +48,10 @@ from streamkl import indexer_kl
 from streamkl.indexer_autograd import indexer_forward_impl
 from streamkl.indexer_naive import megatron_style_indexer_loss
 
-#: bf16 dense matmul rate measured on the project's H100 (8192³, do_bench; /work/shared/KERNELS.md).
+#: bf16 dense matmul rate measured on an H100 (8192³, do_bench).
 BF16_FLOOR_FLOPS = 756e12
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, ROOT, gpu_tag, write_blocks, write_json  # noqa: E402
 
 
 @dataclass
@@ -267,9 +269,7 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS_PAGE = os.path.join(ROOT, "docs", "guides", "indexer.md")
-DOCS_MARKERS = ("<!-- indexer-gpu:start -->", "<!-- indexer-gpu:end -->")
 
 
 def docs_block(result: dict, source: str) -> str:
@@ -282,31 +282,20 @@ def docs_block(result: dict, source: str) -> str:
 
 
 def write_docs(path: str, page: str = DOCS_PAGE) -> str:
-    """Replace the block between the ``indexer-gpu`` markers of ``page`` with :func:`docs_block` of ``path``."""
+    """Write :func:`docs_block` of the result file ``path`` between the ``indexer-gpu`` markers of ``page``."""
     with open(path) as f:
-        result = json.load(f)
-    source = os.path.relpath(os.path.abspath(path), ROOT)
-    with open(page) as f:
-        text = f.read()
-    start, end = DOCS_MARKERS
-    if start not in text or end not in text:
-        raise SystemExit(f"{page} has no {start} ... {end} markers")
-    head, rest = text.split(start, 1)
-    block = docs_block(result, source)
-    with open(page, "w") as f:
-        f.write(head + start + "\n" + block + "\n" + end + rest.split(end, 1)[1])
+        block = docs_block(json.load(f), os.path.relpath(os.path.abspath(path), ROOT))
+    write_blocks(page, {"indexer-gpu": block})
     return block
 
 
 def _name(device: str, smoke: bool) -> str:
-    if smoke:
-        return "indexer_smoke_cpu.json"
-    return "indexer_{}.json".format("".join(c if c.isalnum() else "-" for c in device.lower()).strip("-"))
+    return "indexer_smoke_cpu.json" if smoke else f"indexer_{gpu_tag(device)}.json"
 
 
-def run(smoke: bool, budget_s: float, folders: list[str]) -> dict:
-    """Benchmark every shape of the grid; the JSON is rewritten into each of ``folders`` after every shape, so a
-    run that is stopped keeps what it measured."""
+def run(smoke: bool, budget_s: float, folder: str) -> dict:
+    """Benchmark every shape of the grid; the JSON is rewritten into ``folder`` after every shape, so a run that is
+    stopped keeps what it measured."""
     device = "cpu" if smoke else "cuda"
     backend = "auto" if smoke else "triton"
     timer = _timer(device)
@@ -327,7 +316,7 @@ def run(smoke: bool, budget_s: float, folders: list[str]) -> dict:
         del a
         print(f"bf16 matmul here: {meta['bf16_matmul_flops_measured'] / 1e12:.0f} TFLOP/s", flush=True)
     records: list[Record] = []
-    start = time.time()
+    start, path = time.time(), os.path.join(folder, _name(meta["device"], smoke))
     for shape in grid(smoke):
         sd = asdict(shape)
         if time.time() - start > budget_s:
@@ -349,25 +338,18 @@ def run(smoke: bool, budget_s: float, folders: list[str]) -> dict:
                    if r.mode != "mem"}
         print(f"{shape.stage} N={shape.n} H={shape.h} H_kv={shape.h_kv}: {summary} ({time.time() - t0:.0f}s)",
               flush=True)
-        _save({**meta, "records": [asdict(r) for r in records]}, folders, _name(meta["device"], smoke))
+        write_json(path, {**meta, "records": [asdict(x) for x in records]})
     result = {**meta, "records": [asdict(r) for r in records]}
-    _save(result, folders, _name(meta["device"], smoke))
+    write_json(path, result)  # with the skipped shapes
     return result
-
-
-def _save(result: dict, folders: list[str], name: str) -> None:
-    for folder in folders:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(result, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (reference backend)")
-    parser.add_argument("--out", default=None, help="also write the JSON into this directory")
-    parser.add_argument("--budget-s", type=float, default=300.0,
-                        help="stop starting new shapes after this many seconds (default 300)")
+    parser.add_argument("--out", default=RESULTS, help="directory of the JSON (default: benchmarks/results)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="stop starting new shapes after this many seconds")
     parser.add_argument("--docs", metavar="RESULT_JSON", default=None,
                         help="render a committed run into docs/guides/indexer.md and exit (no GPU needed)")
     args = parser.parse_args(argv)
@@ -377,12 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
             return json.load(f)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_indexer.py needs a CUDA GPU (or --smoke for the CPU check).")
-    folders = [RESULTS, *([args.out] if args.out else [])]
-    if args.smoke:  # the CPU check writes where it is told (CI: a temporary directory), else into results/
-        folders = [args.out or RESULTS]
-    result = run(args.smoke, args.budget_s, folders)
-    for folder in folders:
-        print(f"wrote {os.path.join(folder, _name(result['device'], args.smoke))}")
+    result = run(args.smoke, args.budget_s, args.out)
+    print(f"wrote {os.path.join(args.out, _name(result['device'], args.smoke))}")
     print(table(result["records"]))
     return result
 

@@ -1,4 +1,4 @@
-"""v8 (issue 14): many layer pairs at short context, one call per step instead of one per pair.
+"""Many layer pairs at short context: one call per step instead of one per pair.
 
 The distillation loss (:class:`lightning_streamkl.AttentionDistillationLoss`) with ``L`` layer pairs, forward and
 backward (``torch.autograd.grad`` of its total w.r.t. the student's captured queries and keys), bf16, measured on one
@@ -16,17 +16,14 @@ JSON keeps all three. The fused and per-pair totals and student gradients are co
 Then a whole training step (``STEP``: a BERT-base-sized teacher, 12 layers, and a MiniLM-sized student, 6 layers of
 384 dims, both built from configs; bf16 autocast, AdamW; a padded batch): the step without distillation, and with
 the engine (:class:`lightning_streamkl.AttentionDistiller`, ``uniform_pairs``: 6 pairs; the teacher's pass
-included) fused and per pair: ``STEP_ROUNDS`` paired rounds, each timing every variant over ``STEP_ITERS`` steps
-(median); the ratios are medians of the per-round ratios, with an exact sign test over the rounds.
+included) fused and per pair: ``STEP_ROUNDS`` paired rounds (``common.paired_rounds``), each timing every variant
+over ``STEP_ITERS`` steps (median); the ratios are medians of the per-round ratios, with an exact sign test over the
+rounds. The tables go to docs/guides/lightning.md.
 
     PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --out benchmarks/results   # GPU, about a minute
     PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --render                   # the table into the docs
     PYTHONPATH=kernels:. python benchmarks/bench_pairs.py --profile                  # where a distilled step's host
                                                                                     # time goes (cProfile)
-
-``--teacher-against DIR`` (DIR: a copy of an earlier ``lightning_streamkl``) times only the teacher's pass of
-``STEP``: plain, captured by this version and captured by the copy, in ``STEP_ROUNDS`` alternating rounds, and writes
-``<gpu>-pairs-teacher<tag>.json`` (v9's capture changes against v8's).
 
 Timing assertions never go into tests; the numbers here are ratios measured in one run.
 """
@@ -46,9 +43,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_attention_kl import _do_bench as _bench  # noqa: E402  (the same do_bench median as the other scripts)
-from bench_fused_dq import _rel  # noqa: E402  (relative L2 difference)
-from report import sign_test_p, write_blocks  # noqa: E402
+from common import do_bench_ms, gpu_tag, paired_rounds, rel_l2, sign_test_p, wall_ms, write_blocks, write_json  # noqa: E402
 
 #: (name, L pairs, B, H, N, D, padded)
 SHAPES = [
@@ -59,7 +54,7 @@ SHAPES = [
 ]
 RESULT_NAME = "pairs.json"
 H100_RESULT = os.path.join(HERE, "results", "nvidia-h100-80gb-hbm3-pairs.json")
-DOCS = [os.path.join(HERE, "..", "docs", "perf-notes.md")]
+DOCS = [os.path.join(HERE, "..", "docs", "guides", "lightning.md")]
 BLOCK, STEP_BLOCK = "pairs:table", "pairs:step"
 
 
@@ -107,7 +102,7 @@ def measure(shape: tuple) -> dict:
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(3):  # interleaved: drifts of the machine fall on every column alike
         for key, fn in fns.items():
-            runs[key].append(float(_bench(fn)))
+            runs[key].append(do_bench_ms(fn))
     ms = {k: statistics.median(v) for k, v in runs.items()}
     out_f, out_a = (losses[k](teacher, student) for k in ("fused", "per pair"))
     grads_f = torch.autograd.grad(out_f.total, leaves)
@@ -119,7 +114,7 @@ def measure(shape: tuple) -> dict:
         "fused_over_sdpa": ms["fused"] / ms[f"SDPA x {layers}"],
         "per_pair_over_sdpa": ms["per pair"] / ms[f"SDPA x {layers}"],
         "agreement": {"total rel": abs(out_f.total.item() - out_a.total.item()) / abs(out_a.total.item()),
-                      "grad rel L2 (max over tensors)": max(_rel(x, y) for x, y in zip(grads_f, grads_a))},
+                      "grad rel L2 (max over tensors)": max(rel_l2(x, y) for x, y in zip(grads_f, grads_a))},
     }
 
 
@@ -137,22 +132,6 @@ def bert(layers: int, hidden: int, heads: int, seed: int):
                      intermediate_size=4 * hidden, vocab_size=30522, max_position_embeddings=512,
                      attn_implementation="sdpa", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return BertModel(cfg, add_pooling_layer=False).cuda()
-
-
-def _median_ms(fn) -> float:
-    """Median ms of ``STEP_ITERS`` calls of ``fn`` (CUDA events around each, after three warm-up calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(STEP_ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def step_times(profile: bool = False) -> dict:
@@ -219,10 +198,7 @@ def step_times(profile: bool = False) -> dict:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
         print(out.getvalue())
         return {}
-    runs: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(STEP_ROUNDS):  # paired rounds: each round times every variant back to back
-        for key, fn in fns.items():
-            runs[key].append(_median_ms(fn))
+    runs = paired_rounds(fns, STEP_ROUNDS, lambda fn: wall_ms(fn, STEP_ITERS))
     ms = {k: statistics.median(v) for k, v in runs.items()}
     ratios = [p / f for p, f in zip(runs["per pair"], runs["fused"])]
     slower = sum(r > 1 for r in ratios)
@@ -233,57 +209,6 @@ def step_times(profile: bool = False) -> dict:
             "rounds_per_pair_slower": slower, "sign_test_p": sign_test_p(slower, len(ratios)),
             "captured_teacher_over_plain": statistics.median(
                 c / t for c, t in zip(runs["teacher pass, captured"], runs["teacher pass"]))}
-
-
-def teacher_pass_against(baseline_dir: str) -> dict:
-    """Median ms of the teacher's pass of ``STEP``: plain (no capture), captured by this version, captured by the
-    earlier copy at ``baseline_dir`` (loaded as ``lightning_streamkl_base``), in ``STEP_ROUNDS`` rounds of alternating
-    order; per-round ratios and an exact sign test of this version against the copy."""
-    import copy
-
-    from report import load_package
-
-    from lightning_streamkl import AttentionDistiller, uniform_pairs
-
-    base = load_package(baseline_dir, "lightning_streamkl_base")
-    b, n = STEP["batch"], STEP["tokens"]
-    teacher = bert(*STEP["teacher"], seed=0).to(torch.bfloat16).eval()
-    student = bert(*STEP["student"], seed=1)
-    g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(1000, 30000, (b, n), generator=g).cuda(),
-             "attention_mask": torch.ones(b, n, dtype=torch.long).cuda()}
-    batch["attention_mask"][::4, 3 * n // 4:] = 0  # a quarter of the sequences padded, as in step_times
-    pairs = uniform_pairs(STEP["teacher"][0], STEP["student"][0])
-    distillers = {"new": AttentionDistiller(teacher, {"pairs": pairs, "backend": "triton"}),
-                  "base": base.AttentionDistiller(teacher, {"pairs": pairs, "backend": "triton"})}
-    for distiller in distillers.values():
-        distiller.setup(copy.deepcopy(student))
-
-    def captured(distiller):
-        def run_pass():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                distiller.begin_step(batch)
-                distiller.teacher_capture.pop()
-
-        return run_pass
-
-    def plain():
-        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
-            teacher(**batch)
-
-    fns = {"plain": plain, "new": captured(distillers["new"]), "base": captured(distillers["base"])}
-    runs: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(STEP_ROUNDS):
-        for key in ("plain", "new", "base") if r % 2 == 0 else ("base", "new", "plain"):
-            runs[key].append(_median_ms(fns[key]))
-    faster = sum(n < b for n, b in zip(runs["new"], runs["base"]))
-    return {"setup": STEP, "pairs": len(pairs), "rounds": STEP_ROUNDS, "baseline": os.path.normpath(baseline_dir),
-            "ms": {k: statistics.median(v) for k, v in runs.items()}, "runs_ms": runs,
-            "new_over_plain": statistics.median(c / p for c, p in zip(runs["new"], runs["plain"])),
-            "base_over_plain": statistics.median(c / p for c, p in zip(runs["base"], runs["plain"])),
-            "base_over_new": statistics.median(b / n for n, b in zip(runs["new"], runs["base"])),
-            "rounds_new_faster": faster, "sign_test_p": sign_test_p(faster, STEP_ROUNDS),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
 def run() -> dict:
@@ -330,7 +255,7 @@ def step_table(data: dict) -> str:
 
 
 def blocks(data: dict) -> dict[str, str]:
-    """The generated blocks of docs/perf-notes.md v8: name -> markdown."""
+    """The generated blocks of docs/guides/lightning.md: name -> markdown."""
     return {BLOCK: table(data), STEP_BLOCK: step_table(data)}
 
 
@@ -347,25 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--render", nargs="?", const=H100_RESULT, help="write a results file's table into the docs")
     parser.add_argument("--profile", action="store_true",
                         help="only print the top cProfile entries of the distilled training step")
-    parser.add_argument("--teacher-against", metavar="DIR",
-                        help="only time the teacher's pass, captured by this version and by the copy in DIR")
-    parser.add_argument("--tag", default="", help="suffix of the --teacher-against result file")
     args = parser.parse_args(argv)
     if args.render:
         render(args.render)
         return
     if args.profile:
         step_times(profile=True)
-        return
-    from bench_attention_kl import gpu_tag, write_json
-
-    if args.teacher_against:
-        data = teacher_pass_against(args.teacher_against)
-        out = os.path.join(args.out or os.path.join(HERE, "results"),
-                           f"{gpu_tag(data['device'])}-pairs-teacher{args.tag}.json")
-        write_json(out, data)
-        print(json.dumps({k: v for k, v in data.items() if k != "runs_ms"}, indent=1))
-        print(f"wrote {out}")
         return
     data = run()
     out = os.path.join(args.out or os.path.join(HERE, "results"), f"{gpu_tag(data['device'])}-{RESULT_NAME}")

@@ -26,21 +26,19 @@ import gc
 import json
 import os
 import platform
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from streamkl import attention_kl
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, do_bench_ms, gpu_tag, write_json
+
 DOCS, DOC_LEN, HEADS = 8, 4096, 16
 TOTAL = DOCS * DOC_LEN
 WINDOW = 4096
-
-
-def _bench(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
 def _peak(fn) -> int:
@@ -124,8 +122,8 @@ def measure(provider: str, name: str, fwd, targets) -> dict:
 
         fb()
         with torch.no_grad():
-            row["fwd_ms"] = _bench(fwd)
-        row["fwd_bwd_ms"] = _bench(fb)
+            row["fwd_ms"] = do_bench_ms(fwd)
+        row["fwd_bwd_ms"] = do_bench_ms(fb)
         row["peak_bytes"] = _peak(fb)
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
@@ -188,16 +186,13 @@ def main() -> None:
         "window / dense (2x the pairs)": base["window"]["fwd_bwd_ms"] / base["dense"]["fwd_bwd_ms"],
         "softcap+sinks / dense": base["softcap+sinks"]["fwd_bwd_ms"] / base["dense"]["fwd_bwd_ms"],
     }
-    gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{gpu}-real-teacher.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    out = args.out or os.path.join(RESULTS, f"{gpu_tag(torch.cuda.get_device_name())}-real-teacher.json")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "host": platform.node(),
               "shape": {"docs": DOCS, "doc_len": DOC_LEN, "heads": HEADS, "d": args.d, "dtype": "bfloat16",
                         "window": WINDOW},
               "rows": rows, "ratios_fwd_bwd": ratios}
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(out, result)
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
     print(f"wrote {out}")

@@ -1,11 +1,11 @@
 """Beyond one GPU, measured on two: a sharded teacher (FSDP) against a replicated one (DDP), and the
 sequence-sharded KL against one GPU.
 
-    PYTHONPATH=kernels:. python benchmarks/bench_sharding.py            # 2 GPUs (2×H200; estimated 3 to 5 min)
+    PYTHONPATH=kernels:. python benchmarks/bench_sharding.py            # 2 GPUs (minutes on 2 H200s)
     PYTHONPATH=kernels:. python benchmarks/bench_sharding.py --smoke    # 2 CPU processes (gloo), tiny sizes
 
-One command, two processes (spawned here, NCCL), one JSON file: ``benchmarks/results/sharding_<device>.json`` and,
-when the environment names ``OUT``, ``$OUT/sharding_<device>.json``. Needs torch (with Triton) only: no Lightning,
+One command, two processes (spawned here, NCCL), one JSON file: ``<--results>/sharding_<device>.json`` (default
+``benchmarks/results``). Needs torch (with Triton) only: no Lightning,
 transformers or omegaconf. The teacher is sharded with the library's own FSDP2 layout
 (``lightning_streamkl.teacher.shard_module``, the code ``StreamKLDistillation`` runs under ``FSDPStrategy`` and
 ``ModelParallelStrategy``), loaded from its file because the package itself needs omegaconf.
@@ -57,6 +57,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import rel_l2, write_blocks, write_json  # noqa: E402
+
 WORLD = 2
 
 
@@ -301,11 +304,6 @@ def _timed_backward(kl, q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
     return _timed(run, device, repeats)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
-
-
 def measure_context_parallel(rank: int, sizes: Sizes, device: torch.device, backend_kl: str) -> dict:
     """Each measurement holds only its own inputs (the peaks include them): this GPU's half for the sharded run,
     the whole sequence for one GPU."""
@@ -341,9 +339,9 @@ def _measure_one_gpu(sizes: Sizes, device: torch.device, dtype: torch.dtype, tok
     rows = slice(rank * half, (rank + 1) * half)
     kl, dq, dk = sharded
     exactness = {
-        "kl_rel_error": _rel(kl, reference.detach()[:, :, rows]),
-        "dq_s_rel_error": _rel(dq, q_s.grad[:, :, rows]),
-        "dk_s_rel_error": _rel(dk, k_s.grad[:, :, rows]),
+        "kl_rel_error": rel_l2(kl, reference.detach()[:, :, rows]),
+        "dq_s_rel_error": rel_l2(dq, q_s.grad[:, :, rows]),
+        "dk_s_rel_error": rel_l2(dk, k_s.grad[:, :, rows]),
         "kl_sum_sharded": float(kl.double().sum()),
         "kl_sum_one_gpu": float(reference.detach()[:, :, rows].double().sum()),
     }
@@ -550,20 +548,11 @@ DOCS_BLOCKS = {"sharding-gpu": layouts_block, "sharding-gpu-context": context_bl
 
 
 def write_docs(path: str, page: Path = DOCS_PAGE) -> dict[str, str]:
-    """Replace each block of :data:`DOCS_BLOCKS` in ``page`` (between its ``<!-- name:start -->`` and
-    ``<!-- name:end -->`` markers) with its rendering of the result file ``path``."""
+    """Write each block of :data:`DOCS_BLOCKS`, rendered from the result file ``path``, into ``page``."""
     result = json.loads(Path(path).read_text())
     source = os.path.relpath(os.path.abspath(path), ROOT)
-    text = page.read_text()
-    blocks = {}
-    for name, render in DOCS_BLOCKS.items():
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        if start not in text or end not in text:
-            raise SystemExit(f"{page} has no {start} ... {end} markers")
-        head, rest = text.split(start, 1)
-        blocks[name] = render(result, source)
-        text = head + start + "\n" + blocks[name] + "\n" + end + rest.split(end, 1)[1]
-    page.write_text(text)
+    blocks = {name: render(result, source) for name, render in DOCS_BLOCKS.items()}
+    write_blocks(str(page), blocks)
     return blocks
 
 
@@ -595,12 +584,9 @@ def main(argv: list[str] | None = None) -> dict:
         "teacher_gb_bf16": round(ranks[0]["layouts"]["ddp"]["teacher_params"] * 2 / 1e9, 1),
         **summarise(ranks),
     }
-    name = f"sharding_{result['device']}.json"
-    targets = [Path(args.results) / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
-    for path in targets:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {path}")
+    path = Path(args.results) / f"sharding_{result['device']}.json"
+    write_json(str(path), result)
+    print(f"wrote {path}")
     lay, cp = result["layouts"], result["context_parallel"]
     for layout, entry in lay.items():
         print(f"{layout:>22}: step {entry['step_time_s_max']:.3f} s, peak {_gib(entry['peak_memory_bytes_max'])} "

@@ -1,10 +1,10 @@
 """Where each kernel's time goes, read from the GPU's hardware counters with Nsight Compute (``ncu``).
 
-The perf notes' bounds say how far each kernel is from the exponential unit's and the tensor cores' ceilings; this
-script says *why*, for the frozen-teacher training call (the fused forward and the key pass) and for cuDNN
-attention's forward+backward on the same shapes: how often each scheduler issued, how busy each pipe was, how many
-warps were resident, and what the warps waited on between two issues (Nsight Compute's warp-state sampling, in
-cycles per issued instruction).
+The design page's bounds (docs/concepts/kernels.md) say how far each kernel is from the exponential unit's and the
+tensor cores' ceilings; this script says *why*, for the frozen-teacher training call (the fused forward and the key
+pass) and for cuDNN attention's forward+backward on the same shapes: how often each scheduler issued, how busy each pipe
+was, how many warps were resident, and what the warps waited on between two issues (Nsight Compute's warp-state
+sampling, in cycles per issued instruction).
 
     PYTHONPATH=kernels:. python benchmarks/kernel_profile.py --out benchmarks/results   # GPU with ncu on PATH
     python benchmarks/kernel_profile.py --render benchmarks/results/nvidia-h100-80gb-hbm3-kernel-profile.json
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
 import re
 import shutil
@@ -29,14 +30,13 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_hopper_key_pass import SHAPES as KEY_PASS_SHAPES  # noqa: E402
+from common import TRAINING_SHAPES, gpu_tag, write_blocks, write_json  # noqa: E402
 
 RESULT_NAME = "kernel-profile.json"
-DOC = os.path.join(HERE, "..", "docs", "perf-notes.md")
+DOC = os.path.join(HERE, "..", "docs", "concepts", "kernels.md")
 H100_RESULT = os.path.join(HERE, "results", f"nvidia-h100-80gb-hbm3-{RESULT_NAME}")
-#: (name, B, H, N, D, causal): the key-pass benchmark's N = 8192 shapes, bf16, the teacher as wide as the student
-SHAPES = [(name, b, h, n, d, causal) for name, b, h, h_kt, n, d, causal in KEY_PASS_SHAPES
-          if name.startswith("N8192") and h_kt == h]
+#: (name, B, H, N, D, causal): the training-call shapes at N = 8192, bf16, the teacher as wide as the student
+SHAPES = [(name, s.b, s.h, s.n, s.d, s.causal) for name, s in TRAINING_SHAPES.items() if name.startswith("N8192")]
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "SchedulerStats", "InstructionStats")
 #: ncu's raw metrics kept in the result file (full names; the rest of the raw page is dropped)
@@ -291,8 +291,8 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def blocks(data: dict, _tuning=None) -> dict[str, str]:
-    return {"profile:kernels": table(data)}
+def blocks(data: dict) -> dict[str, str]:
+    return {"kernels:profile": table(data)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,24 +300,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu", help="the Nsight Compute command line")
-    parser.add_argument("--out", help="directory for <device>-kernel-profile<tag>.json")
-    parser.add_argument("--tag", default="", help="a suffix of the result file's name (a re-measure of some shapes)")
+    parser.add_argument("--out", help="directory for <device>-kernel-profile.json")
     parser.add_argument("--logs", help="directory for ncu's log of each shape")
-    parser.add_argument("--render", help="render docs/perf-notes.md's profile table from this result file")
+    parser.add_argument("--render", help="render docs/concepts/kernels.md's profile table from this result file")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return
     if args.render:
-        from report import render_results
-
-        render_results(DOC, blocks, args.render)
+        with open(args.render) as f:
+            write_blocks(DOC, blocks(json.load(f)))
         return
     data = run(args.ncu, args.shapes, args.logs)
     if args.out:
-        from bench_attention_kl import gpu_tag, write_json
-
-        path = os.path.join(args.out, f"{gpu_tag(data['device'])}-{RESULT_NAME.replace('.json', args.tag + '.json')}")
+        path = os.path.join(args.out, f"{gpu_tag(data['device'])}-{RESULT_NAME}")
         write_json(path, data)
         print("wrote", path)
     print(table(data))

@@ -6,8 +6,8 @@ read for free before spending GPU time:
 
     TRITON_INTERPRET=0 python benchmarks/kernel_resources.py                  # default configs, sm_90
     TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --sweep-forward   # candidate forward tiles
-    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --hopper-key-pass --against <copy of v13's
-        kernels/streamkl> --out benchmarks/results   # the Gluon one-warpgroup key pass, this version and v13's
+    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --hopper-key-pass        # the Gluon one-warpgroup key pass
+    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py --hopper-fused-forward   # the Gluon training forward
 
 Counts are per kernel (whole SASS), with the instruction classes that matter for this op: MUFU.EX2 (the
 exponential unit), HGMMA/HMMA (tensor cores), FFMA/FADD/FMUL/FMNMX (FMA pipe) and local-memory traffic.
@@ -146,52 +146,38 @@ HOPPER_KEY_PASS_CASES = [(d, causal, bm, stages) for d in (64, 128) for causal i
                          for bm, stages in ((32, 4), (64, 2), (64, 3), (64, 6))]
 
 
-def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stages: int) -> dict:
-    """Resources of ``package``'s one-warpgroup Gluon key pass (``_hopper.backward._hopper_dk_kernel``), bf16 on both
-    sides, 64 keys per program, 4 warps, a scalar upstream gradient (and, from v16, the full steps pipelined or not as
-    its launch picks for head dim ``d``)."""
-    import importlib
+def hopper_key_pass_resources(d: int, causal: bool, block_m: int, stages: int) -> dict:
+    """Resources of the one-warpgroup Gluon key pass (``_hopper.backward._hopper_dk_kernel``), bf16 on both sides, 64
+    keys per program, 4 warps, a scalar upstream gradient, its full steps pipelined or not as its launch picks."""
+    from streamkl._hopper import backward as module
 
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    module = importlib.import_module(f"{package.__name__}._hopper.backward")
     fn = module._hopper_dk_kernel
-
-    def descriptor(block):
-        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
-
-    types = {"qa_desc": descriptor((1, 1, block_m, d)), "qb_desc": descriptor((1, 1, block_m, d)),
-             "ka_desc": descriptor((1, 1, 64, d)), "kb_desc": descriptor((1, 1, 64, d)), "GRAD": "*fp32",
-             "LSE_A": "*fp32", "LSE_B": "*fp32", "DK_B": "*bf16", "qk_scale_a": "fp32", "qk_scale_b": "fp32",
-             "grad_scale_b": "fp32"}
+    types = {"qa_desc": _gluon_descriptor((1, 1, block_m, d)), "qb_desc": _gluon_descriptor((1, 1, block_m, d)),
+             "ka_desc": _gluon_descriptor((1, 1, 64, d)), "kb_desc": _gluon_descriptor((1, 1, 64, d)),
+             "GRAD": "*fp32", "LSE_A": "*fp32", "LSE_B": "*fp32", "DK_B": "*bf16", "qk_scale_a": "fp32",
+             "qk_scale_b": "fp32", "grad_scale_b": "fp32"}
     constexprs = dict(CAUSAL=causal, SCALAR_GRAD=True, BLOCK_M=block_m, BLOCK_N=64, STAGES=stages, num_warps=4)
-    if "OVERLAP" in fn.arg_names:  # v16: full steps pipelined or one at a time, as the launch picks by head dim
-        constexprs["OVERLAP"] = module.overlaps_steps(d)
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
-    src = GluonASTSource(fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in
-                                                              constexprs.items()}, attrs={})
-    return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
+    if "OVERLAP" in fn.arg_names:
+        constexprs["OVERLAP"] = d <= 64  # full steps pipelined at head dim 64, one at a time above
+    return _compile_gluon(fn, types, constexprs)
 
 
-def hopper_fused_forward_resources(package, d: int, causal: bool, block_m: int, block_n: int, stages: int,
-                                   consumers: int = 2) -> dict:
-    """Resources of ``package``'s warp-specialised fused forward (``_hopper.fused_forward._ws_fused_fwd_kernel``, v17),
-    bf16, ``block_m`` rows per consumer, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer,
-    ``consumers`` consumer warpgroups. The registers are the launch limit (``KERNEL_REGS``, or
-    ``THREE_KERNEL_REGS``), which ``setmaxnreg`` raises in the consumers; the stack is the largest partition's."""
-    import importlib
+def hopper_fused_forward_resources(d: int, causal: bool, block_m: int, block_n: int, stages: int) -> dict:
+    """Resources of the warp-specialised fused forward (``_hopper.fused_forward._ws_fused_fwd_kernel``), bf16,
+    ``block_m`` rows per consumer, ``block_n`` keys per tile, a ``stages``-deep key ring, a bf16 dQ buffer. The
+    registers are the launch limit (``KERNEL_REGS``), which ``setmaxnreg`` raises in the consumers; the stack is the
+    largest partition's."""
+    from streamkl._hopper import fused_forward as module
 
-    module = importlib.import_module(f"{package.__name__}._hopper.fused_forward")
+    fn = module._ws_fused_fwd_kernel
     types = {"qa_desc": _gluon_descriptor((1, 1, block_m, d)), "qb_desc": _gluon_descriptor((1, 1, block_m, d)),
              "ka_desc": _gluon_descriptor((1, 1, block_n, d)), "kb_desc": _gluon_descriptor((1, 1, block_n, d)),
              "KL": "*fp32", "LSE_A": "*fp32", "LSE_B": "*fp32", "DQ_B": "*bf16", "qk_scale_a": "fp32",
              "qk_scale_b": "fp32", "grad_scale_b": "fp32"}
-    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers,
-                      num_warps=4)
-    return _compile_gluon(module._ws_fused_fwd_kernel, types, constexprs,
-                          maxnreg=module.KERNEL_REGS if consumers == 2 else module.THREE_KERNEL_REGS)
+    constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4)
+    if "CONSUMERS" in fn.arg_names:
+        constexprs["CONSUMERS"] = 2
+    return _compile_gluon(fn, types, constexprs, maxnreg=module.KERNEL_REGS)
 
 
 def _gluon_descriptor(block: tuple[int, ...]) -> str:
@@ -216,99 +202,28 @@ def _compile_gluon(fn, types: dict, constexprs: dict, maxnreg: int | None = None
     return resources(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
 
 
-def hopper_key_pass_table(against: str | None) -> dict:
-    """:data:`HOPPER_KEY_PASS_CASES` compiled from this checkout's package and, with ``against``, from a copy of an
-    earlier one."""
-    from report import load_package
-
-    import streamkl
-
-    packages = {"this": streamkl}
-    if against:
-        packages["against"] = load_package(os.path.abspath(against), "streamkl_base")
-    rows = []
-    for label, package in packages.items():
-        for d, causal, block_m, stages in HOPPER_KEY_PASS_CASES:
-            row = dict(package=label, d=d, causal=causal, block_m=block_m, stages=stages,
-                       **hopper_key_pass_resources(package, d, causal, block_m, stages))
-            print(row, flush=True)
-            rows.append(row)
-    return {"triton": triton.__version__, "target": "sm_90", "against": against, "rows": rows}
-
-
 HOPPER_FUSED_FORWARD_CASES = [(d, causal, bm, bn, stages) for d in (64, 128) for causal in (False, True)
                               for bm, bn, stages in ((64, 64, 2), (64, 32, 4))]
-
-
-def hopper_fused_forward_table() -> dict:
-    """:data:`HOPPER_FUSED_FORWARD_CASES` compiled from this checkout's package (v17's tiles and the 32-key ones)."""
-    import streamkl
-
-    rows = []
-    for d, causal, block_m, block_n, stages in HOPPER_FUSED_FORWARD_CASES:
-        row = dict(d=d, causal=causal, block_m=block_m, block_n=block_n, stages=stages,
-                   **hopper_fused_forward_resources(streamkl, d, causal, block_m, block_n, stages))
-        print(row, flush=True)
-        rows.append(row)
-    return {"triton": triton.__version__, "target": "sm_90", "rows": rows}
-
-
-#: (d, causal, consumers): the training forward with two and with three consumer warpgroups, v17's tiles
-HOPPER_CONSUMERS_CASES = [(64, causal, consumers) for causal in (False, True) for consumers in (2, 3)]
-
-
-def hopper_consumers_table() -> dict:
-    """:data:`HOPPER_CONSUMERS_CASES` compiled from this checkout's package
-    (``benchmarks/bench_three_consumers.py``)."""
-    import streamkl
-
-    rows = []
-    for d, causal, consumers in HOPPER_CONSUMERS_CASES:
-        row = dict(d=d, causal=causal, consumers=consumers,
-                   **hopper_fused_forward_resources(streamkl, d, causal, 64, 64, 2, consumers))
-        print(row, flush=True)
-        rows.append(row)
-    return {"triton": triton.__version__, "target": "sm_90", "rows": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hopper-key-pass", action="store_true", help="the one-warpgroup Gluon key pass's tiles")
-    parser.add_argument("--against", help="with --hopper-key-pass: also a copy of an earlier kernels/streamkl")
-    parser.add_argument("--out", help="with --hopper-key-pass: directory for its JSON, "
-                        "kernel-resources-hopper-key-pass<tag>.json")
-    parser.add_argument("--tag", default="", help="with --hopper-key-pass --out: a suffix of the file's name")
-    parser.add_argument("--hopper-fused-forward", action="store_true",
-                        help="the warp-specialised Gluon fused forward's tiles (with --out: its JSON, "
-                        "kernel-resources-hopper-fused-forward.json)")
-    parser.add_argument("--hopper-consumers", action="store_true",
-                        help="the Gluon fused forward with two and three consumer warpgroups (with --out: its JSON, "
-                        "kernel-resources-hopper-consumers.json)")
+    parser.add_argument("--hopper-fused-forward", action="store_true", help="the Gluon training forward's tiles")
     parser.add_argument("--sweep-forward", action="store_true")
     parser.add_argument("--sweep-backward", action="store_true")
     parser.add_argument("--fused-dq", action="store_true", help="with --sweep-forward: the forward that also "
                         "accumulates side b's query gradient")
     args = parser.parse_args()
     if args.hopper_key_pass:
-        data = hopper_key_pass_table(args.against)
-        if args.out:
-            from bench_attention_kl import write_json
-
-            write_json(os.path.join(args.out, f"kernel-resources-hopper-key-pass{args.tag}.json"), data)
+        for d, causal, block_m, stages in HOPPER_KEY_PASS_CASES:
+            print(dict(d=d, causal=causal, block_m=block_m, stages=stages,
+                       **hopper_key_pass_resources(d, causal, block_m, stages)), flush=True)
         return
     if args.hopper_fused_forward:
-        data = hopper_fused_forward_table()
-        if args.out:
-            from bench_attention_kl import write_json
-
-            write_json(os.path.join(args.out, "kernel-resources-hopper-fused-forward.json"), data)
-        return
-    if args.hopper_consumers:
-        data = hopper_consumers_table()
-        if args.out:
-            from bench_attention_kl import write_json
-
-            write_json(os.path.join(args.out, "kernel-resources-hopper-consumers.json"), data)
+        for d, causal, block_m, block_n, stages in HOPPER_FUSED_FORWARD_CASES:
+            print(dict(d=d, causal=causal, block_m=block_m, block_n=block_n, stages=stages,
+                       **hopper_fused_forward_resources(d, causal, block_m, block_n, stages)), flush=True)
         return
     if args.sweep_forward:
         for d in (64, 128):

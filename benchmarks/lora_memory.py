@@ -28,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "lora_self_distillation_cpu.json"
 DOC = ROOT / "docs" / "guides" / "recipes.md"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import write_blocks  # noqa: E402
+
 MODES = ("frozen_copy", "adapters_off")
 MODEL = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
          "intermediate_size": 1376, "vocab_size": 8000}
@@ -131,10 +134,7 @@ def markdown(results: dict) -> str:
 
 
 def update_docs(results: dict, doc: Path = DOC) -> None:
-    start, end = "<!-- lora:memory:start -->", "<!-- lora:memory:end -->"
-    text = doc.read_text()
-    block = f"{start}\n{markdown(results)}\n{end}"
-    doc.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+    write_blocks(str(doc), {"lora:memory": markdown(results)})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,8 +19,7 @@ the same tiny calls on CPU tensors: the kernels' compiled launchers are replaced
 driver, so validation, autograd, the launch plans and Triton's own launch path all run, the GPU work does not::
 
     PYTHONPATH=kernels:. python benchmarks/overhead.py --out benchmarks/results   # GPU, < 4 minutes
-    git archive 3aeb7b1 kernels/streamkl | tar -x -C /tmp && mv /tmp/kernels/streamkl /tmp/streamkl_v8
-    PYTHONPATH=kernels:. python benchmarks/overhead.py --against /tmp/streamkl_v8 --tag=-v9 --out benchmarks/results
+    PYTHONPATH=kernels:. python benchmarks/ab.py <rev> --bench overhead --rounds 15  # against another revision
     PYTHONPATH=kernels:. python benchmarks/overhead.py --cpu-stub [--profile]      # no GPU needed
 """
 
@@ -33,10 +32,7 @@ import json
 import os
 import platform
 import pstats
-import re
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -44,25 +40,11 @@ import torch.nn.functional as F
 from streamkl import attention_kl
 from streamkl.naive import naive_attention_kl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # report.py, beside this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import do_bench_ms, gpu_tag, per_call_us, write_json
 
 TINY = dict(b=1, h=4, n=128, d=64, causal=True)
 BERT = dict(b=8, h=12, n=512, d=64, causal=False)
-
-
-def per_call_us(fn, n: int, sync=lambda: None, repeats: int = 5) -> float:
-    """Best of ``repeats`` averages over ``n`` back-to-back calls, in µs (synchronised before and after)."""
-    for _ in range(20):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
 
 
 def tiny_inputs(device: str):
@@ -181,60 +163,25 @@ def host_breakdown(sync) -> dict:
     return {name: per_call_us(fn, 300, sync) for name, fn in pieces.items()}
 
 
-def paired_against(baseline, rounds: int = 15) -> dict:
-    """This version against ``baseline`` (an earlier copy of the package, :func:`report.load_package`) in alternating
-    rounds: host µs per tiny forward+backward and the BERT-sized eager forward+backward (ms, ``do_bench`` median,
-    SDPA's in the same round), with the per-round ratios and an exact sign test (host speed drifts within a run and
-    differs between machines, so only paired, same-run comparisons are reported)."""
-    from report import sign_test_p
-    from triton.testing import do_bench
+def ab_cases(device: str = "cuda", quick: bool = True) -> dict:
+    """For ``benchmarks/ab.py``: the tiny forward+backward (host-bound) and the BERT-sized one, each a function of a
+    ``streamkl`` package returning the call."""
+    backend = {"backend": "triton"} if device != "cpu" else {}
 
-    sync = torch.cuda.synchronize
-    tiny = tiny_inputs("cuda")
-    s = BERT
-    shape = (s["b"], s["h"], s["n"], s["d"])
-    q_t, k_t = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    q_s, k_s, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    ops = {"new": attention_kl, "base": baseline.attention_kl}
+    def tiny(pkg):
+        inputs = tiny_inputs(device)
+        return lambda: pkg.attention_kl(*inputs, causal=True, **backend).backward()
 
-    def tiny_call(op):
-        return lambda: op(*tiny, causal=True, backend="triton").backward()
+    def bert(pkg):
+        s = BERT if device != "cpu" else {**BERT, "b": 1, "h": 2, "n": 64}
+        q_t, k_t, q_s, k_s = (torch.randn(s["b"], s["h"], s["n"], s["d"], device=device, dtype=torch.bfloat16)
+                              for _ in range(4))
+        q_s.requires_grad_(True)
+        k_s.requires_grad_(True)
+        return lambda: torch.autograd.grad(pkg.attention_kl(q_t, k_t, q_s, k_s, causal=s["causal"], **backend),
+                                           (q_s, k_s))
 
-    def bert_ms(loss_fn) -> float:
-        return float(do_bench(lambda: torch.autograd.grad(loss_fn(), (q_s, k_s)), warmup=10, rep=60,
-                              return_mode="median"))
-
-    def bert_loss(op):
-        return lambda: op(q_t, k_t, q_s, k_s, causal=s["causal"])
-
-    per_round = []
-    for r in range(rounds):
-        names = ("new", "base") if r % 2 == 0 else ("base", "new")
-        row = {}
-        for name in names:
-            row[f"tiny_fwd_bwd_us_{name}"] = per_call_us(tiny_call(ops[name]), 200, sync, repeats=3)
-        for name in names:
-            row[f"bert_fwd_bwd_ms_{name}"] = bert_ms(bert_loss(ops[name]))
-        row["bert_fwd_bwd_ms_sdpa"] = bert_ms(
-            lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]).sum())
-        per_round.append(row)
-
-    def summary(key: str) -> dict:
-        new = [row[f"{key}_new"] for row in per_round]
-        base = [row[f"{key}_base"] for row in per_round]
-        faster = sum(n < b for n, b in zip(new, base))
-        return {"median_new": statistics.median(new), "median_base": statistics.median(base),
-                "median_ratio_base_over_new": statistics.median(b / n for n, b in zip(new, base)),
-                "rounds": len(new), "rounds_new_faster": faster, "sign_test_p": sign_test_p(faster, len(new))}
-
-    sdpa = [row["bert_fwd_bwd_ms_sdpa"] for row in per_round]
-    bert = summary("bert_fwd_bwd_ms")
-    bert["median_sdpa"] = statistics.median(sdpa)
-    bert["median_new_over_sdpa"] = statistics.median(row["bert_fwd_bwd_ms_new"] / row["bert_fwd_bwd_ms_sdpa"]
-                                                     for row in per_round)
-    bert["median_base_over_sdpa"] = statistics.median(row["bert_fwd_bwd_ms_base"] / row["bert_fwd_bwd_ms_sdpa"]
-                                                      for row in per_round)
-    return {"tiny_fwd_bwd_us": summary("tiny_fwd_bwd_us"), "bert_fwd_bwd_ms": bert, "per_round": per_round}
+    return {"tiny fwd+bwd (B1 H4 N128 causal)": tiny, "BERT-sized fwd+bwd (B8 H12 N512)": bert}
 
 
 def torch_profile_table(fn, n: int, sync) -> str:
@@ -252,8 +199,6 @@ def torch_profile_table(fn, n: int, sync) -> str:
 
 
 def bert_wall_times() -> dict:
-    from triton.testing import do_bench
-
     s = BERT
     shape = (s["b"], s["h"], s["n"], s["d"])
     q_t, k_t = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -264,7 +209,7 @@ def bert_wall_times() -> dict:
         def fb():
             torch.autograd.grad(loss_fn(), targets)
 
-        return float(do_bench(fb, warmup=25, rep=200, return_mode="median"))
+        return do_bench_ms(fb)
 
     naive = torch.compile(lambda *x: naive_attention_kl(*x, causal=s["causal"], compute_dtype=torch.float32),
                           dynamic=False)
@@ -300,8 +245,6 @@ def bert_wall_times() -> dict:
 def graphed_ms(loss_fn, targets) -> float:
     """``do_bench`` median (ms) of replaying a CUDA graph of ``autograd.grad(loss_fn(), targets)`` (warmed up on a
     side stream first, so that compilation and the allocator's first allocations stay outside the capture)."""
-    from triton.testing import do_bench
-
     def step():
         return torch.autograd.grad(loss_fn(), targets)
 
@@ -314,7 +257,7 @@ def graphed_ms(loss_fn, targets) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return float(do_bench(graph.replay, warmup=25, rep=200, return_mode="median"))
+    return do_bench_ms(graph.replay)
 
 
 # -------------------------------------------------------------------------------------------- CPU stub run
@@ -382,20 +325,11 @@ def measure_cpu_stub(profile: bool) -> dict:
     return result
 
 
-def device_slug() -> str:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu-stub-{platform.machine()}"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="directory for <device>-overhead.json")
     parser.add_argument("--cpu-stub", action="store_true", help="no GPU: Python-side cost with stubbed launches")
     parser.add_argument("--profile", action="store_true", help="also print the top cProfile entries")
-    parser.add_argument("--against", metavar="DIR",
-                        help="also compare, in alternating rounds, with the package in DIR (a copy of an earlier "
-                             "kernels/streamkl)")
-    parser.add_argument("--tag", default="", help="suffix of the result file: <device>-overhead<tag>.json")
     args = parser.parse_args(argv)
     if args.cpu_stub:
         result = measure_cpu_stub(args.profile)
@@ -403,11 +337,6 @@ def main(argv: list[str] | None = None) -> None:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run with --cpu-stub for the Python-side cost")
         result = measure_gpu(profile=True)
-        if args.against:
-            from report import load_package
-
-            baseline = load_package(args.against, "streamkl_base")
-            result["against"] = {"baseline": os.path.normpath(args.against), **paired_against(baseline)}
     import triton
 
     result["env"] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_stub
@@ -420,12 +349,9 @@ def main(argv: list[str] | None = None) -> None:
         print(result.get("profile_fwd_bwd", ""))
         print(result.get("torch_profile_fwd_bwd", ""))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        slug = "cpu-stub" if args.cpu_stub else device_slug()
-        path = os.path.join(args.out, f"{slug}-overhead{args.tag}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        tag = "cpu-stub" if args.cpu_stub else gpu_tag(result["env"]["device"])
+        path = os.path.join(args.out, f"{tag}-overhead.json")
+        write_json(path, result)
         print(f"wrote {path}")
 
 

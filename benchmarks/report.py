@@ -1,13 +1,10 @@
 """Turn benchmark results into docs: ``benchmarks/results/<gpu>.json`` (``bench_attention_kl.py``) into
-docs/benchmarks.md and PNG plots, and ``benchmarks/results/<gpu>-tuning.json`` (``tune_kernels.py``) into the tables
-between the ``tuning`` markers of docs/perf-notes.md.
+docs/benchmarks.md and PNG plots, and the H100 grid and tile sweep (``tune_kernels.py``) into the generated blocks of
+the kernel design page, docs/concepts/kernels.md (bounds, headline, tiles).
 
     python benchmarks/report.py                                   # every results file -> docs/
     python benchmarks/report.py benchmarks/results/nvidia-h100-80gb-hbm3.json
     python benchmarks/report.py --no-plots                        # the markdown only
-
-The bounds and tuning tables of docs/perf-notes.md always come from ``PERF_NOTES_GRID`` and ``PERF_NOTES_TUNING``, its
-remaining-gap table from ``PERF_NOTES_TRAINING`` and that grid's ceilings.
 
 Runs on any machine (no GPU needed). Every ratio in the tables compares numbers measured in the same run. Other
 JSON files under results/ (the ablation and continual results, ...) are not benchmark grids and are skipped.
@@ -18,29 +15,20 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
-import re
-import statistics
 import sys
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
+from common import RESULTS, write_blocks  # noqa: E402
+
 DOCS = os.path.normpath(os.path.join(HERE, "..", "docs"))
 IMG = os.path.join(DOCS, "img")
-PERF_NOTES = os.path.join(DOCS, "perf-notes.md")
-#: the runs whose tables docs/perf-notes.md shows (its prose quotes the same files: benchmarks/figures.py); named, not
-#: the last grid and tuning file found, so a run of another card never rewrites the H100 notes
-#: The grid as v3 to v15 measured and merged it: its ceilings are the ones every bound in docs/perf-notes.md was
-#: computed with (the full grid of v17 replaced benchmarks/results/<gpu>.json; docs/benchmarks.md renders that).
-PERF_NOTES_GRID = os.path.join(RESULTS, "runs", "nvidia-h100-80gb-hbm3-grid-v3-to-v15.json")
-PERF_NOTES_TUNING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-tuning.json")
-#: The full grid of v17's kernels, which the "grid re-measured" section of docs/perf-notes.md sets against the grid
-#: as it was published before (``PERF_NOTES_GRID``, whose long-context rows were older kernels').
-PERF_NOTES_CURRENT_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
-#: the training call whose distance to its bounds the "remaining gap" section of docs/perf-notes.md renders (v12's run)
-PERF_NOTES_TRAINING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-peeled-key-pass.json")
+DESIGN_PAGE = os.path.join(DOCS, "concepts", "kernels.md")
+#: the runs the design page renders: named, not the last grid found, so a run of another card never rewrites it
+DESIGN_GRID = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3.json")
+DESIGN_TUNING = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-tuning.json")
 
 
 def is_grid(raw) -> bool:
@@ -126,28 +114,9 @@ def headline(meta, t) -> list[str]:
     return lines
 
 
-#: The most a ratio to cuDNN moved between two runs of the same code (the training calls of the paired runs of v13's
-#: and v14's code, docs/perf-notes.md v14 and v15; tests/test_benchmarks.py checks it against those files): a ratio
-#: target measured closer than this to its goal is not settled by one run.
+#: How far the same code's ratio to cuDNN moved between two paired runs on the H100 (up to 7.6% over the training-call
+#: shapes): a ratio target measured closer than this to its goal is not settled by one run.
 RUN_SPREAD = 0.08
-
-
-def same_code_movements() -> dict[str, float]:
-    """How far the same code's training-call ratio to cuDNN moved between two committed paired runs: v13's code in
-    v13's and v14's runs, v14's code in v14's and v15's, per shape (relative change, ``"v13 N8192-D64": 0.031``)."""
-    def rows(name):
-        with open(os.path.join(RESULTS, f"nvidia-h100-80gb-hbm3-{name}.json")) as f:
-            return {r["shape"]["name"]: r for r in json.load(f)["rows"]}
-
-    def ratio(row, label):
-        return statistics.median(row["ms"][f"training call {label}"]) / row["cudnn_fwd_bwd_ms"]
-
-    out = {}
-    for code, (first, second) in (("v13", ("ws-key-pass", "peeled-key-pass")), ("v14", ("peeled-key-pass", "bf16-dq"))):
-        a, b = rows(first), rows(second)
-        for shape in a.keys() & b.keys():
-            out[f"{code} {shape}"] = abs(ratio(a[shape], "new") / ratio(b[shape], "previous") - 1)
-    return out
 
 
 def target_status(measured: float, goal: float, ok: bool) -> str:
@@ -206,8 +175,7 @@ def targets(meta, t) -> list[str]:
             pr < 16 * 64)
     return ["| target | measured | goal | |", "|---|---|---|---|", *rows, "",
             f"A ratio within {RUN_SPREAD:.0%} of its goal is marked as within the run-to-run spread: the same code's "
-            f"ratio to cuDNN moved by up to that much between two runs (docs/perf-notes.md v15), so one run does not "
-            f"settle it."]
+            f"ratio to cuDNN moved by up to that much between two paired runs, so one run does not settle it."]
 
 
 def grid(meta, t) -> list[str]:
@@ -365,10 +333,10 @@ def render(paths: list[str]) -> str:
            "`streamkl.naive`, eager and under `torch.compile`. \"bwd\" is the student backward (dQ_s, dK_s) with the "
            "graph retained; the default backward is the deterministic two-pass one, \"atomic bwd\" the one-pass "
            "backward with fp32 atomic dQ (`deterministic=False`). A frozen teacher's forward, run with grad, also "
-           "accumulates dQ_s (since v6), so in the rows measured since then (all of them since the full grid of "
-           "v17) \"bwd\" is only the key pass and a scaling, while \"fwd\" (timed without grad, as a metric runs "
-           "it) is the plain forward: compare fwd+bwd. Bounds use the exp2 and bf16-matmul rates measured "
-           "in the same run. See docs/perf-notes.md for what each kernel version changed.", ""]
+           "accumulates dQ_s, so \"bwd\" is only the key pass and a scaling, while \"fwd\" (timed without grad, "
+           "as a metric runs it) is the plain forward: compare fwd+bwd. Bounds use the exp2 and bf16-matmul rates "
+           "measured in the same run. What each kernel does and which one runs where: "
+           "[the kernels](concepts/kernels.md).", ""]
     for path in paths:
         meta, t = load(path)
         tag = os.path.splitext(os.path.basename(path))[0]
@@ -389,19 +357,19 @@ def render(paths: list[str]) -> str:
     return "\n".join(doc) + "\n"
 
 
-# ------------------------------------------------------------------------------------ bounds -> perf notes
+# ------------------------------------------------------------------------------------ the design page's blocks
 #: (name, QK^T-sized products, exponentials) per score element of each pass
 PASSES = (("forward", 2, 2), ("backward, one pass (atomic dQ), student only", 4, 2),
-          ("backward, two passes (default without v6: trainable teacher, reverse KL), student only", 6, 4),
-          ("forward accumulating dQ_s (v6, frozen teacher, with grad)", 4, 2),
-          ("backward after it: the key pass, student only", 3, 2))
+          ("backward, two passes (trainable teacher, reverse KL), student only", 6, 4),
+          ("training forward: forward accumulating dQ_s (frozen teacher, with grad)", 4, 2),
+          ("training backward: the key pass, student only", 3, 2))
 
 
 def bounds_table(meta: dict, h: int = 16, n: int = 8192) -> str:
     """The exp-bound and matmul-bound times of each pass at B=1, ``h`` heads, N=``n``, from the run's ceilings."""
     c = meta["ceilings"]
     e = h * n * n
-    lines = [f"Ceilings measured in the run ({meta['device']}): exp2 {c['exp2_per_s']:.3e}/s, bf16 matmul "
+    lines = [f"Ceilings measured in the grid's run ({meta['device']}): exp2 {c['exp2_per_s']:.3e}/s, bf16 matmul "
              f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s. B=1, H={h}, N={n}, non-causal; ms.", "",
              "| pass | work per score element | exp bound | matmul bound, D=64 | matmul bound, D=128 | bound, D=64 "
              "| bound, D=128 |", "|---|---|---|---|---|---|---|"]
@@ -414,64 +382,43 @@ def bounds_table(meta: dict, h: int = 16, n: int = 8192) -> str:
     return "\n".join(lines)
 
 
-#: (QKᵀ-sized products, exp2) per score element: the frozen-teacher training call (the fused forward, 4 and 2, then
-#: the key pass, 3 and 2) and attention's forward+backward (forward 2 and 1, backward 5 and 1, as in FA2 and cuDNN)
-TRAINING_CALL_WORK, ATTENTION_WORK = (7, 4), (7, 2)
-#: issue 14's long-context target: the training call within this many times cuDNN attention's forward+backward
-TRAINING_TARGET = 1.15
+def summary(meta, t) -> str:
+    """The headline paragraph of README.md and the home page (H=16, D=64, N=8192, non-causal; memory: causal)."""
+    r = t[plain(16, 64, False, 8192)]
+    f, fb, nfb, nc = (r[f"{p}/{m}"] for p, m in (("streamkl", "fwd"), ("streamkl", "fwd+bwd"),
+                                                 ("naive-eager", "fwd+bwd"), ("naive-compile", "fwd+bwd")))
+    mem = {k[3]: v for k, v in t.items() if k[:3] == (16, 64, True) and "naive-eager/mem" in v}
+    oom = min(n for n, v in mem.items() if v["naive-eager/mem"] == "OOM")
+    big = t.get((32, 128, True, 131072, "bfloat16", None, None, False), {}).get("streamkl/mem")
+    per_row = mem[131072]["streamkl/mem"] / (16 * 131072)
+    return (f"On one {meta['device']} (bf16, B=1, H=16, N=8192, D=64), the fused forward+backward takes {fb:.1f} ms "
+            f"where the materialised loss takes {nfb:.0f} ms eagerly ({nfb / fb:.0f}×) and {nc:.0f} ms under "
+            f"`torch.compile`. One forward+backward of the materialised loss peaked at "
+            f"{mem[8192]['naive-eager/mem'] / 2**30:.1f} GiB (causal) and ran out of memory from N={oom}; the fused "
+            f"op needs {per_row:.0f} bytes per query row and head instead of two N×N maps, and N=131072 with 32 heads "
+            f"of 128 dims {'trains' if isinstance(big, int) else 'does not fit'} on the same card. Against a "
+            f"FlashAttention-class *attention* on the same shapes (which computes one softmax where the KL computes "
+            f"two), the forward is {f / r['sdpa-flash/fwd']:.1f}× the FA2 forward and {f / r['sdpa-default/fwd']:.1f}× "
+            f"cuDNN's, the forward+backward {fb / r['sdpa-default/fwd+bwd']:.1f}× cuDNN's.")
 
 
-def work_bounds(shape: dict, ceilings: dict, work: tuple[int, int]) -> tuple[float, float]:
-    """``(max, sum)`` of the exponential time and the tensor-core time (ms) of ``work`` per score element on
-    ``shape`` (a results row's shape: b, h, n, d, causal) at the run's ceilings: the time with perfect overlap of the
-    two units, and without any.
-
-    Example:
-        >>> shape = dict(b=1, h=1, n=1000, d=64, causal=False)
-        >>> work_bounds(shape, {"exp2_per_s": 1e12, "bf16_matmul_flops": 1e14}, (1, 1))
-        (0.00128, 0.00228)
-    """
-    e = shape["b"] * shape["h"] * shape["n"] * shape["n"]
-    if shape["causal"]:
-        e = e * (shape["n"] + 1) / (2 * shape["n"])
-    products, exps = work
-    mm = products * 2 * shape["d"] * e / ceilings["bf16_matmul_flops"] * 1e3
-    ex = exps * e / ceilings["exp2_per_s"] * 1e3
-    return max(mm, ex), mm + ex
+def readme_blocks(grid_path: str = DESIGN_GRID) -> dict[str, dict[str, str]]:
+    """The headline paragraph, on README.md and the home page."""
+    text = summary(*load(grid_path))
+    return {"README.md": {"grid:summary": text}, "docs/index.md": {"grid:summary": text}}
 
 
-def training_gap_rows(ceilings: dict, training: dict) -> list[dict]:
-    """Per long-context shape of ``training`` (bench_lazy_frames.py's results): the training call's median time (the
-    new version) and cuDNN attention's forward+backward, each with its bounds (:func:`work_bounds`), and the time the
-    issue's target (1.15× cuDNN's) allows."""
-    import statistics
-
-    rows = []
-    for r in training["rows"]:
-        if r["shape"]["n"] < 4096:
-            continue
-        ms = statistics.median(r["ms"]["training call new"])
-        rows.append(dict(name=r["shape"]["name"], ms=ms, bound=work_bounds(r["shape"], ceilings, TRAINING_CALL_WORK),
-                         cudnn=r["cudnn_fwd_bwd_ms"], cudnn_bound=work_bounds(r["shape"], ceilings, ATTENTION_WORK),
-                         target=TRAINING_TARGET * r["cudnn_fwd_bwd_ms"]))
-    return rows
+def design_blocks(grid_path: str = DESIGN_GRID, tuning_path: str = DESIGN_TUNING) -> dict[str, str]:
+    """The generated blocks of docs/concepts/kernels.md: the bounds from the grid's ceilings, the grid's headline rows
+    and the fastest tiles of the sweep."""
+    meta, t = load(grid_path)
+    with open(tuning_path) as f:
+        tuning = json.load(f)
+    return {"kernels:bounds": bounds_table(meta), "kernels:headline": "\n".join(headline(meta, t)),
+            "kernels:tiles": tuning_best(tuning)}
 
 
-def training_gap_table(ceilings: dict, training: dict) -> str:
-    """The "remaining gap" table of docs/perf-notes.md (see :func:`training_gap_rows`)."""
-    lines = ["| shape | training call ms | its bound ms, overlap / none | % of overlap / none | cuDNN fwd+bwd ms | "
-             f"its bound ms, overlap / none | % of overlap / none | target ms ({TRAINING_TARGET}× cuDNN) | "
-             "% of the call's bound, overlap / none |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in training_gap_rows(ceilings, training):
-        (b_max, b_sum), (c_max, c_sum) = r["bound"], r["cudnn_bound"]
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {b_max:.3f} / {b_sum:.3f} | {100 * b_max / r['ms']:.0f}% / "
-                     f"{100 * b_sum / r['ms']:.0f}% | {r['cudnn']:.3f} | {c_max:.3f} / {c_sum:.3f} | "
-                     f"{100 * c_max / r['cudnn']:.0f}% / {100 * c_sum / r['cudnn']:.0f}% | {r['target']:.3f} | "
-                     f"{100 * b_max / r['target']:.0f}% / {100 * b_sum / r['target']:.0f}% |")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------ tuning -> perf notes
+# ------------------------------------------------------------------------------------------------ tuning
 _KERNELS = {
     "fwd": "forward",
     "bwd-atomic": "backward, one pass, atomic dQ (`deterministic=False`)",
@@ -489,8 +436,7 @@ def tuning_best(tuning: dict) -> str:
     """The fastest tile of every kernel and head dim, non-causal and causal (ms for the whole op's pass)."""
     s = tuning["shape"]
     lines = [f"{tuning['device']}, B={s['B']}, H={s['H']}, N={s['N']}, {s['dtype']}; `do_bench` medians in ms of "
-             "the whole forward, or of the whole backward while one of its kernels' tiles is swept. Generated by "
-             "`python benchmarks/report.py` from `benchmarks/results/*-tuning.json` (do not edit by hand).", "",
+             "the whole forward, or of the whole backward while one of its kernels' tiles is swept.", "",
              "| D | kernel | fastest tile, non-causal | ms | fastest tile, causal | ms |", "|---|---|---|---|---|---|"]
     for d in sorted({int(k.split("/D")[1].split("/")[0]) for k in tuning if "/D" in k}):
         for kernel, label in _KERNELS.items():
@@ -503,103 +449,21 @@ def tuning_best(tuning: dict) -> str:
     return "\n".join(lines)
 
 
-def tuning_pipeline(tuning: dict) -> str:
-    """Software-pipelined forward against the same tile without pipelining (non-causal)."""
-    lines = ["| D | tile | plain ms | pipelined ms | pipelined / plain |", "|---|---|---|---|---|"]
-    for key in sorted((k for k in tuning if k.startswith("fwd/D") and not k.endswith("/best")),
-                      key=lambda k: int(k.split("/D")[1])):
-        d = int(key.split("/D")[1])
-        rows = [r for r in tuning[key] if not r["causal"] and isinstance(r["ms"], float)]
-        plain = {tuple(v for k, v in r["config"].items() if k != "pipeline"): r["ms"] for r in rows
-                 if not r["config"].get("pipeline")}
-        for r in rows:
-            cfg = r["config"]
-            base = plain.get(tuple(v for k, v in cfg.items() if k != "pipeline"))
-            if cfg.get("pipeline") and base is not None:
-                lines.append(f"| {d} | {_tile({**cfg, 'pipeline': False})} | {base:.3f} | {r['ms']:.3f} | "
-                             f"{r['ms'] / base:.2f}× |")
-    return "\n".join(lines)
-
-
-TUNING_BLOCKS = {"tuning:best": tuning_best, "tuning:pipeline": tuning_pipeline}
-
-
-def replace_block(text: str, name: str, body: str) -> str:
-    """Replace what lies between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``text`` by ``body``."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    if start not in text or end not in text:
-        raise ValueError(f"the markers {start} ... {end} are missing")
-    return re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
-
-
-def write_blocks(path: str, blocks: dict[str, str]) -> None:
-    """Rewrite the file at ``path`` with each ``name -> body`` of ``blocks`` between its markers
-    (:func:`replace_block`)."""
-    with open(path) as f:
-        text = f.read()
-    for name, body in blocks.items():
-        text = replace_block(text, name, body)
-    with open(path, "w") as f:
-        f.write(text)
-
-
-#: The long-context rows the "grid re-measured" table shows: N = 8192 (the issue's shapes) and up.
-REFRESH_NS = (8192, 16384, 32768)
-
-
-def cudnn_ratios(row: dict) -> tuple:
-    """(forward, forward+backward) of streamkl over cuDNN attention's in one grid row (None where either is
-    missing)."""
-    def ratio(mode: str):
-        a, b = row.get(f"streamkl/{mode}"), row.get(f"sdpa-default/{mode}")
-        ok = isinstance(a, (int, float)) and isinstance(b, (int, float))
-        return a / b if ok else None
-    return ratio("fwd"), ratio("fwd+bwd")
-
-
-def grid_refresh_table(before_path: str, after_path: str) -> str:
-    """The long-context rows' ratios to cuDNN attention as the grid at ``before_path`` published them and as the
-    full re-measured grid at ``after_path`` has them (not paired: two runs, and the earlier rows came from several)."""
-    before, after = load(before_path)[1], load(after_path)[1]
-    lines = ["| H | D | causal | N | fwd / cuDNN fwd, before → now | fwd+bwd / cuDNN fwd+bwd, before → now |",
-             "|---|---|---|---|---|---|"]
-    fmt = lambda v: "–" if v is None else f"{v:.2f}×"
-    for h in (16, 32):
-        for d in (64, 128):
-            for causal in (False, True):
-                for n in REFRESH_NS:
-                    (f0, fb0), (f1, fb1) = (cudnn_ratios(g.get(plain(h, d, causal, n), {})) for g in (before, after))
-                    lines.append(f"| {h} | {d} | {causal} | {n} | {fmt(f0)} → {fmt(f1)} | {fmt(fb0)} → {fmt(fb1)} |")
-    return "\n".join(lines)
-
-
-def perf_notes(text: str, grid_path: str, tuning_path: str, training_path: str | None = None,
-               current_grid_path: str | None = None) -> str:
-    """``text`` (docs/perf-notes.md) with its bounds table rendered from ``grid_path``, its tuning tables from
-    ``tuning_path``, given ``training_path`` its remaining-gap table from that training-call run and the grid's
-    ceilings, and given ``current_grid_path`` the table of the grid re-measured against ``grid_path``."""
-    meta = load(grid_path)[0]
-    text = replace_block(text, "bounds", bounds_table(meta))
-    if current_grid_path is not None:
-        text = replace_block(text, "grid-refresh", grid_refresh_table(grid_path, current_grid_path))
-    if training_path is not None:
-        with open(training_path) as f:
-            text = replace_block(text, "gap", training_gap_table(meta["ceilings"], json.load(f)))
-    with open(tuning_path) as f:
-        tuning = json.load(f)
-    for name, table in TUNING_BLOCKS.items():
-        text = replace_block(text, name, table(tuning))
-    return text
-
-
 def render_real_teacher(result: dict) -> str:
     """The real-teacher section (see ``bench_real_teacher.render_markdown``)."""
-    import sys
-
-    sys.path.insert(0, HERE)
     from bench_real_teacher import render_markdown
 
     return render_markdown(result)
+
+
+def page(paths: list[str] | None = None) -> str:
+    """The whole of docs/benchmarks.md: the grids at ``paths`` (default: every one under results/), then the
+    real-teacher runs."""
+    text = render(paths or find_results(is_grid))
+    for path in find_results(is_real_teacher):
+        with open(path) as f:
+            text += "\n" + render_real_teacher(json.load(f))
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -612,103 +476,12 @@ def main(argv: list[str] | None = None) -> None:
         for path in paths:
             meta, t = load(path)
             plots(meta, t, os.path.splitext(os.path.basename(path))[0])
-    page = render(paths)
-    for path in find_results(is_real_teacher):
-        with open(path) as f:
-            page += "\n" + render_real_teacher(json.load(f))
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
-        f.write(page)
+        f.write(page(paths))
     print("wrote docs/benchmarks.md")
-    if os.path.exists(PERF_NOTES_GRID) and os.path.exists(PERF_NOTES_TUNING):
-        with open(PERF_NOTES) as f:
-            text = perf_notes(f.read(), PERF_NOTES_GRID, PERF_NOTES_TUNING, PERF_NOTES_TRAINING,
-                              PERF_NOTES_CURRENT_GRID)
-        with open(PERF_NOTES, "w") as f:
-            f.write(text)
-        print("wrote the bounds, tuning, remaining-gap and grid-refresh tables of docs/perf-notes.md")
-
-
-def render_results(doc: str, blocks, path: str, tuning_path: str | None = None) -> None:
-    """Write ``blocks(data, tuning)`` (name -> markdown) into ``doc``: ``data`` read from the results file ``path``,
-    ``tuning`` from ``tuning_path`` (the sweep's run; read once when it is ``path`` itself or None).
-
-    Example (not run: it writes a page)::
-
-        render_results("docs/perf-notes.md", bench_hopper.blocks, bench_hopper.H100_RESULT, bench_hopper.H100_TUNING)
-    """
-    with open(path) as f:
-        data = json.load(f)
-    tuning = data
-    if tuning_path is not None and os.path.abspath(tuning_path) != os.path.abspath(path):
-        with open(tuning_path) as f:
-            tuning = json.load(f)
-    write_blocks(doc, blocks(data, tuning))
-
-
-def paired_run_main(argv, description: str, run, blocks, result_name: str, h100_result: str,
-                    doc: str = PERF_NOTES, extra: tuple[str, str] | None = None) -> None:
-    """The command line of a script that measures this version against a copy of an earlier one and renders its
-    tables into ``doc``: ``--against DIR`` runs ``run(DIR)`` and writes ``<out>/<gpu>-<result_name>`` (default
-    ``benchmarks/results``); ``--render [FILE]`` writes ``blocks`` of ``FILE`` (default ``h100_result``) into ``doc``.
-    ``extra``: ``(option, help)`` of one more, optional package copy, passed to ``run`` as its second argument (None
-    when not given).
-
-    Example (not run: it measures on a GPU)::
-
-        paired_run_main(None, __doc__, run, blocks, "bf16-dq.json", H100_RESULT)
-    """
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", help="a copy of the previous version's kernels/streamkl")
-    parser.add_argument("--out", help=f"directory for <gpu>-{result_name}")
-    parser.add_argument("--render", nargs="?", const=h100_result,
-                        help=f"write the tables of a results file into docs/{os.path.basename(doc)}")
-    if extra:
-        parser.add_argument(extra[0], dest="extra", help=extra[1])
-    args = parser.parse_args(argv)
-    if args.render:
-        render_results(doc, blocks, args.render)
-        return
-    if not args.against:
-        parser.error("--against is required to measure (a copy of the previous version's kernels/streamkl)")
-    from bench_attention_kl import gpu_tag, write_json
-
-    data = run(args.against, args.extra) if extra else run(args.against)
-    out = os.path.join(args.out or RESULTS, f"{gpu_tag(data['device'])}-{result_name}")
-    write_json(out, data)
-    for table in blocks(data).values():
-        print(table)
-    print(f"wrote {out}")
-
-
-def load_package(path: str, name: str):
-    """Import the package at ``path`` (a copy of an earlier version of one of ours, whose imports are relative) as
-    ``name``, so that two versions run in one process on one machine for a paired comparison.
-
-    Example (not run: it needs a copy)::
-
-        base = load_package("/tmp/streamkl_v8", "streamkl_base")
-    """
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
-                                                  submodule_search_locations=[path])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def sign_test_p(successes: int, n: int) -> float:
-    """Two-sided exact sign test: the probability, with no difference (p = 1/2 per round), of a split at least as
-    uneven as ``successes`` of ``n``.
-
-    Example:
-        >>> round(sign_test_p(10, 10), 4), sign_test_p(5, 10)
-        (0.002, 1.0)
-    """
-    k = max(successes, n - successes)
-    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
+    if os.path.exists(DESIGN_PAGE):
+        write_blocks(DESIGN_PAGE, design_blocks())
+        print(f"wrote the generated blocks of {os.path.relpath(DESIGN_PAGE, os.path.dirname(DOCS))}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -46,11 +45,13 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from run import _quiet, mean_std  # noqa: E402
+from common import write_blocks  # noqa: E402
 from runs_file import append, fingerprint, load_runs, run_key, unique, wait_for  # noqa: E402
 from stats import compute as paired_compute  # noqa: E402
 from stats import markdown as paired_markdown  # noqa: E402
+from stats import mean_std, quiet  # noqa: E402
 from text_tasks import HELDOUT_MODULES, docstring_paragraphs, make_tasks  # noqa: E402
 
 CONFIG = os.path.join(HERE, "minilm_sequence.yaml")
@@ -184,7 +185,7 @@ def run_one(cfg: dict[str, Any], method: str, seed: int, order: int, options: di
 
     from lightning_streamkl import ContinualAttentionRegularizer
 
-    _quiet()
+    quiet()
     torch.set_num_threads(1)
     cpu, wall = time.process_time(), time.perf_counter()
     encoder, tokenizer = load_minilm()
@@ -453,15 +454,7 @@ BLOCKS = {"minilm-sequence:tuning": tuning_table, "minilm-sequence:results": res
 
 
 def update_docs(results: dict[str, Any], doc: str = DOC) -> None:
-    with open(doc) as f:
-        text = f.read()
-    for name, render in BLOCKS.items():
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        if start in text:
-            block = f"{start}\n{render(results)}\n{end}"
-            text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _, b=block: b, text, flags=re.S)
-    with open(doc, "w") as f:
-        f.write(text)
+    write_blocks(doc, {name: render(results) for name, render in BLOCKS.items()})
 
 
 def build(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -500,7 +493,7 @@ def memory(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_streamkl import ContinualAttentionRegularizer
 
-    _quiet()
+    quiet()
     torch.set_num_threads(1)
     encoder, tokenizer = load_minilm()
     data = make_tasks(0, 16, 2)["topic"][0]

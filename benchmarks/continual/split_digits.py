@@ -30,7 +30,6 @@ import copy
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -44,12 +43,14 @@ import yaml
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
+from common import write_blocks  # noqa: E402
 from digits import SplitLearner, TinyViT, split_tasks  # noqa: E402
-from run import _quiet, mean_std  # noqa: E402
 from runs_file import append, fingerprint, load_runs, run_key, unique, wait_for  # noqa: E402
 from stats import compute as paired_compute  # noqa: E402
 from stats import markdown as paired_markdown  # noqa: E402
+from stats import mean_std, p_text, quiet  # noqa: E402
 
 CONFIG = os.path.join(HERE, "split_digits.yaml")
 OUT = os.path.join(ROOT, "benchmarks", "results", "split_digits")
@@ -124,7 +125,7 @@ def run_one(cfg: dict[str, Any], setting: str, method: str, seed: int, order: in
 
     from lightning_streamkl import ContinualAttentionRegularizer
 
-    _quiet()
+    quiet()
     torch.set_num_threads(1)
     tasks = split_tasks(cfg["orders"][order], seed, test_fraction=cfg["test_fraction"],
                         validation=validation)[: cfg["tasks"]]
@@ -325,7 +326,7 @@ def stats_table(results: dict[str, Any]) -> str:
     """The paired tests (pairs: seed × order), with Holm's adjustment within each setting and metric."""
     stats = results["summary"]["stats"]
     body = paired_markdown(stats, metric_keys=("final_accuracy", "forgetting", "bwt"), names=METRICS,
-                           extra=("p, Holm", lambda e: _p(e["p_holm"])))
+                           extra=("p, Holm", lambda e: p_text(e["p_holm"])))
     first = body.split("\n", 1)[0]
     intro = (f"Paired by run (the same seed and class order: same data split, initialisation and batches) over "
              f"{len(stats['seeds'])} pairs of `benchmarks/results/split_digits/runs.jsonl`; differences in points "
@@ -334,12 +335,6 @@ def stats_table(results: dict[str, Any]) -> str:
              f"\"p, Holm\" adjusts the t-test's p for the {len(COMPARISONS)} comparisons of each setting and metric. "
              "Written by `python benchmarks/continual/split_digits.py report`.")
     return body.replace(first, intro, 1)
-
-
-def _p(p: float | None) -> str:
-    if p is None:
-        return "–"
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def tuning_table(results: dict[str, Any]) -> str:
@@ -376,15 +371,7 @@ BLOCKS = {
 
 
 def update_docs(results: dict[str, Any], doc: str = DOC) -> None:
-    with open(doc) as f:
-        text = f.read()
-    for name, render in BLOCKS.items():
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        if start in text:
-            block = f"{start}\n{render(results)}\n{end}"
-            text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _, b=block: b, text, flags=re.S)
-    with open(doc, "w") as f:
-        f.write(text)
+    write_blocks(doc, {name: render(results) for name, render in BLOCKS.items()})
 
 
 def plot(results: dict[str, Any], path: str = IMG) -> None:

@@ -1,65 +1,50 @@
-"""Paired significance tests over the seeds of a continual-learning results file.
+"""Paired significance tests of the continual-learning benchmarks (Split-Digits, the pretrained MiniLM).
 
-Every method and its baseline ran on the same seeds (same data, same initialisation), so each comparison is paired by
-seed. For each scenario, comparison and metric this gives the mean difference, its standard error, the number of seeds
-on which the method did better, and three two-sided p-values:
-
-- the paired t-test (``scipy.stats.ttest_rel``);
-- the Wilcoxon signed-rank test, exact for small samples (``scipy.stats.wilcoxon``);
-- the exact sign-flip permutation test of the mean difference (all 2^n sign assignments; no scipy needed).
-
-Results go to ``benchmarks/results/continual_<tag>_stats.json`` and the table between the ``continual-stats:<tag>``
-markers of ``docs/guides/continual.md``::
-
-    python benchmarks/continual/stats.py                                          # the 10-seed results
-    python benchmarks/continual/stats.py benchmarks/results/continual_cpu10.json
+Every method and its baseline ran on the same runs (same seed and order: same data, initialisation and batches), so
+each comparison is paired by run. For each scenario, comparison and metric this gives the mean difference, its
+standard error, the number of runs on which the method did better, and three two-sided p-values: the paired t-test
+(``scipy.stats.ttest_rel``), the Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, exact for small samples) and
+the exact sign-flip permutation test of the mean (``common.sign_flip_p``, no scipy needed).
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, HERE)
-
-from run import mean_std, metrics, update_docs  # noqa: E402
-
-DEFAULT = os.path.join(ROOT, "benchmarks", "results", "continual_cpu10.json")
-DOC = os.path.join(ROOT, "docs", "guides", "continual.md")
-#: (method, baseline) pairs compared within each scenario
-COMPARISONS = (("attention", "finetune"), ("lwf", "finetune"), ("attention+lwf", "finetune"),
-               ("attention+lwf", "lwf"))
-#: metric -> (name in the table, higher is better)
-METRICS = {"final_accuracy": ("final average accuracy", True), "forgetting": ("average forgetting", False),
-           "learning_accuracy": ("accuracy right after learning", True),
-           "first_task_final": ("first task at the end", True)}
-ALPHA = 0.05
+sys.path.insert(0, os.path.dirname(HERE))
+from common import ALPHA, sign_flip_p  # noqa: E402
 
 
-def sign_flip_p(diffs: list[float]) -> float:
-    """Exact two-sided p-value of the mean of paired differences under the sign-flip null (each difference is as
-    likely to have either sign): the share of the 2^n sign assignments whose |mean| is at least the observed one.
-    All 2^n assignments are enumerated (vectorised with numpy from n = 12 on: 2^15 for 15 pairs)."""
-    observed = abs(sum(diffs))
-    if observed == 0:
-        return 1.0
-    if len(diffs) >= 12:
-        import numpy as np
+def quiet() -> None:
+    """Silence Lightning's per-fit chatter (the benchmarks run hundreds of short fits)."""
+    import logging
 
-        bits = (np.arange(2 ** len(diffs))[:, None] >> np.arange(len(diffs))[None, :]) & 1
-        sums = np.abs((1 - 2 * bits) @ np.asarray(diffs, dtype=np.float64))
-        return float(np.count_nonzero(sums >= observed * (1 - 1e-12))) / 2 ** len(diffs)
-    hits = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed * (1 - 1e-12)
-               for signs in itertools.product((1, -1), repeat=len(diffs)))
-    return hits / 2 ** len(diffs)
+    from lightning.pytorch.utilities import disable_possible_user_warnings
+
+    disable_possible_user_warnings()
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*treespec, LeafSpec.*")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_streamkl").setLevel(logging.ERROR)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value).
+
+    Example:
+        >>> mean_std([1.0, 3.0])
+        (2.0, 1.4142135623730951)
+    """
+    m = sum(values) / len(values)
+    s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return m, s
 
 
 def paired_tests(a: list[float], b: list[float]) -> dict[str, float | None]:
@@ -90,12 +75,12 @@ def verdict(entry: dict[str, Any]) -> str:
     return "borderline"
 
 
-def compute(results: dict[str, Any], source: str, *, comparisons: tuple[tuple[str, str], ...] = COMPARISONS,
-            metric_fn: Callable[[list[list[float | None]]], dict[str, float]] = metrics,
-            metric_names: dict[str, tuple[str, bool]] = METRICS) -> dict[str, Any]:
+def compute(results: dict[str, Any], source: str, *, comparisons: tuple[tuple[str, str], ...],
+            metric_fn: Callable[[Any], dict[str, float]], metric_names: dict[str, tuple[str, bool]]
+            ) -> dict[str, Any]:
     """The paired comparisons of every scenario of ``results`` (``{"runs": [{"scenario", "method", "seed",
     "matrix"}]}``; runs of one ``seed`` are paired): each of ``comparisons`` on each metric of ``metric_names``
-    (computed from a run's accuracy matrix by ``metric_fn``). The defaults are those of the synthetic benchmark."""
+    (computed from a run's ``matrix`` by ``metric_fn``)."""
     runs = results["runs"]
     rows = []
     for scenario in dict.fromkeys(r["scenario"] for r in runs):
@@ -121,25 +106,24 @@ def compute(results: dict[str, Any], source: str, *, comparisons: tuple[tuple[st
             "comparisons": rows}
 
 
-def _p(p: float | None) -> str:
+def p_text(p: float | None) -> str:
+    """A p-value as the tables print it.
+
+    Example:
+        >>> p_text(None), p_text(0.0004), p_text(0.0512)
+        ('–', '< 0.001', '0.051')
+    """
     if p is None:
         return "–"
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
-TABLE_METRICS = ("final_accuracy", "forgetting", "first_task_final")
-
-
-def markdown(stats: dict[str, Any], metric_keys: tuple[str, ...] = TABLE_METRICS, *,
-             names: dict[str, tuple[str, bool]] = METRICS,
+def markdown(stats: dict[str, Any], metric_keys: tuple[str, ...], *, names: dict[str, tuple[str, bool]],
              extra: tuple[str, Callable[[dict[str, Any]], str]] | None = None) -> str:
-    """The table of the guide: every comparison on ``metric_keys`` (named by ``names``), with its p-values and
-    verdict, and an ``extra`` column ``(header, fn(entry) -> cell)`` before the verdict."""
-    lines = [f"Paired by seed over seeds {stats['seeds'][0]}–{stats['seeds'][-1]} ({len(stats['seeds'])} seeds) of "
-             f"`{stats['source']}`; differences in points (method − baseline), mean ± s.e.; two-sided p-values; "
-             f"*significant* when the paired t-test and the exact sign-flip test both give p < {stats['alpha']:g}, "
-             "*not significant* when both give p ≥ it. Written by `python benchmarks/continual/stats.py` into "
-             f"`{stats['source'].replace('.json', '_stats.json')}`.", "",
+    """The paired tests as a table: a header line (replaced by each benchmark's own), then every comparison on
+    ``metric_keys`` (named by ``names``) with its p-values and verdict, and an ``extra`` column
+    ``(header, fn(entry) -> cell)`` before the verdict."""
+    lines = [f"Paired over {len(stats['seeds'])} runs of `{stats['source']}`.", "",
              "| scenario | method vs baseline | metric | difference | seeds better | p, paired t | p, Wilcoxon "
              f"| p, sign-flip |{f' {extra[0]} |' if extra else ''} verdict |",
              "|---|---|---|---|---|---|---|---|" + ("---|" if extra else "") + "---|"]
@@ -150,29 +134,6 @@ def markdown(stats: dict[str, Any], metric_keys: tuple[str, ...] = TABLE_METRICS
         more = f" {extra[1](e)} |" if extra else ""
         lines.append(f"| {e['scenario']} | {e['method']} vs {e['baseline']} | {name} {'↑' if higher else '↓'} | "
                      f"{100 * e['mean_difference']:+.1f} ± {100 * e['se']:.1f} | {e['seeds_better']}/{e['n']} | "
-                     f"{_p(e['p_t'])} | {_p(e['p_wilcoxon'])} | {_p(e['p_sign_flip'])} |{more} {e['verdict']} |")
+                     f"{p_text(e['p_t'])} | {p_text(e['p_wilcoxon'])} | {p_text(e['p_sign_flip'])} |{more} "
+                     f"{e['verdict']} |")
     return "\n".join(lines)
-
-
-def stats_path(results_path: str) -> str:
-    return os.path.splitext(results_path)[0] + "_stats.json"
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="?", default=DEFAULT, help="a continual results file (default: cpu10)")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the table in the guide")
-    args = parser.parse_args(argv)
-    with open(args.results) as f:
-        stats = compute(json.load(f), args.results)
-    with open(stats_path(args.results), "w") as f:
-        json.dump(stats, f, indent=1)
-    print(markdown(stats))
-    if not args.no_docs:
-        tag = os.path.splitext(os.path.basename(args.results))[0].removeprefix("continual_")
-        update_docs(stats, DOC, tag, prefix="continual-stats", render=markdown)
-    return stats
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,8 @@
   rows only, at N = 128 and at N = 512 with the same tokens and about the same scored positions per step. How many
   steps does each need, and does the gap grow with the context length?
 
-Each check writes ``benchmarks/results/long_context_cpu/<check>.json``; :func:`markdown` renders the guide's table::
+Each check writes its entry of ``benchmarks/results/long_context_cpu.json``; :func:`markdown` renders the guide's
+tables::
 
     python benchmarks/long_context/cpu_check.py                      # every check (about an hour on 2 busy cores)
     python benchmarks/long_context/cpu_check.py --checks length_nope  # one
@@ -36,7 +37,7 @@ if HERE not in sys.path:
 import torch  # noqa: E402
 from mqar import MQAR, ModelConfig, Schedule, count_params, evaluate, train  # noqa: E402
 
-OUT = os.path.join(ROOT, "benchmarks", "results", "long_context_cpu")
+OUT = os.path.join(ROOT, "benchmarks", "results", "long_context_cpu.json")
 TEACHER_CACHE = os.path.join(ROOT, "runs", "long_context_cpu", "teacher_nope.pt")
 
 #: The task of the GPU experiment (run.py's GPU["task"]).
@@ -128,15 +129,19 @@ def run_students(name: str, spec: dict[str, Any], task: MQAR) -> dict[str, Any]:
 
 
 def _write(name: str, spec: dict[str, Any], result: dict[str, Any], wall: float) -> str:
-    os.makedirs(OUT, exist_ok=True)
-    path = os.path.join(OUT, f"{name}.json")
-    payload = {"check": name, "spec": {k: (v if k != "eval" else {str(n): s for n, s in v.items()})
-                                       for k, v in spec.items()},
-               "task": TASK, "lr": LR, "student": STUDENT, "seed": 0, "result": result, "wall_s": wall,
-               "environment": _env()}
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    return path
+    """Put check ``name``'s entry into :data:`OUT` (the other checks' entries are kept)."""
+    checks = {}
+    if os.path.exists(OUT):
+        with open(OUT) as f:
+            checks = json.load(f)
+    checks[name] = {"check": name, "spec": {k: (v if k != "eval" else {str(n): s for n, s in v.items()})
+                                            for k, v in spec.items()},
+                    "task": TASK, "lr": LR, "student": STUDENT, "seed": 0, "result": result, "wall_s": wall,
+                    "environment": _env()}
+    with open(OUT, "w") as f:
+        json.dump(checks, f, indent=1)
+        f.write("\n")
+    return OUT
 
 
 # --------------------------------------------------------------------------------------------------- markdown
@@ -144,15 +149,11 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
 
-def markdown(cpu_dir: str = OUT) -> str:
+def markdown(path: str = OUT) -> str:
     """Two tables: length generalisation of the teachers (RoPE, NoPE, NoPE with the log-length scale; trained at
     N = 128, or with a short curriculum up to 2048); the students' steps to 50 % and 90 %."""
-    def load(name: str) -> dict[str, Any] | None:
-        path = os.path.join(cpu_dir, f"{name}.json")
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
+    with open(path) as f:
+        load = json.load(f).get
 
     lines = []
     rows = {"length_rope": "RoPE", "length_nope": "NoPE", "length_nope_logscale": "NoPE, log-length scale",
@@ -184,7 +185,7 @@ def markdown(cpu_dir: str = OUT) -> str:
                 step = [("–" if reached[t] is None else str(reached[t]["step"])) for t in ("0.5", "0.9")]
                 acc = ", ".join(f"{_pct(v['acc'])} at {k}" for k, v in rec["eval"].items())
                 lines.append(f"| {n} × {b} | {labels[arm]} | {step[0]} | {step[1]} | {acc} |")
-    return "\n".join(lines) if lines else "*The CPU checks have not been run* (`benchmarks/long_context/cpu_check.py`)."
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The long-context experiment's configurations: ``GPU`` (one H100, two calls of at most 9 minutes) and ``SMOKE``
+"""The long-context experiment's configurations: ``GPU`` (one H100) and ``SMOKE``
 (every step at toy sizes, for the CPU test). ``run.py`` runs them; ``tables.py`` renders the setup table from them."""
 
 from __future__ import annotations
@@ -55,8 +55,3 @@ SMOKE: dict[str, Any] = {
          "teacher": {"d_model": 32, "num_layers": 3, "num_heads": 2, "mlp_ratio": 2}},
     ]},
 }
-
-#: H100 step times the plan's estimates start from (ms), from the first gpu_long run
-#: (benchmarks/results/gpu_long_h100: a 2-layer, 4-head, d=64 student at B=4, N=16384 in bf16: 14.2 ms without
-#: attention KL, 30.3 ms with two pairs and a teacher of the same size); attention's cost scales with B·N².
-H100_BASE_MS_16K_B4, H100_KL_MS_16K_B4 = 14.2, 30.3

@@ -14,25 +14,18 @@ attention-KL pairs at N = 16384 (median step time, peak CUDA memory of the whole
 and for larger ones. Everything goes to one JSON file, rewritten after every unit of work, so a run cut short keeps
 what it finished and a second call resumes it::
 
-    python benchmarks/long_context/run.py --plan                            # what runs, and the expected GPU time
-    python benchmarks/long_context/run.py --phase all --out runs/long_context --budget-s 480
-    python benchmarks/long_context/run.py --phase all --out runs/long_context --resume-from DIR   # continue
-    python benchmarks/long_context/run.py --smoke --out /tmp/lc-smoke        # every step at toy sizes, on a CPU
+    python benchmarks/long_context/run.py --out runs/long_context
+    python benchmarks/long_context/run.py --out runs/long_context --resume-from DIR   # continue a stopped run
+    python benchmarks/long_context/run.py --smoke --out /tmp/lc-smoke                   # toy sizes, on a CPU
 
 Phases: ``teacher`` (train and evaluate the teacher, save ``teacher.pt``, then the cost benchmark), ``students``
-(the seeds; needs ``teacher.pt`` in ``--out`` or ``--resume-from``), ``all`` (both, as far as the budget goes). The
-budget is checked before every unit from measured step times; a unit that would not fit is left for the next call.
-
-Needs torch, lightning and the repository's two packages (``PYTHONPATH=kernels:.``). ``lightning_streamkl`` imports
-omegaconf; on a machine without it, ``--vendor DIR`` (run where it is installed) copies the pure-Python omegaconf
-package (and antlr4, which omegaconf < 2.4 needs) to ``DIR``, and this script adds ``.device_inputs/site`` to
-``sys.path`` when it exists.
+(the seeds; needs ``teacher.pt`` in ``--out`` or ``--resume-from``), ``all`` (both). With ``--budget-s`` the budget
+is checked before every unit from measured step times; a unit that would not fit is left for the next call.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import hashlib
 import json
@@ -49,12 +42,12 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
-for extra in (os.path.join(ROOT, ".device_inputs", "site"), os.path.join(ROOT, "kernels"), ROOT, HERE):
+for extra in (os.path.join(ROOT, "kernels"), ROOT, HERE):
     if os.path.isdir(extra) and extra not in sys.path:
         sys.path.insert(0 if extra == HERE else len(sys.path), extra)
 
 import torch  # noqa: E402
-from experiment import GPU, H100_BASE_MS_16K_B4, H100_KL_MS_16K_B4, SMOKE  # noqa: E402
+from experiment import GPU, SMOKE  # noqa: E402
 from mqar import (  # noqa: E402
     MQAR,
     ModelConfig,
@@ -449,83 +442,17 @@ def _acc_text(ev: dict[str, Any]) -> str:
     return ", ".join(f"N={n}: {v['acc']:.1%}" for n, v in ev.items())
 
 
-# ------------------------------------------------------------------------------------------------------- plan
-def plan(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Expected H100 seconds of each part, from the first gpu_long run's step times scaled by B·N² (attention) —
-    a rough guide; the script measures and re-plans on the machine."""
-    def step_ms(n: int, b: int, kl: bool, floor: float = 3.0) -> float:
-        ms = (H100_KL_MS_16K_B4 if kl else H100_BASE_MS_16K_B4) * (b * n * n) / (4 * 16384**2)
-        return max(ms, floor)
-
-    tt, sc = cfg["teacher_train"], cfg["student_train"]
-    width = cfg["teacher"]["d_model"] / 64  # the teacher is wider than the gpu_long model: its matmuls scale
-    teacher_s = sum(s * statistics.mean(step_ms(n, b, False) * max(1.0, width / 2) for n, b in shapes)
-                    for s, shapes in tt["stages"]) / 1e3
-    kl, base = step_ms(sc["seq_len"], sc["batch"], True), step_ms(sc["seq_len"], sc["batch"], False)
-    evals = _eval_estimate(cfg, {"base": base / 1e3, "kl": kl / 1e3})
-    seed_s = 2 * sc["steps"] * kl / 1e3 + evals
-    extra_s = len(cfg["kl"].get("extra_arms", {})) * (sc["steps"] * kl / 1e3 + evals / 3)
-    cost_s = 90.0
-    startup = 40.0  # imports, CUDA context, Triton compilation and autotuning
-    seeds = len(cfg["seeds"])
-    total = startup + teacher_s + 20 + cost_s + seeds * (seed_s + extra_s)
-    first = min(total, 480.0)  # call 1 runs until its budget is spent
-    return {"teacher_s": teacher_s, "cost_s": cost_s, "per_seed_s": seed_s, "extra_arms_per_seed_s": extra_s,
-            "startup_s": startup, "all_s": total, "call1_s": first, "call2_s": max(0.0, total - first) + startup,
-            "step_ms": {"student_kl": kl, "student_base": base}}
-
-
-def print_plan(cfg: dict[str, Any]) -> None:
-    p = plan(cfg)
-    sc = cfg["student_train"]
-    print(f"teacher: {count_params(ModelConfig(**cfg['teacher']).build(MQAR(**cfg['task']).vocab_size)):,} "
-          f"parameters, stages {cfg['teacher_train']['stages']}: ~{p['teacher_s']:.0f} s "
-          f"(at most {cfg['teacher_train']['time_limit_s']} s)")
-    print(f"cost benchmark: {len(cfg['cost']['configs'])} configurations: ~{p['cost_s']:.0f} s")
-    print(f"students: {len(cfg['seeds'])} seeds x (S={sc['steps']} steps with attention KL at "
-          f"~{p['step_ms']['student_kl']:.0f} ms + the same wall-clock without) + evaluation at "
-          f"{cfg['eval']['lengths']}: ~{p['per_seed_s']:.0f} s per seed, then the extra arms "
-          f"({', '.join(cfg['kl'].get('extra_arms', {}))}): ~{p['extra_arms_per_seed_s']:.0f} s per seed")
-    print(f"expected on one H100: everything ~{p['all_s'] / 60:.1f} min; split in two calls: ~{p['call1_s'] / 60:.1f} "
-          f"min (--phase all, which stops when its budget is spent) and ~{p['call2_s'] / 60:.1f} min (the rest)")
-
-
 # ------------------------------------------------------------------------------------------------------- main
-def vendor(target: str) -> None:
-    """Copy the pure-Python package lightning_streamkl needs beyond the GPU image (omegaconf; and antlr4, the parser
-    runtime omegaconf < 2.4 needs, when it is installed) to ``target``."""
-    import importlib
-
-    os.makedirs(target, exist_ok=True)
-    modules = [importlib.import_module("omegaconf")]
-    with contextlib.suppress(ImportError):  # omegaconf 2.4 carries its own parser
-        modules.append(importlib.import_module("antlr4"))
-    for module in modules:
-        src = os.path.dirname(module.__file__)
-        dst = os.path.join(target, os.path.basename(src))
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        print(f"copied {src} -> {dst}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phase", choices=("teacher", "students", "all"), default="all")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "long_context"))
     parser.add_argument("--resume-from", help="a previous call's output directory (results.json, teacher.pt)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of this call")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="wall-clock budget of this call")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, every step (CPU)")
-    parser.add_argument("--plan", action="store_true", help="print what runs and the expected GPU time, then exit")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--vendor", metavar="DIR", help="copy omegaconf and antlr4 to DIR, then exit")
     args = parser.parse_args(argv)
-    if args.vendor:
-        vendor(args.vendor)
-        return 0
     cfg = copy.deepcopy(SMOKE if args.smoke else GPU)
-    if args.plan:
-        print_plan(cfg)
-        return 0
     start = time.time()
     budget = Budget(args.budget_s, start)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
@@ -547,10 +474,6 @@ def main(argv: list[str] | None = None) -> int:
                                         "budget_s": args.budget_s, "environment": environment(device)})
     res["environment"] = res["calls"][0]["environment"]
     run.save()
-    if not args.smoke:
-        p = plan(cfg)
-        run.log(f"plan (H100 estimate): call 1 ~{p['call1_s'] / 60:.1f} min, call 2 ~{p['call2_s'] / 60:.1f} min, "
-                f"all ~{p['all_s'] / 60:.1f} min; budget of this call {args.budget_s:.0f} s")
     task = MQAR(**cfg["task"])
     status = "complete"
     try:

@@ -2,8 +2,8 @@
 files (``cpu_check.py``).
 
 :func:`summarise` turns the per-seed records into paired comparisons (``paired.paired``); the ``*_table`` functions
-render the markdown tables of ``docs/guides/long-context.md`` (``benchmarks/figures.py`` writes and checks them).
-Before the experiment has run on a GPU, the tables say so instead of showing numbers::
+render the markdown tables of ``docs/guides/long-context.md`` and :func:`blocks` all of them, from the committed
+results (``benchmarks/blocks.py`` writes and checks them)::
 
     python benchmarks/long_context/tables.py [results.json]     # print every table
 """
@@ -24,9 +24,7 @@ from paired import paired  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context_h100", "results.json")
-CPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context_cpu")
-NOT_RUN = ("*Not yet run on a GPU*: this table is generated from `benchmarks/results/long_context_h100/results.json`, "
-           "which does not exist yet (`benchmarks/long_context/run.py` writes it).")
+CPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context_cpu.json")
 THRESHOLDS = ("0.5", "0.9")
 
 
@@ -117,18 +115,14 @@ def _per_seed(values: list[float]) -> str:
     return " / ".join(f"{100 * v:.1f}" for v in values)
 
 
-def load(path: str = GPU_RESULTS) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
+def load(path: str = GPU_RESULTS) -> dict[str, Any]:
     with open(path) as f:
         return json.load(f)
 
 
 # ------------------------------------------------------------------------------------------------ tables
-def teacher_table(results: dict[str, Any] | None) -> str:
+def teacher_table(results: dict[str, Any]) -> str:
     """The teacher: held-out accuracy per length, overall and per query depth."""
-    if results is None or results.get("teacher", {}).get("status") != "done":
-        return NOT_RUN
     t = results["teacher"]
     task = results["config"]["task"]
     bins = len(next(iter(t["eval"].values()))["by_depth"])
@@ -143,11 +137,9 @@ def teacher_table(results: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def students_table(results: dict[str, Any] | None) -> str:
+def students_table(results: dict[str, Any]) -> str:
     """Held-out accuracy of the students per length: with attention KL, without it after the same steps, and without
     it after the same wall-clock time; paired differences and p-values."""
-    if results is None or not done_seeds(results):
-        return NOT_RUN
     s = summarise(results)
     head = ["N", "with attention KL", "without, same steps", "without, same time", "with − without (steps)",
             "with − without (time)"]
@@ -163,14 +155,11 @@ def students_table(results: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def every_row_table(results: dict[str, Any] | None) -> str:
+def every_row_table(results: dict[str, Any]) -> str:
     """The extra arm: attention KL over every row (the library's default) instead of the query rows, same steps."""
-    if results is None or not done_seeds(results):
-        return NOT_RUN
-    s = summarise(results)
-    arm = s.get("extra_arms", {}).get("kl_all")
+    arm = summarise(results).get("extra_arms", {}).get("kl_all")
     if arm is None:
-        return "*The every-row arm did not run for every finished seed* (it runs last, as the budget allows)."
+        return "*The every-row arm did not run for every finished seed* (it runs last)."
     head = ["N", "attention KL, every row", "without, same steps", "every row − without", "every row − query rows"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n, c in arm["step_matched"].items():
@@ -183,10 +172,8 @@ def _diff(c: dict[str, Any]) -> str:
     return f"{100 * c['mean_diff']:+.1f} pts ({_p(c['p_t'])}, {c['wins']}/{c['n']})"
 
 
-def runs_table(results: dict[str, Any] | None) -> str:
+def runs_table(results: dict[str, Any]) -> str:
     """The students' training runs: steps, wall-clock, median step, peak memory, steps and time to 50 % / 90 %."""
-    if results is None or not done_seeds(results):
-        return NOT_RUN
     s = summarise(results)
     st = results["students"]
 
@@ -217,10 +204,8 @@ def runs_table(results: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def cost_table(results: dict[str, Any] | None) -> str:
+def cost_table(results: dict[str, Any]) -> str:
     """One training step at N = 16384 without and with two attention-KL pairs: median time and peak memory."""
-    if results is None or not results.get("cost", {}).get("configs"):
-        return NOT_RUN
     lines = ["| student (B × N) | attention KL | median step | × without | peak memory | × without |",
              "|---|---|---|---|---|---|"]
     names = {"none": "none", "queries": "2 pairs, query rows", "all": "2 pairs, every row",
@@ -237,12 +222,12 @@ def cost_table(results: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def cpu_table(cpu_dir: str = CPU_RESULTS) -> str:
+def cpu_table(path: str = CPU_RESULTS) -> str:
     """The CPU checks behind the design (cpu_check.py): length generalisation and the students at short N."""
     _here_on_path()
     from cpu_check import markdown
 
-    return markdown(cpu_dir)
+    return markdown(path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -269,11 +254,8 @@ def _verdict(c: dict[str, Any]) -> str:
     return f"not significant ({_p(c['p_t'])}, {c['wins']} of {c['n']} seeds): within the noise of {c['n']} seeds"
 
 
-def findings(results: dict[str, Any] | None) -> str:
+def findings(results: dict[str, Any]) -> str:
     """What the results say, in sentences generated from them (so the guide cannot claim more than they show)."""
-    if results is None:
-        return ("*Not yet run on a GPU.* The tables below fill in from `benchmarks/results/long_context_h100/"
-                "results.json` once `run.py` has written it; until then nothing here is measured.")
     out = []
     cfg = results["config"]
     n_train = str(cfg["student_train"]["seq_len"])
@@ -326,13 +308,12 @@ def findings(results: dict[str, Any] | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ setup, README
-def setup_table(results: dict[str, Any] | None) -> str:
-    """The experiment's setup, from the results' config (or, before the GPU run, from ``experiment.GPU``)."""
+def setup_table(results: dict[str, Any]) -> str:
+    """The experiment's setup, from the results' config."""
     _here_on_path()
-    from experiment import GPU
     from mqar import MQAR, ModelConfig, count_params
 
-    cfg = results["config"] if results is not None else GPU
+    cfg = results["config"]
     task = MQAR(**cfg["task"])
     tt, sc, kl, ev = cfg["teacher_train"], cfg["student_train"], cfg["kl"], cfg["eval"]
 
@@ -353,8 +334,7 @@ def setup_table(results: dict[str, Any] | None) -> str:
                      f"{cfg['teacher']['conv_kernel']} before each attention layer", "the same"),
         ("training (batch × N)", f"{stages}; then more of the last stage while below {_pct(tt['target'], 0)} at "
                                  f"N = {tt['check_len']}, within {tt['time_limit_s']} s",
-         f"{sc['steps']} steps of {sc['batch']} × {sc['seq_len']} (fewer only if the budget forces it: the JSON "
-         f"records it); seeds {', '.join(map(str, cfg['seeds']))}"),
+         f"{sc['steps']} steps of {sc['batch']} × {sc['seq_len']}; seeds {', '.join(map(str, cfg['seeds']))}"),
         ("optimizer", f"AdamW, learning rate {tt['lr']:g}, warm-up {tt['warmup']} steps",
          f"AdamW, learning rate {sc['lr']:g}, warm-up {sc['warmup']} steps, bf16 autocast"),
         ("attention KL", "–", ", ".join(f"layer {t} → layer {s}" for t, s in kl["pairs"])
@@ -372,21 +352,8 @@ def setup_table(results: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def readme(results: dict[str, Any] | None, gpu_long: dict[str, Any]) -> str:
-    """README's long-context sentences: what the committed runs show, nothing more."""
-    if results is None or not done_seeds(results):
-        runs, naive = gpu_long["runs"], gpu_long["naive_loss"]
-        sk, sb = runs["student_kl"], runs["student_base"]
-        return (f"The same job at N = {gpu_long['setup']['train_seq_len']} on a GPU: "
-                "`./scripts/run --config gpu_long`. On one H100 a student step with two attention-KL terms took "
-                f"{sk['step_ms_median']:.1f} ms "
-                f"({sb['step_ms_median']:.1f} ms without) and peaked at {sk['peak_cuda_bytes'] / 2**30:.2f} GiB, "
-                f"where the materialised loss would need {naive['with_grad'] / 2**30:.0f} GiB; in that run the teacher "
-                "itself did not learn the long-context task, so it measured cost, not benefit. An experiment built to "
-                "measure the benefit (a teacher that solves multi-query associative recall, three seeds of students "
-                "trained at N = 16384 with and without attention KL, step- and wall-clock-matched) is in "
-                "`benchmarks/long_context/` and has not run on a GPU yet "
-                "([long context](docs/guides/long-context.md)).")
+def readme(results: dict[str, Any]) -> str:
+    """README's long-context sentences: what the committed run shows, nothing more."""
     s = summarise(results)
     cfg = results["config"]
     n = str(cfg["student_train"]["seq_len"])
@@ -401,3 +368,14 @@ def readme(results: dict[str, Any] | None, gpu_long: dict[str, Any]) -> str:
         text += (f" A student step with two attention-KL pairs took {cost['time_ratio']:.2f}× the step without and "
                  f"peaked at {cost['memory_ratio']:.2f}× its memory.")
     return text
+
+
+def blocks() -> dict[str, dict[str, str]]:
+    """Every generated block of the long-context guide and README's sentence, from the committed results: page ->
+    block name -> markdown."""
+    results = load()
+    guide = {"findings": findings, "setup": setup_table, "teacher": teacher_table, "students": students_table,
+             "every-row": every_row_table, "runs": runs_table, "cost": cost_table}
+    page = {f"long-context:{name}": render(results) for name, render in guide.items()}
+    page["long-context:cpu"] = cpu_table()
+    return {"docs/guides/long-context.md": page, "README.md": {"long-context:readme": readme(results)}}

@@ -45,7 +45,7 @@ def _width(d_a: int, d_b: int, element_size: int) -> int:
 
 
 # Measured on an H100 (bf16, B=1, H=16, N=8192) by benchmarks/tune_kernels.py over the candidates that
-# benchmarks/kernel_resources.py finds spill-free; see docs/perf-notes.md. Wider tiles (fp32, D > 128)
+# benchmarks/kernel_resources.py finds spill-free; see docs/concepts/kernels.md. Wider tiles (fp32, D > 128)
 # use the smallest spill-free shapes.
 
 
@@ -67,7 +67,7 @@ def forward_config(d_a: int, d_b: int, banded: bool, element_size: int = 2, fuse
 
 
 def _fused_forward_config(w: int, element_size: int) -> LaunchConfig:
-    """Fastest tiles of benchmarks/bench_fused_dq.py --tune (bf16, H100, N=8192); wider tiles: the smallest."""
+    """Fastest tiles of the training forward's sweep (bf16, H100, N=8192; commit 3850ba8); wider tiles: the smallest."""
     if w <= 64:
         return LaunchConfig(64, 64, 4, 3)
     if w <= 128 and element_size == 2:

@@ -490,7 +490,7 @@ def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
     dtype (fp16's range would flush the small gradients of a student close to its teacher). The kernel writes this
     dtype directly (rounding to nearest even, as a copy would): a bf16 store adds a few spills to the D = 64 kernel,
     all outside its key loop (``benchmarks/kernel_resources.py``), and saves the fp32 buffer and the narrowing copy
-    kernel that ran after it up to v14 (docs/perf-notes.md v15).
+    kernel that ran before (commit 93c6d4b).
 
     Example:
         >>> saved_dq_b_dtype(torch.bfloat16, 1 << 30), saved_dq_b_dtype(torch.bfloat16, 1024)
