@@ -5,6 +5,7 @@ pass and the op's calls timed alone) on tiny models on the CPU."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -65,8 +66,8 @@ def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, 
     mixed = cells["N64/32-true/sdpa/eager/four"]["kl_calls"][0]["dtypes"]
     assert mixed == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2  # the bf16 teacher beside the fp32 student
     assert sum(call["shapes"][0][1] for call in cells["N64/bf16-true/sdpa/eager/uniform"]["kl_calls"]) == 16 * 8
-    derived = user_path.derived(four, cells)
-    assert derived["ratio"] > 0 and derived["pipeline"] > 0
+    derived = user_path.derived(four, cells)  # (on tiny models a distilled step may time below the plain one)
+    assert derived["ratio"] > 0 and math.isfinite(derived["pipeline"]) and derived["irreducible_s"] > 0
     # a second run of the same part finds every cell done and runs none
     before = {k: r["wall_s"] for k, r in cells.items()}
     again = user_path.run_part("cpu-smoke", str(out), steps=1, warmup=1)
