@@ -143,3 +143,25 @@ def test_the_api_reference_documents_every_public_name(package):
     documented = {target.rsplit(".", 1)[-1] for target in re.findall(r"^::: ([\w.]+)", api, flags=re.M)}
     missing = sorted(set(module.__all__) - documented)
     assert not missing, f"docs/api/ has no `::: {package}.<name>` entry for {missing}"
+
+
+def test_the_options_table_lists_every_option():
+    """The Lightning guide's options table had no `teacher_sharding` (issue 34): every field of StreamKLConfig has a
+    row (a row may name several options, `teacher_capture`, `student_capture`)."""
+    import dataclasses
+
+    from lightning_streamkl import StreamKLConfig
+
+    text = (DOCS / "guides" / "lightning.md").read_text()
+    table = text[text.index("| option | default | meaning |"):]
+    rows = {name for line in table.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`(\w+)`", line.split("|")[1])}
+    missing = [f.name for f in dataclasses.fields(StreamKLConfig) if f.name not in rows]
+    assert not missing, f"docs/guides/lightning.md's options table has no row for {missing}"
+
+
+def test_the_lightning_guide_shows_the_cli_yaml_whole():
+    """The guide's copy of examples/lightning_cli.yaml dropped the teacher config's `init_args` (as an excerpt it
+    passed the excerpt check) and, copied, built a default 6.7B Llama; it is now a listing of the whole file."""
+    listings = dict(_fenced((DOCS / "guides" / "lightning.md").read_text(), "config"))
+    assert listings.get("examples/lightning_cli.yaml") == (ROOT / "examples" / "lightning_cli.yaml").read_text()
