@@ -144,7 +144,7 @@ def _blocks(path: Path) -> list[tuple[str, list[str]]]:
     return [(f, code.strip("\n").splitlines()) for f, code in found]
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/guides/lightning.md", "docs/guides/recipes.md"])
+@pytest.mark.parametrize("doc", ["docs/guides/lightning.md", "docs/guides/recipes.md"])
 def test_documented_code_is_the_example_code(doc):
     """Every line of a marked block is a line of the example file, in the same order (excerpts may skip lines)."""
     blocks = _blocks(ROOT / doc)
