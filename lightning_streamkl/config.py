@@ -232,7 +232,8 @@ class AttentionKLOptions:
         weight: multiplies the term before it is added to the loss, ``>= 0``. Default: ``1.0``.
         warmup_steps: ramp ``weight`` linearly from 0 over this many optimizer steps (``0``: no ramp).
             Default: ``0``.
-        temperature: divides both sides' scores, ``> 0``. Default: ``1.0``.
+        temperature: divides both sides' scores, ``> 0`` and at least the smallest normal float32
+            (:data:`MIN_TEMPERATURE`; the op computes in float32). Default: ``1.0``.
         direction: ``"forward"`` for KL(teacher‖student), ``"reverse"`` for KL(student‖teacher).
             Default: ``"forward"``.
         causal: force causal (``True``) or bidirectional (``False``) masking for every pair; ``None`` takes it
@@ -283,8 +284,8 @@ class StreamKLConfig(AttentionKLOptions):
         student_capture: the same for the student. Default: ``"auto"``.
         teacher_dtype: ``"auto"`` keeps the teacher's own dtype (under mixed precision too: a bf16 teacher stays
             bf16 next to the student's fp32 master weights; a teacher loaded by name gets its checkpoint's
-            dtype); ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"`` casts it once; ``None`` is the
-            same as ``"auto"``. Default: ``"auto"``.
+            dtype); ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"`` (or the ``torch.dtype`` itself,
+            ``torch.bfloat16``) casts it once; ``None`` is the same as ``"auto"``. Default: ``"auto"``.
         teacher_device: where the teacher runs: ``"student"`` moves it to the student's device; ``"keep"``
             leaves it where it is (a model spread with ``device_map`` is always kept); a device such as
             ``"cuda:1"`` or ``"cpu"`` moves it there. The batch goes to the teacher's device and the captured
