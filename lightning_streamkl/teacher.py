@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 __all__ = ["AdaptersOff", "FrozenTeacher", "InputRecorder", "SelfTeacher", "TeacherForwardError", "adapters_disabled",
-           "borrowed", "check_separate", "find_adapter_module", "find_copy", "is_sharded", "load_teacher", "reshard",
-           "shard_count", "shard_module", "shard_units", "shared_parameters", "stop_after", "teacher_failed",
-           "to_device"]
+           "borrowed", "check_separate", "check_teacher_path", "find_adapter_module", "find_copy", "is_sharded",
+           "load_teacher", "looks_like_path", "reshard", "shard_count", "shard_module", "shard_units",
+           "shared_parameters", "stop_after", "teacher_failed", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
