@@ -336,8 +336,8 @@ class AttentionDistiller:
             self.resolved = self.loss.resolve(self.teacher_capture, self.student_capture)
         except ValueError as err:
             path = None if self.is_self_teacher else _path_in(student, teacher)
-            if path is None:
-                raise
+            if path is None or _finds_layers(self.student_capture) or not _finds_layers(self.teacher_capture):
+                raise  # not a teacher that took the student's attention layers with it
             raise ValueError(
                 f"The teacher is part of the student: it is the student's submodule {path!r}, whose layers then count "
                 f"as the teacher's and not the student's ({err}) {_SEPARATE_TEACHER}"
@@ -564,6 +564,11 @@ class AttentionDistiller:
 _SEPARATE_TEACHER = ("Pass a separate teacher: a copy made before training (`copy.deepcopy(student.<path>)`) or the "
                      "model loaded again; a teacher the LightningModule holds beside the student's own network (e.g. "
                      "`self.teacher`) is fine.")
+
+
+def _finds_layers(capture: AttentionCapture) -> bool:
+    """True when ``capture`` found attention layers by itself (the recorder takes any path it is given)."""
+    return capture.kind != "recorder" and bool(capture.layer_names())
 
 
 def _path_in(student: nn.Module, module: nn.Module) -> str | None:

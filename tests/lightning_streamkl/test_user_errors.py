@@ -101,6 +101,14 @@ def test_a_teacher_inside_the_student_holding_the_paired_layers_says_so():
         AttentionDistiller(student.model, {"pairs": [LAST]}, student=student)
 
 
+def test_a_teacher_the_module_holds_whole_keeps_the_message_of_an_unknown_layer():
+    """Holding the teacher is fine: a typo in a student layer is reported as such, not as a teacher inside."""
+    teacher, student = tiny_llama(seed=0), CausalLM(tiny_llama(seed=1))
+    student.teacher = teacher
+    with pytest.raises(ValueError, match=r"^Unknown student layer of pairs\[0\] .*Closest: \['model\.model\.layers\.1"):
+        AttentionDistiller(teacher, {"pairs": [{**LAST, "student": "model.model.layers.1.self_atn"}]}, student=student)
+
+
 def test_a_teacher_without_attention_layers_lists_what_is_supported():
     with pytest.raises(ValueError, match=r"The teacher layer of pairs\[0\] \('last'\) -1 is an index, but no attention "
                                          r"layers were found in Sequential; supported: Hugging Face models .*"
