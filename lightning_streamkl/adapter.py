@@ -34,7 +34,8 @@ from .metrics import AttentionKLDivergence
 from .teacher import SelfTeacher
 
 __all__ = ["EPOCH_SUFFIX", "STEP_SUFFIX", "EngineCallback", "LossTermCallback", "add_to_loss", "check_strategy",
-           "check_trainer", "load_metric_state", "log_epoch", "log_step", "metric_state", "place_teacher"]
+           "check_trainer", "load_metric_state", "log_epoch", "log_step", "metric_state", "place_teacher",
+           "warn_stage_without_term"]
 
 #: Strategies that shard the student; the teacher is sharded over the same processes by default.
 SHARDED_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
@@ -179,6 +180,29 @@ to the loss returned by training_step, which manual optimization ignores.
                     f"Two {kinds} callbacks use the name {who.config.name!r}; their logs and checkpoint state would "
                     "collide. Give each a distinct `name`."
                 )
+
+
+def warn_stage_without_term(who: str, name: str, stage: str) -> None:
+    """Say, once per ``trainer.test()`` or ``trainer.predict()`` run, that the run goes without ``who``: no teacher
+    pass, no term, nothing logged under ``test/<name>/...``; ``trainer.validate(model, dataloaders=...)`` measures the
+    KL on held-out data instead. Other stages say nothing.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_stage_without_term("StreamKLDistillation", "attn_kl", "test")
+        >>> "test/attn_kl" in str(caught[0].message)
+        True
+    """
+    stage = str(getattr(stage, "value", stage))  # Lightning passes its TrainerFn enum
+    if stage not in ("test", "predict"):
+        return
+    rank_zero_warn(
+        f"{who} ({name!r}) does not take part in trainer.{stage}(): the teacher does not run and nothing is logged "
+        f"under {stage}/{name}/. To measure the attention KL on held-out data, pass that data to "
+        f"trainer.validate(model, dataloaders=...), which logs val/{name}/."
+    )
 
 
 def add_to_loss(output: Any, term: torch.Tensor, who: str) -> Any:
@@ -413,6 +437,7 @@ class EngineCallback(LossTermCallback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate"):
+            warn_stage_without_term(type(self).__name__, self.config.name, stage)
             return
         check_trainer(self, trainer, pl_module, stage, alternative=self.alternative, sharding=self.sharding)
         if not is_overridden("configure_model", pl_module):  # else the model may not exist yet: on_*_start

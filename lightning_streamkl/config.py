@@ -76,6 +76,25 @@ class _Relations(Check):
         return out
 
 
+#: The smallest temperature, the smallest normal float32 (``torch.finfo(torch.float32).tiny``): the op divides the
+#: scores by the temperature in float32, and a smaller one (``1e-38``) gave nan.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+
+
+class _Temperature(Number):
+    """A finite number ``>= MIN_TEMPERATURE`` (in words "> 0" for values at or below 0)."""
+
+    def __init__(self, *, optional: bool = False) -> None:
+        super().__init__(low=0.0, inclusive=False, optional=optional)
+
+    def check(self, value: Any, where: str) -> float:
+        value = super().check(value, where)
+        if value < MIN_TEMPERATURE:
+            raise invalid(where, f"a finite number >= {MIN_TEMPERATURE:g} (the smallest normal float32; the op "
+                                 "computes in float32)", value)
+        return value
+
+
 @dataclass
 class LayerPair:
     """One teacher layer distilled into one student layer.
@@ -108,7 +127,7 @@ class LayerPair:
     teacher: Any = option(None, LayerRef())
     student: Any = option(None, LayerRef())
     weight: float = option(1.0, Number(low=0.0))
-    temperature: Optional[float] = option(None, Number(low=0.0, inclusive=False, optional=True))
+    temperature: Optional[float] = option(None, _Temperature(optional=True))
     direction: Optional[str] = option(None, Choice(DIRECTIONS, optional=True))
     causal: Optional[bool] = option(None, Flag(optional=True))
     head_map: Optional[str] = option(None, Choice(HEAD_MAPS, optional=True))
@@ -213,7 +232,8 @@ class AttentionKLOptions:
         weight: multiplies the term before it is added to the loss, ``>= 0``. Default: ``1.0``.
         warmup_steps: ramp ``weight`` linearly from 0 over this many optimizer steps (``0``: no ramp).
             Default: ``0``.
-        temperature: divides both sides' scores, ``> 0``. Default: ``1.0``.
+        temperature: divides both sides' scores, ``> 0`` and at least the smallest normal float32
+            (:data:`MIN_TEMPERATURE`; the op computes in float32). Default: ``1.0``.
         direction: ``"forward"`` for KL(teacher‖student), ``"reverse"`` for KL(student‖teacher).
             Default: ``"forward"``.
         causal: force causal (``True``) or bidirectional (``False``) masking for every pair; ``None`` takes it
@@ -232,7 +252,7 @@ class AttentionKLOptions:
 
     weight: float = option(1.0, Number(low=0.0))
     warmup_steps: int = option(0, Count(low=0))
-    temperature: float = option(1.0, Number(low=0.0, inclusive=False))
+    temperature: float = option(1.0, _Temperature())
     direction: str = option("forward", Choice(DIRECTIONS))
     causal: Optional[bool] = option(None, Flag(optional=True))
     mask_key: Optional[str] = option("attention_mask", Text(optional=True))
@@ -264,8 +284,8 @@ class StreamKLConfig(AttentionKLOptions):
         student_capture: the same for the student. Default: ``"auto"``.
         teacher_dtype: ``"auto"`` keeps the teacher's own dtype (under mixed precision too: a bf16 teacher stays
             bf16 next to the student's fp32 master weights; a teacher loaded by name gets its checkpoint's
-            dtype); ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"`` casts it once; ``None`` is the
-            same as ``"auto"``. Default: ``"auto"``.
+            dtype); ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"`` (or the ``torch.dtype`` itself,
+            ``torch.bfloat16``) casts it once; ``None`` is the same as ``"auto"``. Default: ``"auto"``.
         teacher_device: where the teacher runs: ``"student"`` moves it to the student's device; ``"keep"``
             leaves it where it is (a model spread with ``device_map`` is always kept); a device such as
             ``"cuda:1"`` or ``"cpu"`` moves it there. The batch goes to the teacher's device and the captured

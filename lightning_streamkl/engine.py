@@ -28,7 +28,16 @@ from .capture import AttentionCapture, build_capture, closest
 from .config import LayerPair, StreamKLConfig, validate_config
 from .loss import AttentionDistillationLoss, LossOutput
 from .metrics import AttentionKLDivergence
-from .teacher import AdaptersOff, FrozenTeacher, InputRecorder, SelfTeacher, find_copy, stop_after, to_device
+from .teacher import (
+    AdaptersOff,
+    FrozenTeacher,
+    InputRecorder,
+    SelfTeacher,
+    find_copy,
+    stop_after,
+    teacher_failed,
+    to_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +72,9 @@ def default_teacher_forward(teacher: nn.Module, batch: Any) -> Any:
 
 def default_student_forward(student: nn.Module, batch: Any) -> Any:
     """Run the student on a batch for ``distiller(batch)``: as :func:`default_teacher_forward`, except that a
-    mapping's ``labels`` are passed too (a Hugging Face model then returns its loss) and ``use_cache`` is not set.
+    mapping's ``labels`` are passed too (a Hugging Face model then returns its loss). Like the teacher's,
+    ``use_cache=False`` is added when the forward takes it and the batch does not set it: a training pass needs no KV
+    cache, and with one transformers does not read packed documents from restarting ``position_ids``.
 
     Example:
         >>> class LM(nn.Module):
@@ -103,8 +114,8 @@ def _forward(model: nn.Module, batch: Any, *, labels: bool) -> Any:
                            if (labels or k != "labels") and (wrapper or k in PACKED_SEQUENCE_KEYS)})
         if not kwargs:
             return model(batch)
-        if not labels and "use_cache" in named and "use_cache" not in kwargs:
-            kwargs["use_cache"] = False
+        if "use_cache" in named and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False  # no KV cache in a training pass; with one, packed documents are not read
         return model(**kwargs)
     if isinstance(batch, (tuple, list)):
         return model(batch[0])
@@ -301,24 +312,36 @@ class AttentionDistiller:
 
         Raises:
             ValueError: the teacher is the student module itself (use
-                :class:`~lightning_streamkl.teacher.AdaptersOff` for the student with its adapters off) or has no
-                data (meta tensors), an unknown layer (listing the closest names), an unknown ``teacher_inputs``
-                submodule, or (``AdaptersOff``) no submodule whose adapters can be switched off.
+                :class:`~lightning_streamkl.teacher.AdaptersOff` for the student with its adapters off), is part of
+                it (a submodule holding every parameter, or every paired layer, of the student), shares parameters
+                with it (:func:`~lightning_streamkl.teacher.check_separate`, checked before the teacher is frozen)
+                or has no data (meta tensors), an unknown layer (listing the closest names), an unknown
+                ``teacher_inputs`` submodule, or (``AdaptersOff``) no submodule whose adapters can be switched off.
         """
         if self.student is student:
             return self.resolved
         if isinstance(self.teacher, SelfTeacher):
             self.teacher.bind(student)
-        teacher = self.teacher.prepare()
-        if teacher is student and not self.is_self_teacher:
-            raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher, or "
-                             "AdaptersOff() to use the student with its adapters switched off.")
+            teacher = self.teacher.prepare()
+        else:
+            if isinstance(self.teacher.source, nn.Module):
+                _check_not_inside(self.teacher.source, student)
+            teacher = self.teacher.prepare(student)  # refuses shared parameters before freezing the teacher
         values = self.loss.needs_values
         self.teacher_capture = build_capture(teacher, self.config.teacher_capture, capture_values=values)
         exclude = [] if self.is_self_teacher else [teacher]
         self.student_capture = build_capture(student, self.config.student_capture, exclude=exclude,
                                              capture_values=values)
-        self.resolved = self.loss.resolve(self.teacher_capture, self.student_capture)
+        try:
+            self.resolved = self.loss.resolve(self.teacher_capture, self.student_capture)
+        except ValueError as err:
+            path = None if self.is_self_teacher else _path_in(student, teacher)
+            if path is None or _finds_layers(self.student_capture) or not _finds_layers(self.teacher_capture):
+                raise  # not a teacher that took the student's attention layers with it
+            raise ValueError(
+                f"The teacher is part of the student: it is the student's submodule {path!r}, whose layers then count "
+                f"as the teacher's and not the student's ({err}) {_SEPARATE_TEACHER}"
+            ) from None
         self.inputs_from = self._resolve_inputs(teacher, student)
         self._inputs = None if self.inputs_from is None else InputRecorder(student.get_submodule(self.inputs_from))
         self.student = student
@@ -392,7 +415,13 @@ class AttentionDistiller:
 
     def run_teacher(self, batch: Any) -> None:
         """Run the teacher once for this step, under ``no_grad`` with its capture recording: on the batch, or on
-        the inputs the student submodule received (then after the student's forward pass)."""
+        the inputs the student submodule received (then after the student's forward pass).
+
+        Raises:
+            TeacherForwardError: the teacher's forward raised (:func:`~lightning_streamkl.teacher.teacher_failed`:
+                the message names the error and, for token ids outside the teacher's vocabulary, their range and the
+                vocabulary size); errors raised by this package's own checks pass through unchanged.
+        """
         student, teacher_capture, student_capture = self._ready()
         teacher = self.teacher.prepare()
         layers = [m for m in (_submodule(teacher, p) for p in teacher_capture.selected or ()) if m is not None]
@@ -404,11 +433,17 @@ class AttentionDistiller:
             device = stack.enter_context(self.teacher.placed(_device_of(student)))
             stack.enter_context(teacher_capture.recording())
             stack.enter_context(early_exit)
-            if self._inputs is not None:
-                args, kwargs = to_device(self._inputs.take(), device)
-                teacher(*args, **kwargs)
-            else:
-                self.teacher_forward(teacher, to_device(batch, device))
+            inputs = to_device(self._inputs.take(), device) if self._inputs is not None else to_device(batch, device)
+            try:
+                if self._inputs is not None:
+                    teacher(*inputs[0], **inputs[1])
+                else:
+                    self.teacher_forward(teacher, inputs)
+            except Exception as err:
+                failure = teacher_failed(err, teacher, inputs[0] if self._inputs is not None else inputs)
+                if failure is err:
+                    raise
+                raise failure from (None if getattr(failure, "explained", False) else err)
         self._teacher_ran = True
 
     def begin_step(self, batch: Any) -> None:
@@ -524,6 +559,36 @@ class AttentionDistiller:
         if cfg.warmup_steps <= 0:
             return cfg.weight
         return cfg.weight * min(1.0, max(step, 0) / cfg.warmup_steps)
+
+
+_SEPARATE_TEACHER = ("Pass a separate teacher: a copy made before training (`copy.deepcopy(student.<path>)`) or the "
+                     "model loaded again; a teacher the LightningModule holds beside the student's own network (e.g. "
+                     "`self.teacher`) is fine.")
+
+
+def _finds_layers(capture: AttentionCapture) -> bool:
+    """True when ``capture`` found attention layers by itself (the recorder takes any path it is given)."""
+    return capture.kind != "recorder" and bool(capture.layer_names())
+
+
+def _path_in(student: nn.Module, module: nn.Module) -> str | None:
+    """The path of ``module`` inside ``student`` (not the root), or ``None``."""
+    return next((name for name, m in student.named_modules(remove_duplicate=False) if name and m is module), None)
+
+
+def _check_not_inside(teacher: nn.Module, student: nn.Module) -> None:
+    """Refuse a teacher that is a submodule of the student holding every one of the student's parameters (the
+    student's own network passed as its teacher): nothing would be left to distil into."""
+    path = _path_in(student, teacher)
+    if path is None:
+        return
+    inside = {id(p) for p in teacher.parameters()}
+    if all(id(p) in inside for p in student.parameters()):
+        raise ValueError(
+            f"The teacher is part of the student: it is the student's submodule {path!r} ({type(teacher).__name__}), "
+            f"which holds every parameter of {type(student).__name__}, so the student would have nothing of its own "
+            f"to distil into (and freezing the teacher would freeze the student). {_SEPARATE_TEACHER}"
+        )
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

@@ -21,7 +21,15 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from .adapter import check_strategy, load_metric_state, log_epoch, log_step, metric_state, place_teacher
+from .adapter import (
+    check_strategy,
+    load_metric_state,
+    log_epoch,
+    log_step,
+    metric_state,
+    place_teacher,
+    warn_stage_without_term,
+)
 from .config import LayerPair, StreamKLConfig, load_config, validate_config
 from .engine import AttentionDistiller, DistillationMetrics
 from .teacher import AdaptersOff
@@ -89,6 +97,7 @@ class AttentionDistillationMixin:
         self._streamkl_batch: Any = None
         self._streamkl_recording: AbstractContextManager[Any] | None = None
         self._streamkl_warned = False
+        self._streamkl_taken = False  # attention_distillation_loss() ran since the student was last recorded
 
     def configure_attention_distillation(
         self,
@@ -133,6 +142,7 @@ class AttentionDistillationMixin:
     def capture_student_attention(self) -> Iterator[None]:
         """Record the student's paired layers inside the block (in a Trainer, a callback opens one per batch)."""
         distiller = self._streamkl_ready()
+        self._streamkl_taken = False
         with distiller.student_recording():
             yield
 
@@ -143,11 +153,18 @@ class AttentionDistillationMixin:
         inside :meth:`capture_student_attention`.
 
         Raises:
-            RuntimeError: :meth:`configure_attention_distillation` was not called, no batch is known, or the
-                student's paired layers were not recorded; the message says what is missing.
+            RuntimeError: :meth:`configure_attention_distillation` was not called, no batch is known, the
+                student's paired layers were not recorded, or the term was already taken in this step (the first
+                call releases the captured tensors); the message says what is missing.
         """
         distiller = self._streamkl_ready()
         trainer = self._streamkl_trainer()
+        if self.__dict__.get("_streamkl_taken", False) and not distiller.student_recorded:
+            raise RuntimeError(
+                "attention_distillation_loss() was already taken in this step: the first call ran the teacher, "
+                "returned the term and released the captured tensors. Call it once per step and reuse its value "
+                "(e.g. `kd = self.attention_distillation_loss()`)."
+            )
         if batch is None:
             batch = self._streamkl_batch
             if batch is None:
@@ -164,6 +181,7 @@ class AttentionDistillationMixin:
             )
         self._streamkl_stop()  # nothing after this point (e.g. a checkpointed re-forward) is recorded
         terms = distiller.end_step(batch)
+        self._streamkl_taken = True
         stage = self._streamkl_stage()
         if stage == "train" or (stage == "val" and distiller.config.validation):
             log_step(self, self._streamkl_metrics, stage, terms,  # type: ignore[arg-type]
@@ -260,6 +278,9 @@ class _MixinHooks(Callback):
         return isinstance(pl_module, AttentionDistillationMixin) and pl_module.__dict__.get("_streamkl") is not None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._configured(pl_module):
+            warn_stage_without_term(f"{type(pl_module).__name__} (AttentionDistillationMixin)",
+                                    pl_module._streamkl.config.name, stage)
         if self._configured(pl_module) and stage in ("fit", "validate"):
             check_strategy(f"{type(pl_module).__name__} (AttentionDistillationMixin)", trainer, sharding=True)
             if not is_overridden("configure_model", pl_module):  # else the model may not exist yet: on_*_start

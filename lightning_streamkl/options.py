@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Text",
     "check_fields",
     "check_keys",
+    "dtype_names",
     "field_check",
     "invalid",
     "option",
@@ -355,7 +357,7 @@ def read_mapping(source: Any, cls: type, *, key: str | None = None) -> Mapping[s
     if isinstance(source, (str, os.PathLike)):
         node = OmegaConf.load(Path(source)) if _is_path(source) else OmegaConf.create(str(source))
     elif isinstance(source, (Mapping, DictConfig)):
-        node = OmegaConf.create(plain(source) if isinstance(source, DictConfig) else dict(source))
+        node = OmegaConf.create(plain(source) if isinstance(source, DictConfig) else dtype_names(dict(source)))
     else:
         raise invalid("config", f"a {cls.__name__}, a mapping of its fields, YAML text or a YAML path", source,
                       TypeError)
@@ -370,6 +372,25 @@ def read_mapping(source: Any, cls: type, *, key: str | None = None) -> Mapping[s
     if not isinstance(raw, Mapping):
         raise invalid("config", f"a mapping of {cls.__name__} fields", raw, TypeError)
     return raw
+
+
+def dtype_names(value: Any) -> Any:
+    """``value`` with every ``torch.dtype`` in it, at any depth of mappings, lists and tuples, replaced by its name
+    (``torch.bfloat16`` becomes ``"bfloat16"``), which omegaconf (and YAML) can hold: options such as
+    ``teacher_dtype`` accept a dtype as well as its name.
+
+    Example:
+        >>> import torch
+        >>> dtype_names({"teacher_dtype": torch.bfloat16, "teacher_from_pretrained": {"dtype": torch.float16}})
+        {'teacher_dtype': 'bfloat16', 'teacher_from_pretrained': {'dtype': 'float16'}}
+    """
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, Mapping) and not isinstance(value, DictConfig):
+        return {k: dtype_names(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(dtype_names(v) for v in value) if not hasattr(value, "_fields") else value
+    return value
 
 
 def _is_path(source: str | os.PathLike[str]) -> bool:

@@ -13,17 +13,21 @@ inputs a student submodule received (:class:`InputRecorder`, :func:`find_copy`).
 
 from __future__ import annotations
 
+import difflib
+import os
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["AdaptersOff", "FrozenTeacher", "InputRecorder", "SelfTeacher", "adapters_disabled", "borrowed",
-           "find_adapter_module", "find_copy", "is_sharded", "load_teacher", "reshard", "shard_count", "shard_module",
-           "shard_units", "stop_after", "to_device"]
+__all__ = ["AdaptersOff", "FrozenTeacher", "InputRecorder", "SelfTeacher", "TeacherForwardError", "adapters_disabled",
+           "borrowed", "check_separate", "check_teacher_path", "find_adapter_module", "find_copy", "is_sharded",
+           "load_teacher", "looks_like_path", "reshard", "shard_count", "shard_module", "shard_units",
+           "shared_parameters", "stop_after", "teacher_failed", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -48,6 +52,7 @@ def load_teacher(teacher: nn.Module | str, from_pretrained: Mapping[str, Any] | 
     if isinstance(teacher, nn.Module):
         return teacher
     if isinstance(teacher, str):
+        check_teacher_path(teacher)
         try:
             from transformers import AutoModel
         except ImportError as err:  # pragma: no cover
@@ -56,6 +61,55 @@ def load_teacher(teacher: nn.Module | str, from_pretrained: Mapping[str, Any] | 
     raise TypeError(
         f"Expected `teacher` to be a torch.nn.Module or the name/path of a Hugging Face model, but got "
         f"{type(teacher).__name__}."
+    )
+
+
+def looks_like_path(name: str) -> bool:
+    """True when ``name`` reads as a file-system path rather than a Hugging Face hub id (``org/model``): it starts
+    with ``/``, ``.``, ``~`` or a drive letter, holds a backslash, or has more than one ``/``.
+
+    Example:
+        >>> [looks_like_path(n) for n in ("meta-llama/Llama-3.2-1B", "./runs/teacher", "/ckpt/llama", "gpt2")]
+        [False, True, True, False]
+    """
+    return (name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+            or (len(name) > 2 and name[1] == ":" and name[0].isalpha()))
+
+
+def check_teacher_path(name: str) -> None:
+    """Refuse a teacher name that looks like a path (:func:`looks_like_path`) but names no directory, listing the
+    closest entries of the nearest folder that exists (transformers would call it a malformed hub id instead).
+
+    Raises:
+        FileNotFoundError: the path does not exist or is not a directory.
+
+    Example:
+        >>> check_teacher_path("meta-llama/Llama-3.2-1B")   # a hub id: left to transformers
+        >>> check_teacher_path("/no/such/teacher")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: Expected `teacher` to be a Hugging Face hub id or a local model directory, but there is \
+no such directory: '/no/such/teacher' (the nearest existing folder is '/').
+    """
+    if not looks_like_path(name):
+        return
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        return
+    what = "it is a file, not a model directory" if path.exists() else "there is no such directory"
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    hint = ""
+    if parent.is_dir():
+        hint = f" (the nearest existing folder is {str(parent)!r}"
+        if parent == path.parent:
+            entries = sorted(p.name for p in parent.iterdir() if p.is_dir())
+            near = difflib.get_close_matches(path.name, entries, n=3)
+            hint += f"; closest entries: {near}" if near else ""
+        hint += ")"
+    raise FileNotFoundError(
+        f"Expected `teacher` to be a Hugging Face hub id or a local model directory, but {what}: {name!r}{hint}."
     )
 
 
@@ -324,6 +378,204 @@ def reshard(module: nn.Module) -> None:
             m.reshard()
 
 
+# ------------------------------------------------------------------------------------------ teacher and student apart
+def _paths_of(root: nn.Module, module: nn.Module) -> list[str]:
+    """Every path under which ``module`` is reachable in ``root`` (``""``: the root itself)."""
+    return [name for name, m in root.named_modules(remove_duplicate=False) if m is module]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """``(device, storage address)`` of a tensor with data of its own, else ``None`` (meta, empty, a DTensor, ...)."""
+    try:
+        if t.is_meta or t.numel() == 0 or type(t) not in (torch.Tensor, nn.Parameter):
+            return None
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - tensor subclasses without storage
+        return None
+
+
+def shared_parameters(teacher: nn.Module, student: nn.Module) -> list[tuple[str, str]]:
+    """The parameters the teacher and the student share, as ``(teacher name, student name)``: the same parameter
+    (a module assigned to both, ``student.embed = teacher.embed``) or one storage (``nn.Parameter(teacher.w)``).
+
+    A teacher that the student holds whole (a LightningModule with ``self.teacher = ...``) is not sharing: its
+    subtree of the student is left out. Freezing the teacher would freeze shared parameters in the student, and
+    training the student would move the teacher.
+
+    Example:
+        >>> teacher = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+        >>> student = nn.Sequential(teacher[0], nn.Linear(4, 2))       # reuses the teacher's embedding
+        >>> shared_parameters(teacher, student)
+        [('0.weight', '0.weight')]
+        >>> holder = nn.ModuleDict({"student": nn.Linear(4, 4), "teacher": teacher})
+        >>> shared_parameters(teacher, holder)                          # holding the teacher whole is not sharing
+        []
+    """
+    by_id: dict[int, str] = {}
+    by_storage: dict[tuple[Any, ...], str] = {}
+    for name, p in teacher.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), name)
+        key = _storage_key(p)
+        if key is not None:
+            by_storage.setdefault(key, name)
+    held = [path + "." for path in _paths_of(student, teacher) if path]  # the teacher's own subtree(s) in the student
+    found: dict[int, tuple[str, str]] = {}
+    for path, module in student.named_modules(remove_duplicate=False):
+        if module is teacher or any((path + ".").startswith(h) for h in held):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            match = by_id.get(id(p))
+            if match is None:
+                key = _storage_key(p)
+                match = by_storage.get(key) if key is not None else None
+            if match is not None:
+                found.setdefault(id(p), (match, full))
+    return list(found.values())
+
+
+def _shared_modules(teacher: nn.Module, student: nn.Module) -> list[tuple[str, str]]:
+    """``(teacher path, student path)`` of the outermost modules the two hold by reference (not the teacher itself)."""
+    teacher_paths = {id(m): name for name, m in teacher.named_modules() if name}
+    found: list[tuple[str, str]] = []
+    for path, module in student.named_modules(remove_duplicate=False):
+        if module is teacher or not path or any(path.startswith(s + ".") for _, s in found):
+            continue
+        if id(module) in teacher_paths:
+            found.append((teacher_paths[id(module)], path))
+    return found
+
+
+def check_separate(teacher: nn.Module, student: nn.Module) -> None:
+    """Refuse a teacher that is not apart from the student: the student itself, or one that shares parameters with
+    it (:func:`shared_parameters`), before the teacher is frozen. A teacher the student holds whole (a
+    LightningModule attribute) is apart.
+
+    Raises:
+        ValueError: naming the shared modules or parameters and how to give the student its own copy.
+
+    Example:
+        >>> teacher = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+        >>> check_separate(teacher, nn.Sequential(teacher[0], nn.Linear(4, 2)))
+        Traceback (most recent call last):
+        ...
+        ValueError: The teacher and the student share 1 parameter(s): the student's submodule '0' is the teacher's \
+'0' (the same module object). Freezing the teacher would freeze them in the student too, and training the student \
+would change the teacher. Give the student its own copy, e.g. `student.<path> = copy.deepcopy(teacher.<path>)`, or \
+copy the weights into a module of its own with `load_state_dict(teacher.<path>.state_dict())`.
+    """
+    if teacher is student:
+        raise ValueError("The teacher is the student module itself; pass a separate (e.g. copied) teacher, or "
+                         "AdaptersOff() to use the student with its adapters switched off.")
+    shared = shared_parameters(teacher, student)
+    if not shared:
+        return
+    modules = _shared_modules(teacher, student)
+    if modules:
+        listed = ", ".join(f"the student's submodule {s!r} is the teacher's {t!r}" for t, s in modules[:3])
+        what = f"{listed}{', ...' if len(modules) > 3 else ''} (the same module object)"
+    else:
+        listed = ", ".join(f"the student's {s!r} is the teacher's {t!r}" for t, s in shared[:3])
+        what = f"{listed}{', ...' if len(shared) > 3 else ''} (the same parameter or storage)"
+    raise ValueError(
+        f"The teacher and the student share {len(shared)} parameter(s): {what}. Freezing the teacher would freeze "
+        "them in the student too, and training the student would change the teacher. Give the student its own copy, "
+        "e.g. `student.<path> = copy.deepcopy(teacher.<path>)`, or copy the weights into a module of its own with "
+        "`load_state_dict(teacher.<path>.state_dict())`."
+    )
+
+
+class TeacherForwardError(RuntimeError):
+    """The teacher's forward pass raised on a batch. The message names the original error; when ``explained`` (the
+    cause is known, e.g. token ids outside the teacher's vocabulary) it also says what to change, and the original
+    traceback is left out.
+
+    Example:
+        >>> TeacherForwardError("The teacher's forward failed on this batch (...)", explained=True).explained
+        True
+    """
+
+    def __init__(self, message: str, *, explained: bool = False) -> None:
+        super().__init__(message)
+        self.explained = explained
+
+
+def _package_dirs() -> tuple[str, ...]:
+    import streamkl
+
+    return tuple(str(Path(f).resolve().parent) + os.sep for f in (streamkl.__file__, __file__))
+
+
+def _own_frame(err: BaseException) -> bool:
+    """True when ``err`` was raised by this package or the op (a check of ours, e.g. a refused layer)."""
+    tb = traceback.extract_tb(err.__traceback__)
+    return bool(tb) and str(Path(tb[-1].filename).resolve()).startswith(_PACKAGE_DIRS)
+
+
+_PACKAGE_DIRS = _package_dirs()
+
+
+def _token_ids(data: Any) -> torch.Tensor | None:
+    """The integer token ids a batch (or a recorded call's arguments) feeds a model, if any: ``input_ids`` of a
+    mapping, else the first integer tensor of a tuple/list, else the batch itself when it is one."""
+    if isinstance(data, torch.Tensor):
+        return data if not data.is_floating_point() and not data.is_complex() and data.dtype != torch.bool else None
+    if isinstance(data, Mapping):
+        return _token_ids(data.get("input_ids")) if "input_ids" in data else None
+    if isinstance(data, (tuple, list)) and data:
+        return _token_ids(data[0])
+    return None
+
+
+def _input_embedding(model: nn.Module) -> nn.Embedding | None:
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, nn.Embedding):
+            return emb
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def teacher_failed(err: Exception, teacher: nn.Module, inputs: Any) -> Exception:
+    """The error to raise when the teacher's forward pass raised ``err`` on ``inputs``: ``err`` itself when our own
+    code raised it (a refused layer, a config check) or the device ran out of memory, else a
+    :class:`TeacherForwardError` that says it was the teacher and, when the token ids fall outside the teacher's
+    input embedding, their range and the vocabulary size.
+
+    Example:
+        >>> teacher = nn.Sequential(nn.Embedding(10, 4))
+        >>> ids = torch.tensor([[1, 12]])
+        >>> try:
+        ...     teacher(ids)
+        ... except IndexError as err:
+        ...     print(teacher_failed(err, teacher, {"input_ids": ids}))
+        The teacher's forward failed on this batch (IndexError: index out of range in self): the batch's token ids \
+range over [1, 12], but the teacher's vocabulary has 10 tokens (its input embedding is Embedding(10, 4)). Teacher \
+and student must share one tokenizer, or map the ids for the teacher in `teacher_forward`.
+    """
+    if _own_frame(err) or isinstance(err, torch.OutOfMemoryError):
+        return err
+    cause = f"{type(err).__name__}: {err}"
+    ids, embedding = _token_ids(inputs), _input_embedding(teacher)
+    if ids is not None and ids.numel() and embedding is not None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= embedding.num_embeddings:
+            return TeacherForwardError(
+                f"The teacher's forward failed on this batch ({cause}): the batch's token ids range over [{low}, "
+                f"{high}], but the teacher's vocabulary has {embedding.num_embeddings} tokens (its input embedding is "
+                f"{embedding}). Teacher and student must share one tokenizer, or map the ids for the teacher in "
+                "`teacher_forward`.", explained=True
+            )
+    return TeacherForwardError(
+        f"The teacher's forward failed on this batch ({cause}); the traceback above shows where. It ran "
+        f"{type(teacher).__name__} on what `teacher_forward` gives it (default: the batch's keys its forward names); "
+        "pass a `teacher_forward` to feed it differently."
+    )
+
+
 class FrozenTeacher:
     """A teacher module, frozen (``eval()``, no gradients) and placed for each forward pass.
 
@@ -363,12 +615,29 @@ class FrozenTeacher:
         self._fsdp: bool | None = None  # whether the module holds FSDP2 modules (looked up once: :meth:`sharded`)
         self._tensor_list: tuple[nn.Module, list[torch.Tensor]] | None = None  # (:meth:`_listed_tensors`)
 
-    def prepare(self) -> nn.Module:
-        """Load (once), check and freeze the teacher; returns the module.
+    def prepare(self, student: nn.Module | None = None) -> nn.Module:
+        """Load (once), check and freeze the teacher; returns the module. Given the ``student``, first check that
+        the two are apart (:func:`check_separate`: not the same module, no shared parameters), so that freezing the
+        teacher cannot freeze part of the student.
 
         Raises:
-            ValueError: a teacher with parameters or buffers on the meta device (no data).
+            ValueError: a teacher with parameters or buffers on the meta device (no data), or one that is the
+                student or shares parameters with it.
+            FileNotFoundError: a teacher path that names no directory (:func:`check_teacher_path`).
+
+        Example:
+            >>> teacher = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+            >>> student = nn.Sequential(teacher[0], nn.Linear(4, 2))
+            >>> FrozenTeacher(teacher).prepare(student)
+            Traceback (most recent call last):
+            ...
+            ValueError: The teacher and the student share 1 parameter(s): ...
+            >>> student[0].weight.requires_grad                 # refused before anything was frozen
+            True
         """
+        module = self.module if self.module is not None else self.source
+        if student is not None and isinstance(module, nn.Module):
+            check_separate(module, student)
         if self.module is not None:
             return self.module
         teacher = load_teacher(self.source, self.from_pretrained)

@@ -34,6 +34,9 @@ def check_temperature(temperature: object) -> float:
     value = float(temperature)
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"Expected argument `temperature` to be finite and > 0, but got {temperature!r}.")
+    if value < torch.finfo(torch.float32).tiny:  # 1e-38 gave nan: the scores are divided by it in float32
+        raise ValueError(f"Expected argument `temperature` to be finite and > 0, at least 1.1754944e-38 (the smallest "
+                         f"normal float32; the op computes in float32), but got {temperature!r}.")
     return value
 
 

@@ -90,6 +90,12 @@ class CapturedAttention:
         return Masking(self.causal, self.window, self.key_padding_mask, self.query_mask, self.packed, self.attn_mask)
 
 
+#: What the captures find by themselves, for messages about a model where none was found.
+SUPPORTED_LAYERS = ("Hugging Face models whose attention goes through the attention interface "
+                    "(ALL_ATTENTION_FUNCTIONS), nn.MultiheadAttention, and layers that call "
+                    "lightning_streamkl.capture.record(...) (address those by module path)")
+
+
 #: The attributes under which FSDP (``FullyShardedDataParallel``), activation checkpointing and ``torch.compile``
 #: hold the module they wrap.
 WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -240,7 +246,7 @@ class AttentionCapture(ABC):
             if not names:
                 raise ValueError(
                     f"The {role} {layer} is an index, but no attention layers were found in "
-                    f"{type(self.model).__name__} by the {self.kind!r} capture; address layers by name."
+                    f"{type(self.model).__name__} (the {self.kind!r} capture); supported: {SUPPORTED_LAYERS}."
                 )
             if not -len(names) <= layer < len(names):
                 raise ValueError(

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .base import _RECORDING, AttentionCapture
+from .base import _RECORDING, SUPPORTED_LAYERS, AttentionCapture
 
 
 def record(
@@ -115,7 +115,7 @@ class RecorderCapture(AttentionCapture):
             return layer
         if self._names is None:
             raise ValueError(
-                f"The {role} {layer} is an index, but the 'recorder' capture of {type(self.model).__name__} has no "
-                "declared layer names; pass RecorderCapture(model, names=[...]) or address the layer by name."
+                f"The {role} {layer} is an index, but no attention layers were found in {type(self.model).__name__}; "
+                f"supported: {SUPPORTED_LAYERS}, or declared ones: RecorderCapture(model, names=[...])."
             )
         return super().resolve(layer, role=role)

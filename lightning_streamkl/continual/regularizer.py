@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from ..adapter import LossTermCallback, add_to_loss, check_trainer, log_step
+from ..adapter import LossTermCallback, add_to_loss, check_trainer, log_step, warn_stage_without_term
 from ..capture import AttentionCapture, is_recording
 from ..config import AttentionKLOptions, LayerPair, StreamKLConfig, validate_config
 from ..engine import AttentionDistiller, DistillationMetrics, default_teacher_forward, padding_mask_from_batch
@@ -288,6 +288,7 @@ class ContinualAttentionRegularizer(LossTermCallback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate"):
+            warn_stage_without_term(type(self).__name__, self.config.name, stage)
             return
         check_trainer(self, trainer, pl_module, stage)
         launcher = getattr(trainer.strategy, "launcher", None)

@@ -40,6 +40,7 @@ except ImportError as err:  # pragma: no cover - jsonargparse missing
     ) from err
 
 from lightning_streamkl import StreamKLDistillation
+from lightning_streamkl.cli import asks_to_print_config, check_sections, without_print_config
 
 from .distill import DistillationJob, JobConfig
 
@@ -116,6 +117,19 @@ class StreamKLCLI(LightningCLI):
         parser.add_class_arguments(JobConfig, "job")
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", "teacher.init_args.vocab_size", apply_on="instantiate")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse as LightningCLI does; with ``--print_config``, the StreamKL sections (``distillation`` and any
+        callback in ``trainer.callbacks``) are checked first, as a run checks them, so a bad value is not printed as
+        if it were valid."""
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, (list, tuple)) and asks_to_print_config(argv):
+            config = parser.parse_args(without_print_config([str(a) for a in argv]))
+            try:
+                check_sections(config, [f"{config.subcommand}.distillation"])
+            except (ValueError, TypeError) as err:
+                raise _config_error(err) from None
+        super().parse_arguments(parser, args)
 
     def instantiate_classes(self) -> None:
         """Instantiate the config's classes; an error raised by a class's own validation (e.g. a LightningCLI union

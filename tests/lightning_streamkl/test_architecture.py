@@ -1,8 +1,8 @@
 """The package's import graph points one way: options/config/capture → loss/metrics/teacher → engine → adapter base
-→ adapters (callback, mixin, continual) → the demo job. No cycles; the engine and everything below it work without
-Lightning; an adapter never imports another adapter or a private name; the library never imports the job, and the
-job uses the library's public names only. Read from the source (every import statement, including those inside
-functions), so a violation fails here before it surprises a user."""
+→ adapters (callback, mixin, continual) → the package and its LightningCLI (cli) → the demo job. No cycles; the
+engine and everything below it work without Lightning; an adapter never imports another adapter or a private name;
+the library never imports the job, and the job uses the library's public names only. Read from the source (every
+import statement, including those inside functions), so a violation fails here before it surprises a user."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ LAYERS = {
     "engine": 3,
     "step_wrapper": 4, "adapter": 5,
     "callback": 6, "mixin": 6, "continual": 6, "indexer": 6,
-    "__init__": 7,
+    "__init__": 7, "cli": 7,
     "jobs": 8,
 }
 ADAPTERS = {"callback", "mixin", "continual", "indexer"}

@@ -141,7 +141,7 @@ def test_recorder_with_module_and_named_records():
     assert named.resolve(1) == "main"
     with pytest.raises(ValueError, match=r"Unknown layer: Identity has no attention layer 'mian'.*Closest: \['main'\]"):
         named.resolve("mian")
-    with pytest.raises(ValueError, match="no declared layer names"):
+    with pytest.raises(ValueError, match=r"no attention layers were found in Identity; supported: .*nn.MultiheadAttention"):
         RecorderCapture(nn.Identity()).resolve(0)
 
 

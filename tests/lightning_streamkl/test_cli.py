@@ -159,3 +159,19 @@ def test_console_script_is_installed(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "run" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("where", ["distillation section", "callback in the trainer section"])
+def test_print_config_checks_the_streamkl_sections(tmp_path, monkeypatch, capsys, where):
+    """`--print_config` printed a config with `temperature: -2` and exited 0 (issue 34); it now fails as a run does."""
+    if where == "distillation section":
+        args = ["--distillation.temperature=-2.0"]
+    else:
+        (tmp_path / "bad.yaml").write_text(BAD_CALLBACK)
+        args = ["--config", str(tmp_path / "bad.yaml")]
+    monkeypatch.setattr("sys.argv", ["streamkl-distill", *args, "--print_config"])
+    with pytest.raises(SystemExit) as info:
+        run()
+    captured = capsys.readouterr()
+    assert info.value.code == 2 and not captured.out
+    assert captured.err.strip() == "streamkl-distill: error: Expected `temperature` to be a finite number > 0, but got -2.0."

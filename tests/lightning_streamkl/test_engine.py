@@ -224,7 +224,8 @@ def test_from_pretrained_options_reach_the_loader_in_the_mixin_and_the_engine(tm
 
 def test_default_forwards_pass_packed_keys_to_models_and_every_key_to_wrappers():
     """A model whose forward takes **kwargs gets the packed-sequence keys besides its named ones; a wrapper
-    (forward(*args, **kwargs), PEFT's PeftModel) naming none of the keys gets every key; labels only to the student."""
+    (forward(*args, **kwargs), PEFT's PeftModel) naming none of the keys gets every key; labels only to the student;
+    ``use_cache=False`` to both (issue 34: the student's cache kept transformers from reading packed documents)."""
     from lightning_streamkl.engine import PACKED_SEQUENCE_KEYS, default_student_forward, default_teacher_forward
 
     class Model(nn.Module):
@@ -240,7 +241,7 @@ def test_default_forwards_pass_packed_keys_to_models_and_every_key_to_wrappers()
     assert teacher_seen["labels"] is None and teacher_seen["use_cache"] is False and "other" not in teacher_seen
     assert all(teacher_seen[k] == 4 for k in PACKED_SEQUENCE_KEYS)
     student_seen = default_student_forward(Model(), batch)
-    assert student_seen["labels"] == 2 and student_seen["use_cache"] is None
+    assert student_seen["labels"] == 2 and student_seen["use_cache"] is False
     assert all(student_seen[k] == 4 for k in PACKED_SEQUENCE_KEYS)
     assert default_teacher_forward(Wrapper(), batch) == {k: v for k, v in batch.items() if k != "labels"}
     assert default_student_forward(Wrapper(), batch) == batch
