@@ -39,7 +39,8 @@ flash-attention) gives the per-document KL. The teacher of an ``SFTTrainer`` get
 packed-sequence keys too (:func:`~lightning_streamkl.engine.default_teacher_forward`).
 
 This module never imports ``trl``: it relies only on what ``transformers.Trainer`` and TRL's trainers share
-(``compute_loss``, ``log``, ``teacher_model``, ``accelerator``), and ``import lightning_streamkl`` never imports it.
+(``compute_loss``, ``log``, ``accelerator``, and ``teacher_model`` where the trainer has a teacher), and
+``import lightning_streamkl`` never imports it.
 Tested with TRL 1.14.2, 1.15.0 and 1.16.0 and transformers 5.23 (the ``trl`` extra, ``trl>=1.14,<1.17``:
 ``pip install "lightning-streamkl[trl]"``).
 """
