@@ -190,7 +190,9 @@ class AttentionDistiller:
       manager around your own forward pass;
     - :meth:`begin_step`, :meth:`student_recording`, :meth:`end_step`: the three steps by hand.
 
-    The first two count their calls (:attr:`steps`) for the warm-up unless given ``step=``.
+    The first two count their calls (:attr:`steps`) for the warm-up unless given ``step=``. A loop that runs the teacher
+    itself, because it needs the teacher's output (a logit-distillation trainer), opens :meth:`teacher_recording`
+    around that pass instead of calling :meth:`begin_step`: the pass is recorded, and not repeated.
 
     Args:
         teacher: the teacher module, a Hugging Face model name/path, or

@@ -118,7 +118,7 @@ class AttentionKLMixin:
         super().__init__(*args, **kwargs)
         if getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("AttentionKLMixin does not support DeepSpeed (ZeRO partitions the models' weights outside "
-                             "the modules the captures read); train with DDP or FSDP instead.")
+                             "the modules the captures read); train with DDP instead.")
         own = getattr(self, "teacher_model", None)
         own = self.accelerator.unwrap_model(own) if isinstance(own, nn.Module) else None
         if attention_teacher is None and own is None:
