@@ -46,7 +46,7 @@ PAGES = ("README.md", "docs/guides/precision.md", "docs/index.md", "docs/quickst
          "docs/guides/long-context.md", "docs/guides/lightning.md", "docs/guides/hf-models.md",
          "docs/guides/custom-attention.md", "docs/guides/real-teachers.md", "docs/guides/indexer.md",
          "docs/guides/sharding.md", "docs/concepts/architecture.md", "docs/guides/recipes.md",
-         "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md")
+         "docs/examples.md", "docs/faq.md", "docs/perf-notes.md", "docs/reliability.md", "docs/guides/trl.md")
 
 #: generated blocks -> the script that writes them (each has a test comparing the block with that script's output)
 GENERATED = {
@@ -144,6 +144,10 @@ ALLOWED: tuple[tuple[str, str, tuple[str, str] | None], ...] = (
      ("tests/lightning_streamkl/test_capture_implementations.py", "rtol=1e-5")),
     ("docs/examples.md", r"1e-9", ("tests/lightning_streamkl/test_minilm.py", "rtol=1e-9")),
     ("docs/guides/recipes.md", r"to 1e-10", ("tests/lightning_streamkl/test_adapters_off.py", "rtol=1e-10")),
+    ("docs/guides/trl.md", r"relative 1e-9", ("tests/lightning_streamkl/test_trl.py", "rtol=1e-9")),
+    ("docs/guides/trl.md", r"(?:TRL |trl>=)?1\.1[4-7](?:\.\d)?(?:,<1\.17)?", ("pyproject.toml", "trl>=1.14,<1.17")),
+    ("docs/guides/trl.md", r"a 1\.1B Llama teacher, a 0\.25B student",
+     ("benchmarks/user_path.py", "A Llama teacher of 1.1B parameters")),
     ("docs/guides/continual.md", r"40 steps", ("benchmarks/continual/run.py", "steps: int = 40")),
     ("docs/guides/continual.md", r"150 steps per task|150 Adam steps", ("benchmarks/continual/cpu.yaml",
                                                                         "steps_per_task: 150")),
