@@ -1,5 +1,6 @@
-"""Tiny stand-ins used by the Lightning examples: a synthetic token task and a LightningModule around a
-Hugging Face causal LM built from a config (no downloads; a few seconds on a CPU).
+"""Tiny stand-ins used by the examples: a synthetic token task and a LightningModule around a Hugging Face causal LM
+built from a config, and, for the TRL examples, a word-level tokenizer and the same task as text (no downloads; a few
+seconds on a CPU).
 
 In real use the teacher is a trained model (``AutoModelForCausalLM.from_pretrained(...)``) and the student your
 own LightningModule; nothing in the distillation code depends on these classes.
@@ -77,6 +78,37 @@ class TokenDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(slice(-self.batch_size, None))
+
+
+def tiny_tokenizer(padding_side: str = "right"):
+    """A word-level tokenizer for the task as text: ``<pad>`` (0), ``<eos>`` (1) and the words ``t2`` ... ``t63``, with
+    a chat template that joins the messages' contents (built in memory; no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>",
+                                        padding_side=padding_side)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if not add_generation_prompt %}<eos>{% endif %}")
+    return tokenizer
+
+
+def rule_texts(count: int = 64, length: int = 24, seed: int = 0) -> list[str]:
+    """Sequences of the words of :func:`tiny_tokenizer` following a fixed rule (next = (7·t + 3) mod 62 + 2), of
+    random lengths from ``length // 2`` to ``length``."""
+    g = torch.Generator().manual_seed(seed)
+    texts = []
+    for _ in range(count):
+        n = int(torch.randint(length // 2, length + 1, (1,), generator=g))
+        token, words = int(torch.randint(2, VOCAB, (1,), generator=g)), []
+        for _ in range(n):
+            words.append(f"t{token}")
+            token = (7 * token + 3) % (VOCAB - 2) + 2
+        texts.append(" ".join(words))
+    return texts
 
 
 def take(loader, steps: int):

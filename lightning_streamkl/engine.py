@@ -201,7 +201,9 @@ class AttentionDistiller:
       manager around your own forward pass;
     - :meth:`begin_step`, :meth:`student_recording`, :meth:`end_step`: the three steps by hand.
 
-    The first two count their calls (:attr:`steps`) for the warm-up unless given ``step=``.
+    The first two count their calls (:attr:`steps`) for the warm-up unless given ``step=``. A loop that runs the teacher
+    itself, because it needs the teacher's output (a logit-distillation trainer), opens :meth:`teacher_recording`
+    around that pass instead of calling :meth:`begin_step`: the pass is recorded, and not repeated.
 
     Args:
         teacher: the teacher module, a Hugging Face model name/path, or
@@ -461,6 +463,48 @@ class AttentionDistiller:
             if self._inputs is not None:
                 stack.enter_context(self._inputs.recording())
             yield
+
+    @contextmanager
+    def teacher_recording(self) -> Iterator[None]:
+        """Record the teacher's paired layers during a teacher forward pass that the caller runs inside the block
+        (a trainer that needs the teacher's logits, such as a logit-distillation trainer, runs it itself).
+
+        The pass runs as the caller runs it: to the end (no early exit: its output is needed), on the caller's
+        device, in the caller's ``no_grad``. Once every paired teacher layer has recorded, the step counts the teacher
+        as run, and :meth:`end_step` does not run it a second time (it still does when a paired layer did not run in
+        the block). Call :meth:`clear` before the step, as :meth:`begin_step` does.
+
+        Example:
+            >>> encoder = lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 1,
+            ...                                         enable_nested_tensor=False)
+            >>> teacher, student = encoder(), encoder()
+            >>> distiller = AttentionDistiller(teacher, {"pairs": [[0, 0]], "causal": False}, student=student)
+            >>> x = torch.randn(2, 5, 16)
+            >>> distiller.clear()
+            >>> with distiller.student_recording():
+            ...     y = student(x)
+            ...     with distiller.teacher_recording(), torch.no_grad():
+            ...         logits = teacher(x)  # the trainer's own teacher pass, used for its loss too
+            >>> distiller.teacher_recorded
+            True
+            >>> terms = distiller.end_step(x)  # no second teacher pass
+            >>> list(terms.per_pair), terms.total.requires_grad
+            (['t0_s0'], True)
+        """
+        _, teacher_capture, _ = self._ready()
+        self.teacher.prepare()
+        with teacher_capture.recording():
+            yield
+        if self.teacher_recorded:
+            self._teacher_ran = True
+
+    @property
+    def teacher_recorded(self) -> bool:
+        """True when every paired teacher layer has recorded since the last :meth:`clear`."""
+        capture = self.teacher_capture
+        if capture is None or not capture.records:
+            return False
+        return capture.selected is None or capture.selected <= capture.records.keys()
 
     @property
     def student_recorded(self) -> bool:

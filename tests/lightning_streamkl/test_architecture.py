@@ -19,12 +19,12 @@ LAYERS = {
     "terms": 2, "loss": 2, "metrics": 2, "teacher": 2,
     "engine": 3,
     "step_wrapper": 4, "adapter": 5,
-    "callback": 6, "mixin": 6, "continual": 6, "indexer": 6,
+    "callback": 6, "mixin": 6, "continual": 6, "indexer": 6, "integrations": 6,
     "__init__": 7, "cli": 7,
     "jobs": 8,
 }
-ADAPTERS = {"callback", "mixin", "continual", "indexer"}
-LIGHTNING_FREE = {"options", "capture", "config", "terms", "loss", "metrics", "teacher", "engine"}
+ADAPTERS = {"callback", "mixin", "continual", "indexer", "integrations"}
+LIGHTNING_FREE = {"options", "capture", "config", "terms", "loss", "metrics", "teacher", "engine", "integrations"}
 
 
 def _module_name(path: Path) -> str:
@@ -120,6 +120,14 @@ def test_the_library_never_imports_the_job():
     for module, imports in GRAPH.items():
         if _unit(module) != "jobs":
             assert not [t for t, _ in imports if t.startswith("lightning_streamkl.jobs")], module
+
+
+def test_the_library_never_imports_the_integrations():
+    """``lightning_streamkl.integrations.*`` (TRL, ...) are imported by their users only: ``import lightning_streamkl``
+    must not pull in another training library."""
+    for module, imports in GRAPH.items():
+        if _unit(module) != "integrations":
+            assert not [t for t, _ in imports if t.startswith("lightning_streamkl.integrations")], module
 
 
 def test_no_module_holds_a_huge_class():

@@ -66,6 +66,23 @@ def test_hf_trainer_example(tmp_path):
     assert out["steps"] == 12 and out["attn_kl_last"] < out["attn_kl_first"]
 
 
+def test_trl_sft_example(tmp_path):
+    pytest.importorskip("trl")
+    import trl_sft
+
+    out = trl_sft.main(max_steps=12, output_dir=str(tmp_path))  # padding-free packing
+    assert out["steps"] == 12 and out["attn_kl_last"] < out["attn_kl_first"]
+
+
+@pytest.mark.parametrize("trainer", ["gkd", "distillation"])
+def test_trl_gkd_example(tmp_path, trainer):
+    pytest.importorskip("trl")
+    import trl_gkd
+
+    out = trl_gkd.main(trainer, max_steps=6, output_dir=str(tmp_path))
+    assert out["steps"] == 6 and out["attn_kl_last"] < out["attn_kl_first"]
+
+
 def test_lightning_cli_yaml(tmp_path):
     import lightning_cli
 
@@ -144,7 +161,7 @@ def _blocks(path: Path) -> list[tuple[str, list[str]]]:
     return [(f, code.strip("\n").splitlines()) for f, code in found]
 
 
-@pytest.mark.parametrize("doc", ["docs/guides/lightning.md", "docs/guides/recipes.md"])
+@pytest.mark.parametrize("doc", ["docs/guides/lightning.md", "docs/guides/recipes.md", "docs/guides/trl.md"])
 def test_documented_code_is_the_example_code(doc):
     """Every line of a marked block is a line of the example file, in the same order (excerpts may skip lines)."""
     blocks = _blocks(ROOT / doc)
