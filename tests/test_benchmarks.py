@@ -733,25 +733,6 @@ def test_perf_notes_v18_tables_are_bench_gluon_causal_order_output():
 
 
 
-def test_perf_notes_three_consumer_tables_are_bench_three_consumers_output():
-    """docs/perf-notes.md's three-consumer blocks are bench_three_consumers.py's rendering of the committed H100 run
-    (its shapes, bench_hopper_key_pass's cases at head dim 64, all bitwise); the training forward keeps two consumers
-    because three were slower on every shape in every round; the offline resources are the script's cases."""
-    bench = _load(ROOT / "benchmarks" / "bench_three_consumers.py", "bench_three_consumers")
-    data = _assert_key_pass_run("bench_three_consumers")
-    assert data["checks"] and all(c["bitwise_equal"] and max(c["case"][6:8]) == 64 for c in data["checks"])
-    for row in data["rows"]:
-        for what in bench.PAIRS.values():
-            three = bench.paired_labels(row, *what)
-            assert three["ratio"] > 1 and three["wins"] == 0, (row["shape"]["name"], what)
-    from streamkl._hopper.fused_forward import fused_forward_consumers
-
-    assert fused_forward_consumers(64, 64) == 2
-    resources = _load(ROOT / "benchmarks" / "kernel_resources.py", "kernel_resources")
-    compiled = json.loads((ROOT / "benchmarks" / "results" / "kernel-resources-hopper-consumers.json").read_text())
-    assert [(r["d"], r["causal"], r["consumers"]) for r in compiled["rows"]] == resources.HOPPER_CONSUMERS_CASES
-
-
 def test_perf_notes_v19_tables_are_bench_exponent_difference_output():
     """docs/perf-notes.md's v19 blocks are bench_exponent_difference.py's rendering of the committed H100 run (its
     shapes, bench_hopper_key_pass's cases, all bitwise; the KL checks are bench_lazy_frames'); v19 is not kept because

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._constants import BACKENDS, REDUCTIONS
+from ._triton_common.interpreter import triton_interpreter_enabled
 from ._validation import FLOAT_DTYPES, check_choice, check_float_tensor
 
 #: The layouts of :func:`indexer_kl` (the packed "thd" layout of attention_kl is not one of them).
@@ -258,13 +259,11 @@ def resolve_indexer_backend(backend: str, problem: IndexerKLProblem) -> str:
     ``"triton"`` on a CPU tensor needs Triton's interpreter (``TRITON_INTERPRET=1``); a request the kernels cannot
     serve raises instead of silently falling back.
     """
-    from ._triton.configs import interpreting  # imports triton only, no kernel compiles
-
     fp64 = problem.compute_dtype == torch.float64
     on_cuda = problem.q.device.type == "cuda"
     if backend == "reference" or (backend == "auto" and (fp64 or not on_cuda)):
         return "reference"
-    if not on_cuda and not interpreting():
+    if not on_cuda and not triton_interpreter_enabled():
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got tensors on {problem.q.device}); set TRITON_INTERPRET=1 before "
             "importing triton to run the kernels on the CPU interpreter, or use backend='reference'."

@@ -48,15 +48,6 @@ def test_cpu_tensors_never_take_the_hopper_kernel():
     assert hopper.hopper_forward(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125)) is None
 
 
-def test_the_environment_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv(hopper.ENV_SWITCH, "0")
-    assert not hopper.hopper_enabled()
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
-    assert hopper.hopper_enabled()
-    monkeypatch.delenv(hopper.ENV_SWITCH)
-    assert hopper.hopper_enabled()
-
-
 @pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("inputs", "spec", "expected"), [
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), True),
@@ -217,44 +208,14 @@ def test_hopper_fused_forward_gives_the_portable_forwards_bits(case: Case):
     assert_close(dq_gluon, ref_dq, TOLERANCES[torch.bfloat16][1], "dq_s")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FUSED_CASES if max(c.d_t, c.d_s) == 64])
-def test_three_consumer_warpgroups_give_the_two_consumers_bits(case: Case):
-    """The training forward with three consumer warpgroups (192 rows per program, benchmarks/bench_three_consumers.py;
-    not selected: it was slower) computes every row as two do: bitwise the same KL, lse and query gradient."""
-    from streamkl._triton.forward import new_dq_b_buffer
-
-    inputs, spec = _fused_problem(case)
-    dq_three, dq_two = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
-    three = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_three, consumers=3), dq_three)
-    two = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_two, consumers=2), dq_two)
-    for name, x, y in zip(("kl", "lse_a", "lse_b", "dq_s"), three, two):
-        assert torch.equal(x, y), f"{name} differs with three consumers"
-
-
-@pytest.mark.skipif(_fused is None, reason="this Triton has no Gluon Hopper API")
-@pytest.mark.parametrize(("consumers", "d"), [(3, 128), (4, 64), (1, 64)])
-def test_the_training_forward_refuses_consumers_it_has_no_registers_for(consumers, d):
-    """Two consumer warpgroups, or three at head dim 64: anything else is an error that names the argument (checked
-    before any launch, so on the CPU)."""
-    from streamkl._triton.forward import new_dq_b_buffer
-
-    inputs = _inputs(1, 2, 256, d)
-    with pytest.raises(ValueError, match=rf"consumers: expected 2, or 3 with head dims <= 64, got {consumers}"):
-        _fused.attention_kl_fused_fwd_hopper(inputs, KLSpec(0.125, 0.125), new_dq_b_buffer(inputs),
-                                             consumers=consumers)
-    assert _fused.fused_forward_consumers(64, 64) == 2
-
-
 @pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("heads", "key_heads", "d"), [(16, 16, 64), (16, 4, 128), (3, 3, 128)])
 def test_causal_gluon_forwards_order_their_rows_as_the_portable_forward(heads, key_heads, d):
     """Both Gluon forwards launch a causal problem as the portable forward does since v12 (v18): one-dimensional,
     longest row tiles first, in chunks of the portable forward's size (keys of both sides within half of the L2);
     without a mask, a (row tiles, pairs) grid."""
-    from streamkl._triton._launch import tensor_geometry
     from streamkl._triton.forward import _forward_plan
+    from streamkl._triton_common.launch import tensor_geometry
 
     q = torch.randn(2, heads, 4096, d, dtype=torch.bfloat16)
     k = torch.randn(2, key_heads, 4096, d, dtype=torch.bfloat16)

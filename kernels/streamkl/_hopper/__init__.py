@@ -44,19 +44,6 @@ HOPPER_MIN_SCORES = 1 << 28
 ENV_SWITCH = "STREAMKL_HOPPER_KERNELS"
 
 
-def hopper_enabled() -> bool:
-    """False when ``STREAMKL_HOPPER_KERNELS=0`` (read on every call, so tests and benchmarks can switch it).
-
-    Example:
-        >>> import os
-        >>> os.environ["STREAMKL_HOPPER_KERNELS"] = "0"
-        >>> hopper_enabled()
-        False
-        >>> del os.environ["STREAMKL_HOPPER_KERNELS"]
-    """
-    return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
 @functools.lru_cache(maxsize=4)
 def _module(name: str = "forward"):
     """The Hopper module ``name`` (``forward`` or ``backward``), or None when this Triton has no usable Gluon (they
@@ -84,7 +71,7 @@ def hopper_forward(inputs: KLInputs, spec: KLSpec) -> Callable | None:
         >>> hopper_forward(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125)) is None
         True
     """
-    mode = os.environ.get(ENV_SWITCH, "1")  # read once per call (see hopper_enabled)
+    mode = os.environ.get(ENV_SWITCH, "1")  # read on every call, so tests and benchmarks can switch it
     if not inputs.q_a.is_cuda or mode == "0" or not _large_enough(inputs, mode):
         return None
     if mode != "all" and max(inputs.q_a.shape[-1], inputs.q_b.shape[-1]) < 128:
@@ -136,5 +123,4 @@ def hopper_key_pass(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad
     return module.attention_kl_key_pass_hopper
 
 
-__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_enabled", "hopper_forward",
-           "hopper_fused_forward", "hopper_key_pass"]
+__all__ = ["ENV_SWITCH", "HOPPER_MIN_SCORES", "hopper_forward", "hopper_fused_forward", "hopper_key_pass"]

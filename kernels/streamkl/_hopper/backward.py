@@ -48,9 +48,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import l2_cache_bytes, longest_first_chunk, side_scales
-from .._triton._launch import KernelLauncher
-from .._triton.configs import LaunchConfig
+from .._triton_common.launch import KernelLauncher
+from .._triton_common.numerics import side_scales
+from .._triton_common.scheduling import l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
 from .forward import (
     HOPPER_HEAD_DIMS,
     _allocate_tiles,

@@ -33,16 +33,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import (
-    LN2_C,
-    NEG_BIG,
-    key_bytes_per_head,
-    l2_cache_bytes,
-    longest_first_chunk,
-    side_scales,
-)
-from .._triton._launch import KernelLauncher
-from .._triton.configs import LaunchConfig
+from .._triton_common.launch import KernelLauncher
+from .._triton_common.numerics import LN2_C, NEG_BIG, side_scales
+from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
 
 #: Head dims this kernel is built for (both sides; they may differ).
 HOPPER_HEAD_DIMS = (64, 128)

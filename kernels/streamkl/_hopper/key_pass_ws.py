@@ -29,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .._triton.configs import LaunchConfig
+from .._triton_common.tiles import LaunchConfig
 from .forward import _longest_first, _tma_load
 from .key_pass_tiles import _causal_mask, _ds_tile, _row_state, _store_dk
 

@@ -42,9 +42,12 @@ import triton.language as tl
 
 from .._hopper import hopper_key_pass
 from .._problem import KLInputs, KLSpec
+from .._triton_common.interpreter import triton_interpreter_enabled
+from .._triton_common.launch import KernelLauncher, tensor_geometry
+from .._triton_common.numerics import LN2_C, LOG2E_C, side_scales
+from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
 from ._helpers import (
-    LN2_C,
-    LOG2E_C,
     _allowed,
     _as_operand,
     _band,
@@ -58,14 +61,9 @@ from ._helpers import (
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
-    key_bytes_per_head,
-    l2_cache_bytes,
-    longest_first_chunk,
-    side_scales,
     wide_offsets,
 )
-from ._launch import KernelLauncher, tensor_geometry
-from .configs import LaunchConfig, dk_config, dq_config, interpreting, padded_head_dim
+from .configs import dk_config, dq_config, padded_head_dim
 
 
 @triton.jit
@@ -634,7 +632,7 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
         FP16_A=dtype_a == torch.float16, FP16_B=dtype_b == torch.float16,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
-        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g), SCALAR_GRAD=scalar_grad,
+        INTERPRET=triton_interpreter_enabled(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g), SCALAR_GRAD=scalar_grad,
         LONGEST_FIRST=spec.window_right >= 0 and not varlen,
     )
     max_k = spec.max_seqlen_k if varlen else n_k
