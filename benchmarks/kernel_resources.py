@@ -168,7 +168,7 @@ def hopper_key_pass_resources(package, d: int, causal: bool, block_m: int, stage
              "grad_scale_b": "fp32"}
     constexprs = dict(CAUSAL=causal, SCALAR_GRAD=True, BLOCK_M=block_m, BLOCK_N=64, STAGES=stages, num_warps=4)
     if "OVERLAP" in fn.arg_names:  # v16: full steps pipelined or one at a time, as the launch picks by head dim
-        constexprs["OVERLAP"] = module.overlaps_steps(d)
+        constexprs["OVERLAP"] = d <= 64  # streamkl.dispatch's variant: full steps pipelined where D_s <= 64
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     src = GluonASTSource(fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in
                                                               constexprs.items()}, attrs={})

@@ -488,11 +488,11 @@ def test_perf_notes_v10_tables_are_bench_hopper_key_pass_output():
     assert all(c["ok"] for c in data["checks"]), [c["case"] for c in data["checks"] if not c["ok"]]
     assert [c["case"] for c in data["checks"]] == [list(c) for c in bench.CHECKS]
     assert [r["name"] for r in data["shapes"]] == [s[0] for s in bench.SHAPES]
-    from streamkl._hopper import HOPPER_MIN_SCORES, _module
+    from streamkl.dispatch import GLUON_MIN_SCORES, _module
 
-    module = _module("backward")  # None without a usable Gluon: the tiles of the code are then not checked
+    module = _module("_hopper.backward")  # None without a usable Gluon: the tiles of the code are then not checked
     for row in data["shapes"]:
-        assert row["default_picks_hopper"] == (row["b"] * row["h"] * row["n"] ** 2 >= HOPPER_MIN_SCORES), row["name"]
+        assert row["default_picks_hopper"] == (row["b"] * row["h"] * row["n"] ** 2 >= GLUON_MIN_SCORES), row["name"]
         if module is not None and not row["causal"]:  # the run used the tiles the code picks now (causal: v14's)
             tile = module.hopper_key_pass_config(row["d"], row["d"], row["causal"])
             assert row["default_tile"] == list(vars(tile).values()), row["name"]
@@ -532,9 +532,9 @@ def test_perf_notes_v14_tables_are_bench_peeled_key_pass_output():
     data = _assert_key_pass_run("bench_peeled_key_pass")
     (d64,) = [r for r in data["rows"] if r["shape"]["name"] == "N8192-D64-causal"]
     assert [t["tile"] for t in d64["tiles"]] == [list(t) for t in bench.CANDIDATES[64]]
-    from streamkl._hopper import _module
+    from streamkl.dispatch import _module
 
-    module = _module("backward")
+    module = _module("_hopper.backward")
     if module is not None:
         best = min(d64["tiles"], key=lambda t: t["ms"])["tile"]
         assert best == list(vars(module.hopper_key_pass_config(64, 64, True)).values())
@@ -683,11 +683,17 @@ def test_perf_notes_v16_tables_are_bench_one_set_key_pass_output():
     kernel_resources.py compiles, for this version and v15's, and the selection it compiled is the code's."""
     _assert_key_pass_run("bench_one_set_key_pass")
     _assert_compiled_cases("kernel-resources-hopper-key-pass-v16.json")
-    from streamkl._hopper import _module
+    import torch
 
-    module = _module("backward")
-    if module is not None:
-        assert [module.overlaps_steps(d) for d in (64, 128)] == [True, False]
+    from streamkl import dispatch
+    from streamkl._problem import KLInputs, KLSpec
+
+    def pipelined(d):  # the one-warpgroup key pass the dispatch table runs at head dim d, with no causal mask
+        q = torch.randn(1, 2, 64, d).to(torch.bfloat16)
+        problem = dispatch.Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.1, 0.1), need_b=True)
+        return dispatch.in_scope("gluon_key_pass_pipelined", problem)
+
+    assert [pipelined(d) for d in (64, 128)] == [True, False]
 
 
 def test_perf_notes_v17_tables_are_bench_ws_fused_forward_output():

@@ -99,7 +99,7 @@ def test_torch_deterministic_mode_overrides_atomic_request(monkeypatch):
     original = backward.attention_kl_bwd
 
     def spy(*args, **kwargs):
-        seen["deterministic"] = args[-1]
+        seen["deterministic"] = kwargs["deterministic"]
         return original(*args, **kwargs)
 
     monkeypatch.setattr(backward, "attention_kl_bwd", spy)

@@ -30,10 +30,10 @@ flight during the exponentials. In a scratch probe, consumers taking turns on th
 ping-pong) were slower than consumers that both compute at once. The softmax work of two distributions outweighs the
 products here, so the kernel gains by keeping both consumers computing, not by overlapping them with the products.
 
-Scope (anything else runs the portable kernel, :func:`supports`): dense ``(B, H, N, D)`` bf16 inputs TMA can address,
-head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels
-have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel against the portable one (bitwise)
-and the float64 oracle.
+Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
+bf16 inputs TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
+``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel
+against the portable one (bitwise) and the float64 oracle.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from .._triton_common.numerics import NEG_BIG, side_scales
 from .._triton_common.tiles import LaunchConfig
 from .forward import (
     _descriptor,
-    _is_sm90,
     _issue_scores,
     _row_tile_start,
     _store_kl_lse,
@@ -62,7 +61,6 @@ from .forward import (
     forward_outputs,
     row_tile_grid,
 )
-from .forward import in_scope as _forward_in_scope
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
 #: when a tile's max exceeds it by more than this many powers of two.
@@ -342,27 +340,6 @@ def fused_forward_config(d_a: int, d_b: int) -> LaunchConfig:
     return LaunchConfig(64, 64, 4, 2)
 
 
-def in_scope(inputs: KLInputs, spec: KLSpec) -> bool:
-    """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
-
-    Example:
-        >>> q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
-        >>> in_scope(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125))
-        True
-        >>> in_scope(KLInputs(q, q, q, q.half(), None, None, None, None, None, None), KLSpec(0.125, 0.125))
-        False
-    """
-    return inputs.q_a.dtype == torch.bfloat16 and _forward_in_scope(inputs, spec)
-
-
-def supports(inputs: KLInputs, spec: KLSpec) -> bool:
-    """True when :func:`attention_kl_fused_fwd_hopper` computes this forward: CUDA tensors on an sm_90 device and
-    :func:`in_scope`."""
-    q_a = inputs.q_a
-    return q_a.is_cuda and _is_sm90(q_a.device.index if q_a.device.index is not None else -1) \
-        and in_scope(inputs, spec)
-
-
 _launch = KernelLauncher(_ws_fused_fwd_kernel)
 
 
@@ -371,7 +348,7 @@ def attention_kl_fused_fwd_hopper(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward of :func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b`` (same outputs, ``(kl,
     lse_a, lse_b)``, each ``[B, H, N_q]`` fp32, nats, and ``dq_b`` filled with side b's query gradient per unit
-    upstream gradient) on the Hopper kernel; only for problems :func:`supports` accepts.
+    upstream gradient) on the Hopper kernel; only for problems in its scope (module docstring).
 
     Example (on an H100)::
 

@@ -35,12 +35,12 @@ reach a gradient of an allowed entry; a row that does see one has NaN ``lse`` an
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from .._hopper import hopper_key_pass
 from .._problem import KLInputs, KLSpec
 from .._triton_common.interpreter import triton_interpreter_enabled
 from .._triton_common.launch import KernelLauncher, tensor_geometry
@@ -671,13 +671,16 @@ def attention_kl_bwd(
     dk_launch: LaunchConfig | None = None,
     dq_launch: LaunchConfig | None = None,
     dq_b: torch.Tensor | None = None,
+    key_pass: Callable | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed).
 
     ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script). ``dq_b`` is
     the query gradient per unit upstream gradient that the forward accumulated (``attention_kl_fwd(dq_b=...)``,
     only with ``need_grad_a=False``): then only the key pass runs (no atomics, deterministic) and side b's query
-    gradient is that buffer times the upstream gradient.
+    gradient is that buffer times the upstream gradient. ``key_pass``, a function of ``(grad_kl, inputs, spec, lse_a,
+    lse_b)`` returning side b's key gradient (a Hopper key pass, chosen by :mod:`streamkl.dispatch`; only with
+    ``need_grad_a=False`` and no atomic query gradient), replaces the portable key pass.
     """
     if dq_b is not None and need_grad_a:
         raise ValueError("Expected `need_grad_a=False` with a forward-accumulated `dq_b`, but got need_grad_a=True.")
@@ -724,8 +727,8 @@ def attention_kl_bwd(
         return alloc(k.shape, dtype=k.dtype, device=device)
 
     cu_k = inputs.cu_seqlens_k
-    # the sm_90 key pass where it applies (streamkl._hopper): side b's dK alone, so never with atomic dQ
-    key_pass = None if atomic else hopper_key_pass(inputs, spec, need_grad_a, need_grad_b)
+    if key_pass is not None and (need_grad_a or atomic):
+        raise ValueError("Expected `key_pass` only for side b's key gradient alone, with no atomic query gradient.")
     if key_pass is not None:
         dk_a, dk_b = None, key_pass(grad_kl, inputs, spec, lse_a, lse_b)
     else:
