@@ -41,7 +41,8 @@ from ._problem import KLInputs, KLSpec, key_head_split
 from ._triton_common.interpreter import triton_interpreter_enabled
 
 __all__ = ["FORCE_CHOICES", "GLUON_HEAD_DIMS", "GLUON_MIN_SCORES", "TABLE", "BackendQuery", "Problem", "Route",
-           "backward", "forced", "forward", "fuses_dq_b", "in_scope", "select", "select_backend", "table_markdown",
+           "backward", "forced", "forward", "fuses_dq_b", "in_scope", "indexer_backward", "indexer_forward",
+           "new_dq_b_buffer", "saved_dq_b_dtype", "select", "select_backend", "table_markdown",
            "triton_interpreter_enabled"]
 
 #: Problems with fewer score elements per distribution (``B·H·N_q·N_k``) stay on the portable kernels: below it the
