@@ -120,6 +120,7 @@ def host_breakdown(sync) -> dict:
     elementwise kernel, an autograd Function that does nothing, SDPA), then the op's stages."""
     from streamkl._validation import prepare_problem
     from streamkl.autograd import AttentionKLFunction
+    from streamkl.options import AttentionKLOptions
 
     inputs = tiny_inputs("cuda")
     q_t, k_t, q_s, k_s = inputs
@@ -134,7 +135,8 @@ def host_breakdown(sync) -> dict:
         def backward(ctx, grad):
             return None, None
 
-    problem = prepare_problem(q_t, k_t, q_s, k_s, causal=True, backend="triton")
+    options = AttentionKLOptions(causal=True, backend="triton")
+    problem = prepare_problem(q_t, k_t, q_s, k_s, options)
     kernel_inputs, spec = problem.kernel_problem()
     rows = q_t.shape[0] * q_t.shape[1] * q_t.shape[2]
 
@@ -152,7 +154,8 @@ def host_breakdown(sync) -> dict:
         "noop_function_fwd_bwd": lambda: Noop.apply(q_s, k_s).backward(),
         "sdpa_fwd": sdpa_fwd,
         "sdpa_fwd_bwd": lambda: F.scaled_dot_product_attention(q_s, k_s, q_t, is_causal=True).sum().backward(),
-        "prepare_problem": lambda: prepare_problem(q_t, k_t, q_s, k_s, causal=True, backend="triton"),
+        "prepare_problem": lambda: prepare_problem(q_t, k_t, q_s, k_s,
+                                                   AttentionKLOptions(causal=True, backend="triton")),
         "function_fwd_no_grad": lambda: torch.no_grad()(apply)(),
         "function_fwd_grad": apply,
         "function_fwd_bwd": lambda: apply().backward(),
@@ -268,7 +271,7 @@ def install_cpu_stub() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    import streamkl.api as api
+    import streamkl.dispatch as dispatch
     from streamkl._triton import backward, forward
 
     class FakeDriver:
@@ -306,7 +309,7 @@ def install_cpu_stub() -> None:
     for fn in (forward._attention_kl_fwd_kernel, backward._attention_kl_bwd_dk_kernel,
                backward._attention_kl_bwd_dq_kernel):
         never_compile(fn)
-    api.triton_interpreter_enabled = lambda: True  # let backend="triton" take CPU tensors
+    dispatch.triton_interpreter_enabled = lambda: True  # let backend="triton" take CPU tensors
 
 
 def measure_cpu_stub(profile: bool) -> dict:

@@ -284,7 +284,8 @@ def replay_seconds(call: tuple[tuple, dict]) -> float:
 
     def step():
         out = attention_kl(q_t, k_t, q_s, k_s, **kwargs)
-        out.backward(torch.ones_like(out))
+        kl = out.kl if kwargs.get("return_count") else out  # the loss's calls also return their row count
+        kl.backward(torch.ones_like(kl))
         q_s.grad = k_s.grad = None
 
     with torch.autocast(DEVICE, enabled=False):

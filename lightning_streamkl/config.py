@@ -21,6 +21,8 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from streamkl.options import BACKENDS, DIRECTIONS  # the op's choices, defined there once
+
 from .capture import CAPTURE_KINDS
 from .options import (
     Check,
@@ -40,9 +42,7 @@ from .options import (
 
 __all__ = ["AttentionKLOptions", "LayerPair", "StreamKLConfig", "load_config", "to_yaml", "validate_config"]
 
-DIRECTIONS = ("forward", "reverse")
 HEAD_MAPS = ("error", "group")
-BACKENDS = ("auto", "triton", "reference")
 TEACHER_DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 #: The named values of ``teacher_device`` (any other value is a torch device, e.g. ``"cuda:1"``).
 TEACHER_DEVICES = ("student", "keep")

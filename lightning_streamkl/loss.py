@@ -26,16 +26,18 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from streamkl.options import AttentionKLOptions
+
 from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
 from .capture.masks import Masking, canonical_window, dense_allowed, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
-from .terms import TermCall, count_packed_rows, count_rows, run_terms
+from .terms import TermCall, run_terms
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "count_packed_rows", "count_rows", "explicit_pairs",
-           "last_k_pairs", "last_to_last", "layer_count", "relation_heads_split", "uniform_pairs", "weighted_sum"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "explicit_pairs", "last_k_pairs", "last_to_last", "layer_count",
+           "relation_heads_split", "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -399,7 +401,7 @@ class AttentionDistillationLoss:
             k_t = k_t.to(q_t.dtype)
         if k_s.dtype != q_s.dtype:
             k_s = k_s.to(q_s.dtype)
-        options = dict(
+        options = AttentionKLOptions(
             scale_t=scale_t, scale_s=scale_s, softcap_t=softcap_t, softcap_s=softcap_s,
             temperature=pair.temperature if pair.temperature is not None else cfg.temperature,
             direction=pair.direction or cfg.direction, backend=cfg.backend,

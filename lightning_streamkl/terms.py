@@ -3,31 +3,32 @@ Running the loss's terms
 ^^^^^^^^^^^^^^^^^^^^^^^^
 
 Each attention-KL term of :class:`~lightning_streamkl.AttentionDistillationLoss` (a layer pair, or one relation of
-it) becomes a :class:`TermCall`: the four tensors and everything :func:`streamkl.attention_kl` needs. :func:`run_terms`
-runs them. Terms that are launch-bound (at most :data:`FUSE_MAX_SCORES` score elements, BERT-sized layers) and share
-every option, shape and mask run as **one** call on their heads concatenated (``torch.cat`` along the head
-dimension; the op treats every head as its own problem), with one row count: a student with twelve paired layers at
-``N = 512`` pays the op's host overhead once per step instead of twelve times. Larger terms run one by one: there the
-GPU work dominates and the concatenated copies would cost memory; for the same reason a group concatenates at most
-:data:`FUSE_MAX_BYTES` of queries and keys per call. :func:`count_rows` and :func:`count_packed_rows`
-are the mean's denominators.
+it) becomes a :class:`TermCall`: the four tensors, their mask and the term's
+:class:`~streamkl.options.AttentionKLOptions`. :func:`run_terms` runs them; every call returns the KL and the rows it
+counted (``return_count=True``), so the mean's denominator comes from the op. Terms that are launch-bound (at most
+:data:`FUSE_MAX_SCORES` score elements, BERT-sized layers) and share every option, shape and mask run as **one** call
+on their heads concatenated (``torch.cat`` along the head dimension; the op treats every head as its own problem): a
+student with twelve paired layers at ``N = 512`` pays the op's host overhead once per step instead of twelve times.
+Larger terms run one by one: there the GPU work dominates and the concatenated copies would cost memory; for the same
+reason a group concatenates at most :data:`FUSE_MAX_BYTES` of queries and keys per call. :func:`count_rows` counts
+the same rows from the masks alone (the indexer loss's denominator).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from streamkl import attention_kl
-from streamkl.api import resolve_backend
+from streamkl.dispatch import select_backend
+from streamkl.options import AttentionKLOptions
 from streamkl.precision import product_precision
 
 from .capture.masks import Masking, PackedSequences, dense_allowed
 
-__all__ = ["FUSE_MAX_BYTES", "FUSE_MAX_SCORES", "TermCall", "TermResult", "count_packed_rows", "count_rows",
-           "run_terms"]
+__all__ = ["FUSE_MAX_BYTES", "FUSE_MAX_SCORES", "TermCall", "TermResult", "count_rows", "run_terms"]
 
 #: Terms with at most this many score elements (``B · H · N_q · N_k``) are fused with terms like them. Below it one
 #: call's GPU time (about 1 ms forward+backward at 2^27 scores on an H100, D = 64) is comparable with its host time,
@@ -43,7 +44,9 @@ FUSE_MAX_BYTES = 1 << 30
 def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, device: torch.device,
                key_padding_mask: torch.Tensor | None = None, query_mask: torch.Tensor | None = None,
                window: tuple[int, int] | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The number of query rows :func:`streamkl.attention_kl` averages over with ``reduction="mean"``.
+    """The number of query rows :func:`streamkl.attention_kl` averages over with ``reduction="mean"``, from the masks
+    alone (the op returns the rows it counted with ``return_count=True``; the indexer loss, which is no call of it,
+    counts its rows here).
 
     A row counts when it has at least one allowed key (causal: key ``j <= i + N_k - N_q``; inside the ``window``; real
     per ``key_padding_mask``; allowed by ``attn_mask``) and ``query_mask`` keeps it; every head counts it (a per-head
@@ -88,31 +91,6 @@ def count_rows(batch: int, heads: int, n_q: int, n_k: int, *, causal: bool, devi
     return valid.sum().to(torch.float32) * heads
 
 
-def count_packed_rows(packed: PackedSequences, heads: int, *, causal: bool,
-                      window: tuple[int, int] | None = None) -> torch.Tensor:
-    """:func:`count_rows` for packed sequences (``layout="thd"``): the query tokens with at least one allowed key in
-    their own sequence, times ``heads``.
-
-    Example:
-        >>> cu_q = torch.tensor([0, 3, 3, 5], dtype=torch.int32)          # the middle sequence has no queries
-        >>> cu_k = torch.tensor([0, 3, 4, 4], dtype=torch.int32)          # the last one has no keys
-        >>> count_packed_rows(PackedSequences(cu_q, cu_k, 3, 3), 2, causal=False)
-        tensor(6.)
-    """
-    cu_q, cu_k = packed.cu_seqlens_q.long(), packed.cu_seqlens_k.long()
-    n_q, n_k = torch.diff(cu_q), torch.diff(cu_k)
-    seq = torch.repeat_interleave(torch.arange(len(n_q), device=cu_q.device), n_q)
-    aligned = torch.arange(int(cu_q[-1]), device=cu_q.device) - cu_q[seq] + (n_k - n_q)[seq]
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    lo = (aligned - left).clamp_min(0) if left >= 0 else torch.zeros_like(aligned)
-    last = n_k[seq] - 1
-    hi = torch.minimum(aligned + right, last) if right >= 0 else last
-    return (hi >= lo).sum().to(torch.float32) * heads
-
-
-
 @dataclass
 class TermCall:
     """One attention-KL term, ready to run: ``attention_kl(q_t, k_t, q_s, k_s, ...)`` under ``masking``.
@@ -122,14 +100,15 @@ class TermCall:
             already mapped, dtypes matched per side).
         masking: the pair's one mask (causal, window, padding, query mask, packed sequences, general mask).
         sinks_t, sinks_s: ``[H]`` sink logits per side, or None.
-        options: the other :func:`streamkl.attention_kl` keywords: ``scale_t``, ``scale_s``, ``softcap_t``,
-            ``softcap_s``, ``temperature``, ``direction``, ``backend``.
+        options: the term's :class:`~streamkl.options.AttentionKLOptions`: ``scale_t``, ``scale_s``, ``softcap_t``,
+            ``softcap_s``, ``temperature``, ``direction``, ``backend`` (the mask, the sinks and the reduction are
+            the call's own). Default: every default.
 
     Example:
         >>> q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
-        >>> call = TermCall(q, k, q, k, Masking(causal=True), options={"temperature": 1.0})
-        >>> kl_sum = call.run("sum")
-        >>> float(kl_sum), float(call.count())   # equal distributions; 2 · 4 · 8 counted rows
+        >>> call = TermCall(q, k, q, k, Masking(causal=True), options=AttentionKLOptions(temperature=1.0))
+        >>> kl_sum, rows = call.run("sum")
+        >>> float(kl_sum), float(rows)   # equal distributions; 2 · 4 · 8 counted rows
         (0.0, 64.0)
     """
 
@@ -140,7 +119,7 @@ class TermCall:
     masking: Masking
     sinks_t: torch.Tensor | None = None
     sinks_s: torch.Tensor | None = None
-    options: dict[str, Any] | None = None
+    options: AttentionKLOptions = dataclasses.field(default_factory=AttentionKLOptions)
 
     @property
     def scores(self) -> int:
@@ -162,36 +141,28 @@ class TermCall:
             >>> TermCall(q.bfloat16(), q.bfloat16(), q, q, Masking(causal=True)).precision()
             'teacher bf16, student fp32 (IEEE)'
         """
-        backend = resolve_backend((self.options or {}).get("backend", "auto"), self.q_s.device,
-                                  (self.q_t.dtype, self.q_s.dtype))
+        backend = select_backend(self.options.backend, self.q_s.device, (self.q_t.dtype, self.q_s.dtype))
         t, s = (product_precision(x.dtype, backend=backend) for x in (self.q_t, self.q_s))
         return t if t == s else f"teacher {t}, student {s}"
 
-    def run(self, reduction: str) -> torch.Tensor:
-        """``attention_kl`` of the term (``reduction`` "sum", or "none": per row ``[B, H, N_q]``, ``[T, H]`` when
-        packed), outside autocast: the captures recorded each layer's tensors in the dtype its attention computed
-        in (cast to the autocast dtype under autocast), and the op takes them as they are."""
+    def run(self, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attention_kl`` of the term and the rows it counted (``reduction`` "sum", or "none": per row
+        ``[B, H, N_q]``, ``[T, H]`` when packed; the rows: a float32 scalar), outside autocast: the captures recorded
+        each layer's tensors in the dtype its attention computed in (cast to the autocast dtype under autocast), and
+        the op takes them as they are."""
         m = self.masking
-        kw = dict(self.options or {}, causal=bool(m.causal), window=m.window, sinks_t=self.sinks_t,
-                  sinks_s=self.sinks_s, reduction=reduction)
+        kw = dict(causal=bool(m.causal), window=m.window, sinks_t=self.sinks_t, sinks_s=self.sinks_s,
+                  reduction=reduction, return_count=True)
         with torch.autocast(device_type=self.q_s.device.type, enabled=False):
             if m.packed is not None:
                 p = m.packed
                 return attention_kl(
                     p.gather(self.q_t, "q"), p.gather(self.k_t, "k"), p.gather(self.q_s, "q"), p.gather(self.k_s, "k"),
-                    layout="thd", cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                    options=self.options, layout="thd", cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
                     max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k, **kw)
-            return attention_kl(self.q_t, self.k_t, self.q_s, self.k_s, key_padding_mask=m.key_padding_mask,
-                                query_mask=m.query_mask, attn_mask=m.attn_mask, **kw)
-
-    def count(self) -> torch.Tensor:
-        """The rows the term's mean is over (:func:`count_rows`, :func:`count_packed_rows`): a float32 scalar."""
-        m, (b, heads, n_q, _), n_k = self.masking, self.q_t.shape, self.k_t.shape[2]
-        if m.packed is not None:
-            return count_packed_rows(m.packed, heads, causal=bool(m.causal), window=m.window)
-        return count_rows(b, heads, n_q, n_k, causal=bool(m.causal), device=self.q_s.device,
-                          key_padding_mask=m.key_padding_mask, query_mask=m.query_mask, window=m.window,
-                          attn_mask=m.attn_mask)
+            return attention_kl(self.q_t, self.k_t, self.q_s, self.k_s, options=self.options,
+                                key_padding_mask=m.key_padding_mask, query_mask=m.query_mask, attn_mask=m.attn_mask,
+                                **kw)
 
     def fuse_key(self) -> tuple | None:
         """What terms must share to run as one call (shapes, dtypes, devices, options, the same mask tensors), or
@@ -202,8 +173,7 @@ class TermCall:
         tensors = tuple((x.shape, x.dtype, x.device) for x in (self.q_t, self.k_t, self.q_s, self.k_s))
         sinks = tuple(None if x is None else x.dtype for x in (self.sinks_t, self.sinks_s))
         masks = tuple(_same_storage(x) for x in (m.key_padding_mask, m.query_mask, m.attn_mask))
-        return (tensors, sinks, bool(m.causal), m.window, masks, _packed_identity(m.packed),
-                tuple(sorted((self.options or {}).items())))
+        return (tensors, sinks, bool(m.causal), m.window, masks, _packed_identity(m.packed), self.options)
 
 
 @dataclass
@@ -247,17 +217,18 @@ def run_terms(calls: list[TermCall], *, fuse: bool = True) -> list[TermResult]:
     for indices in (chunk for chunks in groups.values() for chunk in chunks):
         first = calls[indices[0]]
         if len(indices) == 1:
-            results.append(TermResult(indices, first.run("sum").reshape(1), first.count()))
+            kl_sum, rows = first.run("sum")
+            results.append(TermResult(indices, kl_sum.reshape(1), rows))
             continue
         members = [calls[i] for i in indices]
         fused = TermCall(_cat(members, "q_t", 1), _cat(members, "k_t", 1), _cat(members, "q_s", 1),
                          _cat(members, "k_s", 1), first.masking,
                          None if first.sinks_t is None else _cat(members, "sinks_t", 0),
                          None if first.sinks_s is None else _cat(members, "sinks_s", 0), first.options)
-        per_row = fused.run("none")  # [B, G·H, N_q], or [T, G·H] when packed
+        per_row, rows = fused.run("none")  # [B, G·H, N_q], or [T, G·H] when packed; the rows of all G terms
         per_term = per_row.unflatten(1, (len(members), first.q_t.shape[1]))  # [B, G, H, N_q] or [T, G, H]
         kl_sums = per_term.sum((0, 2, 3) if per_term.dim() == 4 else (0, 2))
-        results.append(TermResult(indices, kl_sums, first.count()))
+        results.append(TermResult(indices, kl_sums, rows / len(members)))  # one mask: each term counts as many
     return results
 
 

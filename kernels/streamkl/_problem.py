@@ -163,3 +163,18 @@ class AttentionKLProblem:
         if right >= 0 and offset + right < 0:  # the first row's window ends before key 0
             return False
         return not (left >= 0 and self.n_q - 1 + offset - left > self.n_k - 1)  # the last row's starts after the end
+
+
+def key_head_split(group_a: int, group_b: int) -> int | None:
+    """Programs per key head of side b so that each sweeps query heads that share one key head of side a (``group_*``:
+    query heads per key head of each side), or None when no whole split does (the Hopper key pass needs one).
+
+    Example:
+        >>> key_head_split(4, 2), key_head_split(1, 4), key_head_split(2, 3)  # GQA teacher; MHA teacher; neither
+        (1, 4, None)
+    """
+    if group_a % group_b == 0:
+        return 1
+    if group_b % group_a == 0:
+        return group_b // group_a
+    return None

@@ -1,19 +1,24 @@
 """Input checking and normalisation for :func:`streamkl.attention_kl`.
 
-Every user-facing entry point (the functional op, :class:`streamkl.AttentionKLLoss` and the naive oracle)
-goes through :func:`prepare_problem`, so a bad argument fails with the same message everywhere. Messages
-name the argument, what was expected and what was given.
+The checks of one option (used when :class:`streamkl.options.AttentionKLOptions` is made) and
+:func:`prepare_problem`, which checks the tensors against each other and the options. Every user-facing entry point
+(the functional op, :class:`streamkl.AttentionKLLoss` and the naive oracle) goes through both, so a bad argument
+fails with the same message everywhere. Messages name the argument, what was expected and what was given.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from ._constants import BACKENDS, DIRECTIONS, LAYOUTS, REDUCTIONS, UNBOUNDED
+from ._constants import UNBOUNDED
 from ._problem import AttentionKLProblem
+
+if TYPE_CHECKING:
+    from .options import AttentionKLOptions
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -90,33 +95,11 @@ def check_softcap(name: str, cap: object) -> float | None:
     return value
 
 
-def check_options(
-    *,
-    causal: object,
-    scale_t: object,
-    scale_s: object,
-    temperature: object,
-    direction: object,
-    reduction: object,
-    layout: object,
-    backend: object,
-    window: object = None,
-    softcap_t: object = None,
-    softcap_s: object = None,
-) -> None:
-    """Check every non-tensor option (used by the functional op and the module constructor)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"Expected argument `causal` to be a bool, but got {type(causal).__name__}.")
-    check_scale("scale_t", scale_t)
-    check_scale("scale_s", scale_s)
-    check_temperature(temperature)
-    check_choice("direction", direction, DIRECTIONS)
-    check_choice("reduction", reduction, REDUCTIONS)
-    check_choice("layout", layout, LAYOUTS)
-    check_choice("backend", backend, BACKENDS)
-    check_window(window)
-    check_softcap("softcap_t", softcap_t)
-    check_softcap("softcap_s", softcap_s)
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise a TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Expected argument `{name}` to be a bool, but got {type(value).__name__}.")
+    return value
 
 
 def check_float_tensor(name: str, x: object, rank: int, shape_doc: str) -> torch.Tensor:
@@ -241,47 +224,15 @@ def _check_max_seqlen(name: str, value: object, longest: int | None) -> int | No
     return value
 
 
-def prepare_problem(
-    q_t: torch.Tensor,
-    k_t: torch.Tensor,
-    q_s: torch.Tensor,
-    k_s: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale_t: float | None = None,
-    scale_s: float | None = None,
-    temperature: float = 1.0,
-    direction: str = "forward",
-    reduction: str = "mean",
-    key_padding_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
-    layout: str = "bhnd",
-    backend: str = "auto",
-    window: tuple[int, int] | None = None,
-    softcap_t: float | None = None,
-    softcap_s: float | None = None,
-    sinks_t: torch.Tensor | None = None,
-    sinks_s: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> AttentionKLProblem:
-    """Validate all arguments of :func:`streamkl.attention_kl` and return the canonical problem."""
-    check_options(
-        causal=causal,
-        scale_t=scale_t,
-        scale_s=scale_s,
-        temperature=temperature,
-        direction=direction,
-        reduction=reduction,
-        layout=layout,
-        backend=backend,
-        window=window,
-        softcap_t=softcap_t,
-        softcap_s=softcap_s,
-    )
+def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s: torch.Tensor,
+                    options: AttentionKLOptions) -> AttentionKLProblem:
+    """Check the tensors of :func:`streamkl.attention_kl` against each other and against ``options`` (already checked
+    on their own when they were made) and return the canonical problem."""
+    layout, causal = options.layout, options.causal
+    key_padding_mask, query_mask, attn_mask = options.key_padding_mask, options.query_mask, options.attn_mask
+    sinks_t, sinks_s = options.sinks_t, options.sinks_s
+    cu_seqlens_q, cu_seqlens_k = options.cu_seqlens_q, options.cu_seqlens_k
+    max_seqlen_q, max_seqlen_k = options.max_seqlen_q, options.max_seqlen_k
     packed = layout == "thd"
     tensors = {"q_t": q_t, "k_t": k_t, "q_s": q_s, "k_s": k_s}
     for name, x in tensors.items():
@@ -387,11 +338,10 @@ def prepare_problem(
     attn_mask = _check_attn_mask(attn_mask, batch, heads, n_q, n_k, device)
     _check_sinks(sinks_t, sinks_s, heads, device)
 
-    left, right = check_window(window)
+    left, right = check_window(options.window)
     if causal:  # flash-attn: causal is a window that ends at the diagonal
         right = 0
-    st = check_scale("scale_t", scale_t)
-    ss = check_scale("scale_s", scale_s)
+    st, ss = options.scale_t, options.scale_s
     return AttentionKLProblem(
         q_t=q_t,
         k_t=k_t,
@@ -409,11 +359,11 @@ def prepare_problem(
         window=(left, right),
         scale_t=1.0 / math.sqrt(q_t.shape[-1]) if st is None else st,
         scale_s=1.0 / math.sqrt(q_s.shape[-1]) if ss is None else ss,
-        softcap_t=check_softcap("softcap_t", softcap_t),
-        softcap_s=check_softcap("softcap_s", softcap_s),
-        temperature=check_temperature(temperature),
-        reverse=direction == "reverse",
-        reduction=reduction,
+        softcap_t=options.softcap_t,
+        softcap_s=options.softcap_s,
+        temperature=options.temperature,
+        reverse=options.direction == "reverse",
+        reduction=options.reduction,
         layout=layout,
     )
 

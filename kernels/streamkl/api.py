@@ -2,52 +2,15 @@
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import torch
 
 from ._validation import prepare_problem
 from .autograd import attention_kl_per_row
+from .dispatch import select_backend
+from .options import BATCH, EXECUTION, PROBLEM, AttentionKLOptions, KLWithCount, keyword_signature
 from .precision import cast_for_autocast, resolve_allow_tf32
-
-
-def resolve_backend(backend: str, device: torch.device, dtypes: tuple[torch.dtype, ...] = (),
-                    head_dims: tuple[int, ...] = ()) -> str:
-    """Map ``backend`` ("auto" | "triton" | "reference") to the implementation that will run.
-
-    ``"auto"`` picks the fused Triton kernels for CUDA tensors and the chunked PyTorch reference on
-    every other device, and for float64 inputs (the kernels compute in fp32; the reference computes
-    float64 in float64). ``"triton"`` on a non-CUDA device is honoured only under Triton's CPU
-    interpreter (``TRITON_INTERPRET=1``), which is how CI runs the real kernels. A request the kernels
-    cannot serve raises; it is never silently replaced by the reference.
-
-    Example:
-        >>> resolve_backend("auto", torch.device("cpu"))
-        'reference'
-    """
-    if backend == "reference":
-        return "reference"
-    fp64 = torch.float64 in dtypes
-    if backend == "auto" and (device.type != "cuda" or fp64):
-        return "reference"
-    if backend == "triton" and device.type != "cuda" and not triton_interpreter_enabled():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got tensors on {device}); set TRITON_INTERPRET=1 before "
-            "importing triton to run the kernels on the CPU interpreter, or use backend='reference'."
-        )
-    if fp64:
-        raise TypeError(
-            "backend='triton' computes in float32 and does not take float64 inputs; use backend='reference' "
-            "(or 'auto', which routes float64 there)."
-        )
-    from ._triton.configs import MAX_HEAD_DIM
-
-    if any(d > MAX_HEAD_DIM for d in head_dims):
-        raise ValueError(
-            f"The Triton kernels support head dims up to {MAX_HEAD_DIM}, but got D_t, D_s = {head_dims}; "
-            "use backend='reference' for larger heads."
-        )
-    return "triton"
 
 
 def attention_kl(
@@ -56,30 +19,9 @@ def attention_kl(
     q_s: torch.Tensor,
     k_s: torch.Tensor,
     *,
-    causal: bool = False,
-    scale_t: float | None = None,
-    scale_s: float | None = None,
-    temperature: float = 1.0,
-    direction: str = "forward",
-    reduction: str = "mean",
-    key_padding_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
-    layout: str = "bhnd",
-    backend: str = "auto",
-    window: tuple[int, int] | None = None,
-    softcap_t: float | None = None,
-    softcap_s: float | None = None,
-    sinks_t: torch.Tensor | None = None,
-    sinks_s: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    attn_mask: torch.Tensor | None = None,
-    allow_tf32: bool | None = None,
-    deterministic: bool = True,
-    check_finite: bool = False,
-) -> torch.Tensor:
+    options: AttentionKLOptions | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | KLWithCount:
     r"""KL divergence between a teacher's and a student's attention distributions, never materialised.
 
     With teacher scores :math:`a_{ij} = q^t_i \cdot k^t_j \cdot \mathrm{scale}_t / T` and student scores
@@ -113,6 +55,9 @@ def attention_kl(
     accumulators and the result are float32 whatever the input dtype. float32 inputs outside autocast follow
     ``torch.get_float32_matmul_precision()`` (see ``allow_tf32``). Teacher and student may have different dtypes;
     each side's products use its own.
+
+    The keyword options are the fields of :class:`streamkl.options.AttentionKLOptions` (defined there once; the
+    signature lists them all); ``options=`` takes an instance, and keywords given beside it replace its fields.
 
     Args:
         q_t: teacher queries ``[B, H, N_q, D_t]`` (layout "bhnd"), ``[B, N_q, H, D_t]`` ("bnhd") or
@@ -172,16 +117,22 @@ def attention_kl(
             or out-of-window keys, other packed sequences, excluded rows) never reach that row's KL or any
             gradient of an allowed entry, and a non-finite value in an allowed entry makes the rows that see it
             NaN (or inf), gradients included; the call never hangs or crashes. Default: ``False``.
+        return_count: also return the number of counted rows (the denominator of ``"mean"``): the result is then a
+            :class:`~streamkl.options.KLWithCount` ``(kl, rows)``, ``rows`` a float32 scalar on the inputs' device,
+            counted without a host synchronisation. Default: ``False``.
+        options: an :class:`~streamkl.options.AttentionKLOptions` holding any of the options above; keywords given
+            with it replace its fields. Default: ``None`` (every default).
 
     Returns:
         The per-row KL ``[B, H, N_q]`` for ``reduction="none"`` (``[total_q, H]`` for layout "thd"), else a
-        scalar; float32 (float64 when an input is float64). Rows with no allowed key, or excluded by
+        scalar; float32 (float64 when an input is float64); with ``return_count``, a
+        :class:`~streamkl.options.KLWithCount` of it and the counted rows. Rows with no allowed key, or excluded by
         ``query_mask``, are exactly 0. Gradients flow to ``q_s``/``k_s`` (and ``sinks_s``) and, when they require
         grad, to ``q_t``/``k_t``/``sinks_t``.
 
     Raises:
         TypeError: a non-tensor or integer tensor input, a mask that is not bool, ``cu_seqlens`` that are not
-            int32, a non-numeric option.
+            int32, a non-numeric option, an unknown keyword.
         ValueError: wrong rank, mismatched ``B``/``H``/``N``/``D``, ``H`` not divisible by the key heads,
             masks of the wrong shape or device, mixed devices, an unknown ``direction``/``reduction``/
             ``layout``/``backend``, a temperature or soft-cap that is not finite and > 0, a window bound < −1,
@@ -208,64 +159,53 @@ def attention_kl(
         ...                        sinks_s=torch.zeros(4), reduction="none")
         >>> tuple(per_row.shape)
         (16, 4)
+
+        The sum and the rows it is over, in one call (what a loss averaged over several calls needs):
+
+        >>> kl_sum, rows = attention_kl(q_t, k_t, q_s, k_s, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu,
+        ...                             causal=True, reduction="sum", return_count=True)
+        >>> float(rows)  # 16 tokens, 4 heads
+        64.0
     """
+    opts = AttentionKLOptions.of("attention_kl", options, kwargs)
     q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)
-    problem = prepare_problem(
-        q_t,
-        k_t,
-        q_s,
-        k_s,
-        causal=causal,
-        scale_t=scale_t,
-        scale_s=scale_s,
-        temperature=temperature,
-        direction=direction,
-        reduction=reduction,
-        key_padding_mask=key_padding_mask,
-        query_mask=query_mask,
-        layout=layout,
-        backend=backend,
-        window=window,
-        softcap_t=softcap_t,
-        softcap_s=softcap_s,
-        sinks_t=sinks_t,
-        sinks_s=sinks_s,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        attn_mask=attn_mask,
-    )
-    if not isinstance(check_finite, bool):
-        raise TypeError(f"Expected argument `check_finite` to be a bool, but got {type(check_finite).__name__}.")
-    if check_finite:
-        named = (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s), ("sinks_t", sinks_t), ("sinks_s", sinks_s))
+    problem = prepare_problem(q_t, k_t, q_s, k_s, opts)
+    if opts.check_finite:
+        named = (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s), ("sinks_t", opts.sinks_t),
+                 ("sinks_s", opts.sinks_s))
         for name, x in named:
             if x is not None and not bool(torch.isfinite(x).all()):
                 raise ValueError(
                     f"Expected argument `{name}` to hold only finite values (check_finite=True), but it contains "
                     f"{int(torch.isnan(x).sum())} NaN and {int(torch.isinf(x).sum())} infinite entries."
                 )
-    allow_tf32 = resolve_allow_tf32(allow_tf32)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"Expected argument `deterministic` to be a bool, but got {type(deterministic).__name__}.")
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    impl = resolve_backend(
-        backend,
+    allow_tf32 = resolve_allow_tf32(opts.allow_tf32)
+    deterministic = opts.deterministic or torch.are_deterministic_algorithms_enabled()
+    impl = select_backend(
+        opts.backend,
         problem.q_t.device,
         (problem.q_t.dtype, problem.q_s.dtype),
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
     inputs, spec = problem.kernel_problem()
-    rows = None
-    if problem.reduction == "mean" and problem.every_row_counts():
-        # no row can be empty: the count is known on the host (saves four small kernels per call)
-        rows = max(inputs.q_a.shape[0] * inputs.q_a.shape[1] * inputs.q_a.shape[2], 1)
+    every_row_counts = problem.every_row_counts()
+    all_rows = inputs.q_a.shape[0] * inputs.q_a.shape[1] * inputs.q_a.shape[2]
+    # no row can be empty: the count is known on the host (saves four small kernels per call)
+    rows = max(all_rows, 1) if problem.reduction == "mean" and every_row_counts else None
     # "sum"/"mean" are reduced inside the op (one autograd node, the upstream gradient read without a copy)
-    result, _, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, problem.reduction, rows)
+    result, lse_a, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, problem.reduction, rows)
     if problem.reduction == "none" and problem.packed:
-        return result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
-    return result
+        result = result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
+    if not opts.return_count:
+        return result
+    if every_row_counts:
+        count = torch.full((), float(all_rows), dtype=torch.float32, device=lse_a.device)
+    else:  # a row counts when it has an allowed key that the query mask keeps: its lse is finite (or NaN)
+        count = (~torch.isposinf(lse_a)).sum().to(torch.float32)
+    return KLWithCount(result, count)
+
+
+attention_kl.__signature__ = keyword_signature(attention_kl, (PROBLEM, BATCH, EXECUTION))
 
 
 def chunked_attention_kl(*args, **kwargs) -> torch.Tensor:
@@ -279,8 +219,3 @@ def chunked_attention_kl(*args, **kwargs) -> torch.Tensor:
     if "backend" in kwargs:
         raise TypeError("chunked_attention_kl() always uses backend='reference'; do not pass `backend`.")
     return attention_kl(*args, backend="reference", **kwargs)
-
-
-def triton_interpreter_enabled() -> bool:
-    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -11,11 +11,11 @@
 Both compute ``KL(P_a ‖ P_b)`` over the canonical problem of :mod:`streamkl._problem` (:class:`KLInputs`,
 :class:`KLSpec`). The forward returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (fp64 for fp64 inputs):
 the per-row KL and the two log-sum-exps (nats, sinks included): three numbers per query row, all the state saved
-for the backward, except with side a frozen (:func:`fuses_dq_b`), where the Triton forward also accumulates side b's
-query gradient per unit upstream gradient (bf16 for bf16 inputs from ``NARROW_DQ_MIN_BYTES`` of fp32 up, else fp32;
-the size of ``q_b``) and the backward runs only its key pass.
-``backend`` is ``"reference"`` (chunked PyTorch, any device) or
-``"triton"`` (fused kernels); ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
+for the backward, except with side a frozen (:func:`streamkl.dispatch.fuses_dq_b`), where the Triton forward also
+accumulates side b's query gradient per unit upstream gradient (bf16 for bf16 inputs from ``NARROW_DQ_MIN_BYTES`` of
+fp32 up, else fp32; the size of ``q_b``) and the backward runs only its key pass. ``backend`` is ``"reference"``
+(chunked PyTorch, any device) or ``"triton"`` (fused kernels); which kernel computes each pass is
+:mod:`streamkl.dispatch`'s choice. ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
 ``deterministic`` selects the atomic-free backward (the reference is always deterministic). The sinks'
 gradients are per-row quantities of the saved state (:func:`sink_gradients`), the same for every backend.
 """
@@ -23,68 +23,32 @@ gradients are per-row quantities of the saved state (:func:`sink_gradients`), th
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
-from . import reference
-from ._hopper import hopper_forward, hopper_fused_forward
+from . import dispatch
 from ._problem import KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
+from .dispatch import fuses_dq_b
 from .precision import no_autocast
 
 _EMPTY_SHAPE = (0,)
 
 
-@functools.cache
-def _triton_kernels():
-    from ._triton import backward, forward  # lazy: importing streamkl must not need a working triton
-
-    return forward, backward
-
-
 def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
-    """``(kl, lse_a, lse_b)`` from the selected backend; with ``dq_b`` (Triton only, a buffer from
-    :func:`streamkl._triton.forward.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit
-    upstream gradient (see :func:`fused_forward`). Autocast is off inside (the inputs arrive cast already)."""
+    """``(kl, lse_a, lse_b)`` from the kernel :mod:`streamkl.dispatch` selects; with ``dq_b`` (Triton only, a buffer
+    from :func:`streamkl.dispatch.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit upstream
+    gradient (see :func:`fused_forward`). Autocast is off inside (the inputs arrive cast already)."""
     with no_autocast(inputs.q_a.device):
-        return _forward_impl(inputs, spec, backend, allow_tf32, dq_b)
-
-
-def _forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None):
-    if backend == "triton":
-        if dq_b is None:
-            hopper = hopper_forward(inputs, spec)  # the sm_90 kernels where they apply (streamkl._hopper)
-            if hopper is not None:
-                return hopper(inputs, spec)
-        else:
-            hopper = hopper_fused_forward(inputs, spec)
-            if hopper is not None:
-                return hopper(inputs, spec, dq_b)
-        return _triton_kernels()[0].attention_kl_fwd(inputs, spec, allow_tf32, dq_b=dq_b)
-    return reference.chunked_attention_kl_fwd(inputs, spec)
-
-
-def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> bool:
-    """Whether the forward should accumulate side b's query gradient: the Triton backend, with side a frozen (the
-    default ``direction="forward"`` with a teacher that takes no gradient) and side b's queries trainable. The
-    backward then runs only its key pass (7 products and 4 exponentials per score element instead of 8 and 6).
-
-    Example:
-        >>> fuses_dq_b("triton", need_q_a=False, need_k_a=False, need_q_b=True)  # frozen teacher, trainable student
-        True
-        >>> fuses_dq_b("triton", need_q_a=True, need_k_a=True, need_q_b=True)  # the teacher trains too
-        False
-    """
-    return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
+        return dispatch.forward(inputs, spec, backend, allow_tf32, dq_b)
 
 
 def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool):
     """``(kl, lse_a, lse_b, dq_b)``: the forward that also accumulates side b's query gradient per unit upstream
     gradient (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
-    (:func:`streamkl._triton.forward.saved_dq_b_dtype`)."""
-    buffer = _triton_kernels()[0].new_dq_b_buffer(inputs)
+    (:func:`streamkl.dispatch.saved_dq_b_dtype`)."""
+    buffer = dispatch.new_dq_b_buffer(inputs)
     return (*forward_impl(inputs, spec, backend, allow_tf32, buffer), buffer)
 
 
@@ -95,12 +59,8 @@ def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, nee
     query gradient of side b (Triton only). Autocast is off inside: a backward run under autocast (``loss.backward()``
     inside the block, on the CPU, runs in the caller's thread) computes as the forward did."""
     with no_autocast(inputs.q_a.device):
-        if backend == "triton":
-            grads = _triton_kernels()[1].attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
-                                                           need_grad_b, allow_tf32, deterministic, dq_b=dq_b)
-        else:
-            grads = reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a,
-                                                       need_grad_b)
+        grads = dispatch.backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b, backend,
+                                  allow_tf32, deterministic, dq_b)
     return tuple(g if g is None or g.dtype == x.dtype else g.to(x.dtype) for g, x in zip(grads, inputs[:4]))
 
 
@@ -279,7 +239,7 @@ def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, *args):
     shape = q_a.shape[:3]
     dtype = result_dtype(q_a, k_a, q_b, k_b)
     if args[-1]:  # fuse_dq_b
-        dq_b = q_b.new_empty(q_b.shape, dtype=_triton_kernels()[0].saved_dq_b_dtype(q_b.dtype, q_b.numel()))
+        dq_b = q_b.new_empty(q_b.shape, dtype=dispatch.saved_dq_b_dtype(q_b.dtype, q_b.numel()))
     else:
         dq_b = q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return (*(q_a.new_empty(shape, dtype=dtype) for _ in range(3)), dq_b)

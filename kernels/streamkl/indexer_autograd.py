@@ -15,27 +15,20 @@ from __future__ import annotations
 
 import torch
 
-from . import indexer_reference
-
-
-def _triton_kernels():
-    from ._triton import indexer_backward, indexer_forward  # lazy: importing streamkl must not need triton
-
-    return indexer_forward, indexer_backward
+from . import dispatch
 
 
 def indexer_forward_impl(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal, scale, backend):
-    """``(kl, lse_h, lse_index, psum)`` from the selected backend."""
-    fn = _triton_kernels()[0].indexer_kl_fwd if backend == "triton" else indexer_reference.chunked_indexer_kl_fwd
-    return fn(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal, scale)
+    """``(kl, lse_h, lse_index, psum)`` from the backend (:func:`streamkl.dispatch.indexer_forward`)."""
+    return dispatch.indexer_forward(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal, scale,
+                                    backend)
 
 
 def indexer_backward_impl(grad_kl, q, k, q_idx, k_idx, w_idx, lse_h, lse_index, psum, topk_indices,
                           key_padding_mask, causal, scale, backend):
     """``(dq_idx, dk_idx, dw_idx)`` in the dtypes of ``q_idx``, ``k_idx``, ``w_idx``."""
-    fn = _triton_kernels()[1].indexer_kl_bwd if backend == "triton" else indexer_reference.chunked_indexer_kl_bwd
-    grads = fn(grad_kl, q, k, q_idx, k_idx, w_idx, lse_h, lse_index, psum, topk_indices, key_padding_mask, causal,
-               scale)
+    grads = dispatch.indexer_backward(grad_kl, q, k, q_idx, k_idx, w_idx, lse_h, lse_index, psum, topk_indices,
+                                      key_padding_mask, causal, scale, backend)
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q_idx, k_idx, w_idx)))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .indexer import IndexerKLProblem, prepare_indexer_problem, reduce_rows
+from ._indexer_problem import IndexerKLProblem, prepare_indexer_problem, reduce_rows
 
 
 def allowed_pairs(problem: IndexerKLProblem) -> torch.Tensor:

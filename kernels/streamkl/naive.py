@@ -12,11 +12,14 @@ the streaming backends: the mask is one boolean map, the sink is one more column
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._problem import AttentionKLProblem
 from ._reduction import reduce_per_row_kl
 from ._validation import prepare_problem, result_dtype
+from .options import BATCH, PROBLEM, AttentionKLOptions, KLWithCount, keyword_signature
 
 
 def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -112,38 +115,24 @@ def naive_attention_kl(
     q_s: torch.Tensor,
     k_s: torch.Tensor,
     *,
-    causal: bool = False,
-    scale_t: float | None = None,
-    scale_s: float | None = None,
-    temperature: float = 1.0,
-    direction: str = "forward",
-    reduction: str = "mean",
-    key_padding_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
-    layout: str = "bhnd",
-    window: tuple[int, int] | None = None,
-    softcap_t: float | None = None,
-    softcap_s: float | None = None,
-    sinks_t: torch.Tensor | None = None,
-    sinks_s: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    attn_mask: torch.Tensor | None = None,
+    options: AttentionKLOptions | None = None,
     compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    **kwargs: Any,
+) -> torch.Tensor | KLWithCount:
     r"""KL divergence between two attention distributions, computed by materialising them.
 
-    Same arguments and semantics as :func:`streamkl.attention_kl` (see there), plus ``compute_dtype``:
-    the dtype of the math (default float32, float64 when an input is float64). Differentiable through
-    plain autograd. Memory is ``O(B·H·N_q·N_k)``: use it as the oracle and as the naive baseline only.
-    Non-finite values in entries a row never sees do not reach that row's KL; in the gradients of this oracle
-    they may (``0 · inf`` in the backward of a masked product), which :func:`streamkl.attention_kl` avoids.
+    Same arguments and semantics as :func:`streamkl.attention_kl` (see there) except the options that choose how the
+    op runs (``backend``, ``allow_tf32``, ``deterministic``, ``check_finite``: an ``options`` instance may hold them,
+    and they are ignored here), plus ``compute_dtype``: the dtype of the math (default float32, float64 when an input
+    is float64). Differentiable through plain autograd. Memory is ``O(B·H·N_q·N_k)``: use it as the oracle and as the
+    naive baseline only. Non-finite values in entries a row never sees do not reach that row's KL; in the gradients
+    of this oracle they may (``0 · inf`` in the backward of a masked product), which :func:`streamkl.attention_kl`
+    avoids.
 
     Returns:
         ``(B, H, N_q)`` per-row KL for ``reduction="none"`` (``[total_q, H]`` for layout "thd"), else a scalar,
-        in ``compute_dtype``.
+        in ``compute_dtype``; with ``return_count``, a :class:`~streamkl.options.KLWithCount` of it and the counted
+        rows (float32), counted from the materialised mask.
 
     Example:
         >>> import torch
@@ -153,34 +142,17 @@ def naive_attention_kl(
         >>> float(naive_attention_kl(q, k, q, k))  # identical distributions
         0.0
     """
-    problem = prepare_problem(
-        q_t,
-        k_t,
-        q_s,
-        k_s,
-        causal=causal,
-        scale_t=scale_t,
-        scale_s=scale_s,
-        temperature=temperature,
-        direction=direction,
-        reduction=reduction,
-        key_padding_mask=key_padding_mask,
-        query_mask=query_mask,
-        layout=layout,
-        window=window,
-        softcap_t=softcap_t,
-        softcap_s=softcap_s,
-        sinks_t=sinks_t,
-        sinks_s=sinks_s,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        attn_mask=attn_mask,
-    )
+    opts = AttentionKLOptions.of("naive_attention_kl", options, kwargs, kinds=(PROBLEM, BATCH))
+    problem = prepare_problem(q_t, k_t, q_s, k_s, opts)
     dtype = compute_dtype or result_dtype(q_t, k_t, q_s, k_s)
     kl, counted = naive_per_row_kl(problem, dtype)
-    result = reduce_per_row_kl(kl, counted.expand(problem.batch, problem.heads, problem.n_q), reduction)
-    if reduction == "none" and problem.packed:
-        return result[0].transpose(0, 1)
+    counted = counted.expand(problem.batch, problem.heads, problem.n_q)
+    result = reduce_per_row_kl(kl, counted, problem.reduction)
+    if problem.reduction == "none" and problem.packed:
+        result = result[0].transpose(0, 1)
+    if opts.return_count:
+        return KLWithCount(result, counted.sum().to(torch.float32))
     return result
+
+
+naive_attention_kl.__signature__ = keyword_signature(naive_attention_kl, (PROBLEM, BATCH))

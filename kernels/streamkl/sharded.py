@@ -49,12 +49,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import reference
 from ._problem import KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import prepare_problem
-from .api import resolve_backend
-from .autograd import _triton_kernels, forward_impl, sink_gradients
+from .autograd import forward_impl, sink_gradients
+from .dispatch import backward as dispatch_backward
+from .dispatch import select_backend
+from .options import AttentionKLOptions
 from .precision import cast_for_autocast, no_autocast, resolve_allow_tf32
 
 __all__ = [
@@ -232,11 +233,8 @@ def _partial_backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, ali
     sub, sub_spec, rows, keys = cut
     stats = [x[:, :, :rows].contiguous() for x in (grad_kl, kl, lse_a, lse_b)]
     with no_autocast(kl.device):
-        if backend == "triton":
-            parts = _triton_kernels()[1].attention_kl_bwd(stats[0], sub, sub_spec, *stats[1:], need_a, need_b,
-                                                          allow_tf32, deterministic)
-        else:
-            parts = reference.chunked_attention_kl_bwd(stats[0], sub, sub_spec, *stats[1:], need_a, need_b)
+        parts = dispatch_backward(stats[0], sub, sub_spec, *stats[1:], need_a, need_b, backend, allow_tf32,
+                                  deterministic)
     for grad, part, n in zip(grads, parts, (rows, keys, rows, keys)):
         if grad is not None:
             grad[:, :, :n] = part
@@ -254,8 +252,8 @@ def _prepare(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s: torch
             "not sharded; shard each sequence on its own (layout 'bhnd' with B = 1)."
         )
     q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)  # as attention_kl (streamkl.precision)
-    problem = prepare_problem(q_t, k_t, q_s, k_s, reduction="none", **options, **masks)
-    backend = resolve_backend(options.get("backend", "auto"), problem.q_t.device,
+    problem = prepare_problem(q_t, k_t, q_s, k_s, AttentionKLOptions(reduction="none", **options, **masks))
+    backend = select_backend(options.get("backend", "auto"), problem.q_t.device,
                               (problem.q_t.dtype, problem.q_s.dtype), (problem.q_t.shape[-1], problem.q_s.shape[-1]))
     inputs, spec = problem.kernel_problem()
     return inputs, spec, backend, problem

@@ -25,7 +25,8 @@ from streamkl import indexer_kl
 
 from ..capture import AttentionCapture, build_capture, closest
 from ..engine import DistillationMetrics, padding_mask_from_batch
-from ..loss import LossOutput, count_rows
+from ..loss import LossOutput
+from ..terms import count_rows
 from .capture import CapturedIndexer, IndexerCapture
 from .config import DEFAULT_INDEXER_CHILD, IndexerConfig, validate_indexer_config
 from .module import LightningIndexer

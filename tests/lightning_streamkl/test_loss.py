@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_streamkl import AttentionDistillationLoss, LayerPair, RecorderCapture
 from lightning_streamkl.capture import CapturedAttention
-from lightning_streamkl.loss import count_rows
+from lightning_streamkl.terms import count_rows
 from streamkl import attention_kl
 
 

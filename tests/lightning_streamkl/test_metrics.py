@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_streamkl import AttentionKLDivergence
-from lightning_streamkl.loss import count_rows
+from lightning_streamkl.terms import count_rows
 from streamkl import naive_attention_kl
 
 

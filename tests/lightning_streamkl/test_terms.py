@@ -143,7 +143,7 @@ def test_fused_terms_on_the_triton_kernels_bf16(op_calls):
     """The Triton path of a fused call (per-row KL, a non-scalar upstream gradient) in bf16, under the interpreter on
     CPU, against one call per term."""
     pytest.importorskip("triton")
-    from streamkl.api import triton_interpreter_enabled
+    from streamkl.dispatch import triton_interpreter_enabled
 
     if not (torch.cuda.is_available() or triton_interpreter_enabled()):
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
@@ -205,7 +205,8 @@ def test_rows_counted_on_the_host_equal_the_device_count(n_q, n_k, causal, windo
     assert host.dtype == torch.float32 and host.shape == ()
     assert float(host) == float(device)
     call = terms.TermCall(*(torch.randn(2, 3, n, 4) for n in (n_q, n_k, n_q, n_k)), Masking(causal, window))
-    total = call.run("sum")
+    total, rows = call.run("sum")
+    assert float(rows) == float(host)  # the op counts the same rows on the host
     mean = terms.attention_kl(call.q_t, call.k_t, call.q_s, call.k_s, causal=causal, window=window)
     torch.testing.assert_close(total / host.clamp_min(1), mean)
 
@@ -220,3 +221,103 @@ def test_a_group_over_the_byte_budget_runs_as_several_calls(op_calls, monkeypatc
     fused = _run({"pairs": pairs}, teacher, student)
     assert op_calls == ["none", "none", "sum"]  # 2 + 2 + 1 terms
     _assert_same(fused, _run({"pairs": pairs, "fuse_pairs": False}, teacher, student))
+
+
+# ------------------------------------------------------------------------------------------ the op's row count
+def _count_packed_rows(cu_q: torch.Tensor, cu_k: torch.Tensor, heads: int, *, causal: bool,
+                       window: tuple[int, int] | None) -> torch.Tensor:
+    """The loss's packed row count before the op returned its own (``count_packed_rows``, kept here as the
+    reference): query tokens with at least one allowed key in their own sequence, times ``heads``."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    n_q, n_k = torch.diff(cu_q), torch.diff(cu_k)
+    seq = torch.repeat_interleave(torch.arange(len(n_q)), n_q)
+    aligned = torch.arange(int(cu_q[-1])) - cu_q[seq] + (n_k - n_q)[seq]
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    lo = (aligned - left).clamp_min(0) if left >= 0 else torch.zeros_like(aligned)
+    last = n_k[seq] - 1
+    hi = torch.minimum(aligned + right, last) if right >= 0 else last
+    return (hi >= lo).sum().to(torch.float32) * heads
+
+
+WINDOWS = [None, (2, 0), (0, 3), (3, 1), (-1, 2), (0, 0)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_ops_row_count_is_count_rows_on_random_masks(seed, backend):
+    """``return_count=True`` gives the rows ``count_rows`` counts from the masks (and the oracle from its
+    materialised mask), exactly, for every reduction: random lengths, causality, windows, key padding, query masks
+    and general masks, per head or shared."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from streamkl.dispatch import triton_interpreter_enabled
+
+        if not (torch.cuda.is_available() or triton_interpreter_enabled()):
+            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]
+    b, h, n_q, n_k = 2, 3, pick([1, 4, 7, 9]), pick([1, 5, 9])
+    causal, window = pick([False, True]), pick(WINDOWS)
+    kpm = pick([None, torch.rand(b, n_k, generator=g) < 0.6])
+    qm = pick([None, torch.rand(b, n_q, generator=g) < 0.7])
+    attn = pick([None, torch.rand(b, h, n_q, n_k, generator=g) < 0.5, torch.rand(1, 1, n_q, n_k, generator=g) < 0.5])
+    q_t, q_s = (torch.randn(b, h, n_q, 8, generator=g) for _ in range(2))
+    k_t, k_s = (torch.randn(b, 1, n_k, 8, generator=g) for _ in range(2))
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q_t, q_s, k_t, k_s = (x.to(device) for x in (q_t, q_s, k_t, k_s))
+    kpm, qm, attn = (None if m is None else m.to(device) for m in (kpm, qm, attn))
+    masks = dict(causal=causal, window=window, key_padding_mask=kpm, query_mask=qm, attn_mask=attn)
+    expected = count_rows(b, h, n_q, n_k, device=torch.device(device), **masks)
+    op = terms.attention_kl  # the op, as the loss calls it
+    for reduction in ("none", "sum", "mean"):
+        out = op(q_t, k_t, q_s, k_s, reduction=reduction, backend=backend, return_count=True, **masks)
+        assert out.rows.dtype == torch.float32 and out.rows.shape == () and out.rows.device == q_t.device
+        assert float(out.rows) == float(expected), (reduction, float(out.rows), float(expected))
+    from streamkl import naive_attention_kl
+
+    naive = naive_attention_kl(q_t.double(), k_t.double(), q_s.double(), k_s.double(), reduction="sum",
+                               return_count=True, **masks)
+    assert float(naive.rows) == float(expected)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ops_row_count_is_the_packed_count(seed, backend):
+    """Packed sequences (some without queries or without keys, queries longer or shorter than keys): the op's count
+    is the loss's former ``count_packed_rows``, exactly, with and without causality and windows."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from streamkl.dispatch import triton_interpreter_enabled
+
+        if not (torch.cuda.is_available() or triton_interpreter_enabled()):
+            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(100 + seed)
+    lengths_q = torch.randint(0, 6, (3,), generator=g)
+    lengths_k = torch.randint(0, 6, (3,), generator=g)
+    cu_q = torch.nn.functional.pad(lengths_q.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = torch.nn.functional.pad(lengths_k.cumsum(0), (1, 0)).to(torch.int32)
+    total_q, total_k, heads = int(cu_q[-1]), int(cu_k[-1]), 2
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q_t, q_s = (torch.randn(total_q, heads, 8, generator=g).to(device) for _ in range(2))
+    k_t, k_s = (torch.randn(total_k, heads, 8, generator=g).to(device) for _ in range(2))
+    for causal, window in itertools.product([False, True], WINDOWS):
+        expected = _count_packed_rows(cu_q, cu_k, heads, causal=causal, window=window)
+        out = terms.attention_kl(q_t, k_t, q_s, k_s, layout="thd", cu_seqlens_q=cu_q.to(device),
+                                 cu_seqlens_k=cu_k.to(device), causal=causal, window=window, reduction="sum",
+                                 backend=backend, return_count=True)
+        assert float(out.rows) == float(expected), (causal, window, float(out.rows), float(expected))
+
+
+def test_fused_terms_count_each_terms_rows():
+    """A fused call counts the rows of all its terms; each term gets its own share, the rows one call per term
+    counts."""
+    teacher = _records(3, seed=1, causal=True)
+    student = _records(3, seed=2, grad=True, causal=True)
+    pad = torch.tensor([[True] * 9, [True] * 6 + [False] * 3])
+    pairs = [{"teacher": f"l{i}", "student": f"l{i}"} for i in range(3)]
+    fused, _ = _run({"pairs": pairs}, teacher, student, key_padding_mask=pad)
+    alone, _ = _run({"pairs": pairs, "fuse_pairs": False}, teacher, student, key_padding_mask=pad)
+    expected = count_rows(2, 4, 9, 9, causal=True, device=torch.device("cpu"), key_padding_mask=pad)
+    assert fused.rows.tolist() == alone.rows.tolist() == [float(expected)] * 3

@@ -7,6 +7,7 @@ import torch
 from streamkl import attention_kl, naive_attention_kl
 from streamkl._validation import prepare_problem
 from streamkl.naive import allowed_keys
+from streamkl.options import AttentionKLOptions
 from tests._helpers import assert_close
 from tests.streamkl.cases import Case, Inputs, make_inputs
 
@@ -23,7 +24,8 @@ def counted_rows(case: Case, inputs: Inputs) -> torch.Tensor:
     """Bool map of counted rows (at least one allowed key, kept by the query mask), in the layout of the
     ``reduction="none"`` output, by the oracle's mask (the definition)."""
     tensors = {n: x.detach() for n, x in inputs.tensors.items()}
-    problem = prepare_problem(**tensors, **inputs.extras, reduction="none", **case.kwargs())
+    options = AttentionKLOptions(**inputs.extras, reduction="none", **case.kwargs())
+    problem = prepare_problem(tensors["q_t"], tensors["k_t"], tensors["q_s"], tensors["k_s"], options)
     counted = allowed_keys(problem).any(-1)  # [B or 1, 1, N_q]
     if problem.query_mask is not None:
         counted = counted & problem.query_mask[:, None, :]

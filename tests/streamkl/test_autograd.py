@@ -10,7 +10,8 @@ import torch
 
 from streamkl import attention_kl
 from streamkl._problem import KLSpec
-from streamkl.autograd import AttentionKLFunction, attention_kl_fwd_op, fuses_dq_b
+from streamkl.autograd import AttentionKLFunction, attention_kl_fwd_op
+from streamkl.dispatch import fuses_dq_b
 from tests._helpers import assert_close
 
 BACKENDS = ["reference", "triton"]  # triton runs under the CPU interpreter without a GPU

@@ -1,7 +1,7 @@
 """The Hopper (sm_90, Gluon) forwards and key pass: their selection everywhere, their results on an H100.
 
-Gluon has no CPU interpreter, so CI checks which problems take the Hopper kernels (scope, size threshold, the
-``STREAMKL_HOPPER_KERNELS`` switch); the GPU tests (skipped off sm_90) check that they ran and that they match the
+Gluon has no CPU interpreter, so CI checks which problems the dispatch table gives the Hopper kernels (scope, size
+threshold, the ``dispatch.forced`` override); the GPU tests (skipped off sm_90) check that they ran and that they match the
 float64 oracle as closely as the portable kernels do: the forward, gradients through the two-pass backward that reads
 its log-sum-exps, and the student's gradients of the training call (frozen teacher, ``reduction="mean"`` as users
 call it, and a weighted per-row loss) through the fused training forward, which gives the portable one's bits, and
@@ -10,22 +10,35 @@ the key pass.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
 import torch
 
-import streamkl._hopper as hopper
-from streamkl import attention_kl
-from streamkl._problem import KLInputs, KLSpec
+from streamkl import attention_kl, dispatch
+from streamkl._problem import KLInputs, KLSpec, key_head_split
+from streamkl.dispatch import Problem, forced
 from tests._helpers import assert_close
 from tests.streamkl.cases import Case, make_inputs
 from tests.streamkl.oracle import TOLERANCES
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-_forward = hopper._module("forward")
-_backward = hopper._module("backward")
-_fused = hopper._module("fused_forward")
+
+
+def _gluon_module(name: str):
+    """``streamkl._hopper.<name>``, or None where this Triton's Gluon API does not import (as the dispatch treats it)."""
+    try:
+        return importlib.import_module(f"streamkl._hopper.{name}")
+    except (ImportError, AttributeError):
+        return None
+
+
+_forward = _gluon_module("forward")
+_backward = _gluon_module("backward")
+_fused = _gluon_module("fused_forward")
+#: The Hopper key passes' rows of the dispatch table.
+GLUON_KEY_PASSES = ("gluon_key_pass_warp_specialised", "gluon_key_pass_pipelined", "gluon_key_pass_stepwise")
 
 
 def _inputs(*shape, dtype=torch.bfloat16, **extras) -> KLInputs:
@@ -45,19 +58,17 @@ def _count_calls(monkeypatch, module, name: str) -> list:
 
 
 def test_cpu_tensors_never_take_the_hopper_kernel():
-    assert hopper.hopper_forward(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125)) is None
+    with forced("gluon"):  # even where a Gluon kernel could compute the call
+        assert dispatch.select("forward", Problem(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125))).kernel == \
+            "triton_forward"
 
 
-def test_the_environment_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv(hopper.ENV_SWITCH, "0")
-    assert not hopper.hopper_enabled()
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
-    assert hopper.hopper_enabled()
-    monkeypatch.delenv(hopper.ENV_SWITCH)
-    assert hopper.hopper_enabled()
+def test_forced_names_its_argument():
+    with pytest.raises(ValueError, match=r"Expected argument `kernels` to be one of \['portable', 'gluon'\], but got 'all'"), \
+            forced("all"):
+        pass
 
 
-@pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("inputs", "spec", "expected"), [
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), True),
     (_inputs(1, 2, 256, 128, dtype=torch.float16), KLSpec(0.1, 0.1, window_right=0), True),
@@ -72,20 +83,20 @@ def test_the_environment_switch_turns_it_off(monkeypatch):
 ], ids=["bf16", "fp16-causal", "fp32", "d96", "softcap", "window", "right-window", "key-mask", "query-mask",
         "sinks"])
 def test_scope(inputs, spec, expected):
-    assert _forward.in_scope(inputs, spec) is expected
+    assert dispatch.in_scope("gluon_forward", Problem(inputs, spec)) is expected
 
 
-@pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
 def test_scope_needs_tma_addressable_tensors():
     q = torch.randn(1, 2, 256, 64).to(torch.bfloat16)
     spec = KLSpec(0.1, 0.1)
     strided = torch.randn(1, 2, 256, 65).to(torch.bfloat16)[..., :64]  # rows of 130 bytes: not 16-byte aligned
-    assert not _forward.in_scope(KLInputs(q, strided, q, q, None, None, None, None, None, None), spec)
+    scope = lambda inputs, spec: dispatch.in_scope("gluon_forward", Problem(inputs, spec))
+    assert not scope(KLInputs(q, strided, q, q, None, None, None, None, None, None), spec)
     causal_short_keys = KLInputs(q, q[:, :, :100], q, q[:, :, :100], None, None, None, None, None, None)
-    assert not _forward.in_scope(causal_short_keys, KLSpec(0.1, 0.1, window_right=0))  # a causal row with no key
-    assert _forward.in_scope(causal_short_keys, spec)
+    assert not scope(causal_short_keys, KLSpec(0.1, 0.1, window_right=0))  # a causal row with no key
+    assert scope(causal_short_keys, spec)
     mixed = KLInputs(q, q, q.half(), q.half(), None, None, None, None, None, None)
-    assert not _forward.in_scope(mixed, spec)
+    assert not scope(mixed, spec)
 
 
 # ---------------------------------------------------------------------------------------------------------- H100
@@ -110,29 +121,27 @@ def test_hopper_forward_matches_the_oracle_and_runs(case: Case, dtype: torch.dty
     """Every case runs the Hopper forward for a metric (no grad); cases whose teacher trains also run it under
     autograd (a frozen teacher's training forward is the fused one, :func:`streamkl.autograd.fuses_dq_b`), and the
     two-pass backward reads its log-sum-exps."""
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")  # small shapes and head dim 64 too
-    calls = _count_calls(monkeypatch, hopper._module("forward"), "attention_kl_fwd_hopper")
+    calls = _count_calls(monkeypatch, _forward, "attention_kl_fwd_hopper")
     inputs = make_inputs(case, dtype, "cuda")
     ref_tensors = inputs.float64_copies()
     ref = attention_kl(**ref_tensors, reduction="none", backend="reference", **case.kwargs())
     rtol_fwd, rtol_grad = TOLERANCES[dtype]
-    with torch.no_grad():
+    with forced("gluon"), torch.no_grad():  # small shapes and head dim 64 too
         out = inputs.call(attention_kl, reduction="none", backend="triton", **case.kwargs())
     assert len(calls) == 1, "the Hopper forward did not run"
     assert_close(out, ref.detach(), rtol_fwd, "kl")
-    monkeypatch.setenv(hopper.ENV_SWITCH, "0")  # the portable kernel on the same inputs
-    with torch.no_grad():
+    with forced("portable"), torch.no_grad():  # the portable kernel on the same inputs
         portable = inputs.call(attention_kl, reduction="none", backend="triton", **case.kwargs())
     assert len(calls) == 1
     err = lambda x: float((x.double() - ref.detach()).norm() / ref.detach().norm())
     assert err(out) <= 2 * err(portable) + 1e-6, "the Hopper forward is less exact than the portable one"
     if not case.teacher_grad:
         return
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
-    out = inputs.call(attention_kl, reduction="none", backend="triton", **case.kwargs())
-    assert len(calls) == 2, "the Hopper forward did not run under autograd"
-    grad_out = torch.randn(out.shape, dtype=torch.float64, device="cuda")
-    (out * grad_out.float()).sum().backward()
+    grad_out = torch.randn(ref.shape, dtype=torch.float64, device="cuda")
+    with forced("gluon"):
+        out = inputs.call(attention_kl, reduction="none", backend="triton", **case.kwargs())
+        assert len(calls) == 2, "the Hopper forward did not run under autograd"
+        (out * grad_out.float()).sum().backward()
     (ref * grad_out).sum().backward()
     assert_close(out, ref.detach(), rtol_fwd, "kl")
     for name, x in inputs.tensors.items():
@@ -142,26 +151,27 @@ def test_hopper_forward_matches_the_oracle_and_runs(case: Case, dtype: torch.dty
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-def test_default_selection_on_the_gpu(monkeypatch):
-    """Without the switch: head dim 128 at the threshold runs the Hopper forward; head dim 64 and small problems
-    do not (measured slower there, docs/perf-notes.md v7)."""
-    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
+def test_default_selection_on_the_gpu():
+    """Without an override: head dim 128 at the threshold runs the Hopper forward; head dim 64 and small problems
+    do not (measured slower there)."""
 
     def picked(n, d):
         q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
-        return hopper.hopper_forward(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.1, 0.1))
+        problem = Problem(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.1, 0.1))
+        return dispatch.select("forward", problem).kernel == "gluon_forward"
 
-    assert picked(8192, 128) is not None
-    assert picked(8192, 64) is None
-    assert picked(1024, 128) is None
+    assert picked(8192, 128)
+    assert not picked(8192, 64)
+    assert not picked(1024, 128)
 
 
 # ------------------------------------------------------------------------------------------------- fused forward
 def test_cpu_tensors_never_take_the_hopper_fused_forward():
-    assert hopper.hopper_fused_forward(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125)) is None
+    with forced("gluon"):
+        problem = Problem(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125))
+        assert dispatch.select("training forward", problem).kernel == "triton_training_forward"
 
 
-@pytest.mark.skipif(_fused is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("inputs", "spec", "expected"), [
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), True),
     (_inputs(1, 2, 256, 128), KLSpec(0.1, 0.1, window_right=0), True),
@@ -170,7 +180,7 @@ def test_cpu_tensors_never_take_the_hopper_fused_forward():
     (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1), False),
 ], ids=["bf16", "bf16-causal", "fp16", "softcap", "key-mask"])
 def test_fused_forward_scope(inputs, spec, expected):
-    assert _fused.in_scope(inputs, spec) is expected
+    assert dispatch.in_scope("gluon_training_forward", Problem(inputs, spec)) is expected
 
 
 FUSED_CASES = [  # every case in the fused Gluon forward's scope: bf16, head dims 64 and 128, no masks
@@ -203,7 +213,8 @@ def test_hopper_fused_forward_gives_the_portable_forwards_bits(case: Case):
     from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
 
     inputs, spec = _fused_problem(case)
-    assert _fused.supports(inputs, spec)
+    with forced("gluon"):
+        assert dispatch.select("training forward", Problem(inputs, spec)).kernel == "gluon_training_forward"
     dq_gluon, dq_portable = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
     gluon = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_gluon), dq_gluon)
     portable = (*attention_kl_fwd(inputs, spec, dq_b=dq_portable), dq_portable)
@@ -217,44 +228,14 @@ def test_hopper_fused_forward_gives_the_portable_forwards_bits(case: Case):
     assert_close(dq_gluon, ref_dq, TOLERANCES[torch.bfloat16][1], "dq_s")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in FUSED_CASES if max(c.d_t, c.d_s) == 64])
-def test_three_consumer_warpgroups_give_the_two_consumers_bits(case: Case):
-    """The training forward with three consumer warpgroups (192 rows per program, benchmarks/bench_three_consumers.py;
-    not selected: it was slower) computes every row as two do: bitwise the same KL, lse and query gradient."""
-    from streamkl._triton.forward import new_dq_b_buffer
-
-    inputs, spec = _fused_problem(case)
-    dq_three, dq_two = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
-    three = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_three, consumers=3), dq_three)
-    two = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_two, consumers=2), dq_two)
-    for name, x, y in zip(("kl", "lse_a", "lse_b", "dq_s"), three, two):
-        assert torch.equal(x, y), f"{name} differs with three consumers"
-
-
-@pytest.mark.skipif(_fused is None, reason="this Triton has no Gluon Hopper API")
-@pytest.mark.parametrize(("consumers", "d"), [(3, 128), (4, 64), (1, 64)])
-def test_the_training_forward_refuses_consumers_it_has_no_registers_for(consumers, d):
-    """Two consumer warpgroups, or three at head dim 64: anything else is an error that names the argument (checked
-    before any launch, so on the CPU)."""
-    from streamkl._triton.forward import new_dq_b_buffer
-
-    inputs = _inputs(1, 2, 256, d)
-    with pytest.raises(ValueError, match=rf"consumers: expected 2, or 3 with head dims <= 64, got {consumers}"):
-        _fused.attention_kl_fused_fwd_hopper(inputs, KLSpec(0.125, 0.125), new_dq_b_buffer(inputs),
-                                             consumers=consumers)
-    assert _fused.fused_forward_consumers(64, 64) == 2
-
-
 @pytest.mark.skipif(_forward is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("heads", "key_heads", "d"), [(16, 16, 64), (16, 4, 128), (3, 3, 128)])
 def test_causal_gluon_forwards_order_their_rows_as_the_portable_forward(heads, key_heads, d):
     """Both Gluon forwards launch a causal problem as the portable forward does since v12 (v18): one-dimensional,
     longest row tiles first, in chunks of the portable forward's size (keys of both sides within half of the L2);
     without a mask, a (row tiles, pairs) grid."""
-    from streamkl._triton._launch import tensor_geometry
     from streamkl._triton.forward import _forward_plan
+    from streamkl._triton_common.launch import tensor_geometry
 
     q = torch.randn(2, heads, 4096, d, dtype=torch.bfloat16)
     k = torch.randn(2, key_heads, 4096, d, dtype=torch.bfloat16)
@@ -301,34 +282,40 @@ def test_causal_gluon_forwards_in_longest_first_chunks_give_the_one_chunk_bits(c
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-def test_default_fused_forward_selection_on_the_gpu(monkeypatch):
-    """Without the switch: head dims 64 and 128 at the threshold, with or without a causal mask, run the fused Gluon
-    forward (measured faster there, docs/perf-notes.md v17 and v18); small problems and fp16 do not."""
-    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
+def test_default_fused_forward_selection_on_the_gpu():
+    """Without an override: head dims 64 and 128 at the threshold, with or without a causal mask, run the fused Gluon
+    forward (measured faster there); small problems and fp16 do not."""
 
     def picked(n, d, dtype=torch.bfloat16, causal=False):
         q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
-        return hopper.hopper_fused_forward(KLInputs(q, q, q, q, *[None] * 6),
-                                           KLSpec(0.1, 0.1, window_right=0 if causal else -1))
+        problem = Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.1, 0.1, window_right=0 if causal else -1))
+        return dispatch.select("training forward", problem).kernel == "gluon_training_forward"
 
-    assert picked(8192, 128) is not None
-    assert picked(8192, 128, causal=True) is not None
-    assert picked(8192, 64) is not None
-    assert picked(8192, 64, causal=True) is not None
-    assert picked(1024, 128) is None
-    assert picked(8192, 128, torch.float16) is None
+    assert picked(8192, 128)
+    assert picked(8192, 128, causal=True)
+    assert picked(8192, 64)
+    assert picked(8192, 64, causal=True)
+    assert not picked(1024, 128)
+    assert not picked(8192, 128, torch.float16)
 
 
 # ------------------------------------------------------------------------------------------------------ key pass
 def test_cpu_tensors_never_take_the_hopper_key_pass():
-    assert hopper.hopper_key_pass(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125), False, True) is None
+    with forced("gluon"):
+        problem = Problem(_inputs(1, 4, 4096, 64), KLSpec(0.125, 0.125), need_a=False, need_b=True)
+        assert dispatch.select("key pass", problem).kernel == "triton_key_pass"
 
 
-def test_the_size_threshold(monkeypatch):
-    big, small = _inputs(1, 1, 1 << 14, 1), _inputs(1, 1, 1 << 13, 1)  # 2^28 and 2^26 score elements
-    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
-    assert hopper._large_enough(big, "1") and not hopper._large_enough(small, "1")
-    assert hopper._large_enough(small, "all")
+def test_the_size_threshold():
+    """Every Gluon row pays from 2^28 score elements per distribution (B·H·N_q·N_k) up; the forward's only at head
+    dim 128."""
+    big, small = _inputs(1, 1, 1 << 14, 128), _inputs(1, 1, 1 << 13, 128)  # 2^28 and 2^26 score elements
+    gluon_rows = [r for r in dispatch.TABLE if r.gluon]
+    assert len(gluon_rows) == 5
+    for row in gluon_rows:
+        assert row.pays(Problem(big, KLSpec(0.1, 0.1))) and not row.pays(Problem(small, KLSpec(0.1, 0.1))), row.kernel
+    (forward_row,) = [r for r in gluon_rows if r.kernel == "gluon_forward"]
+    assert not forward_row.pays(Problem(_inputs(1, 1, 1 << 14, 64), KLSpec(0.1, 0.1)))
 
 
 def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
@@ -336,7 +323,6 @@ def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
     return KLInputs(q, q[:, :h_kt], q, q[:, :h_ks], None, None, None, None, None, None)
 
 
-@pytest.mark.skipif(_backward is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("inputs", "spec", "grads", "expected"), [
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1), (False, True), True),
     (_inputs(1, 2, 256, 128), KLSpec(0.1, 0.1, window_right=0), (False, True), True),
@@ -357,16 +343,39 @@ def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
 ], ids=["bf16", "d128-causal", "teacher-grad", "teacher-only", "fp16", "fp32", "d96", "softcap", "window",
         "key-mask", "sinks", "gqa-teacher", "gqa-both", "gqa-student-coarser", "groupings-that-do-not-divide"])
 def test_key_pass_scope(inputs, spec, grads, expected):
-    assert _backward.in_scope(inputs, spec, *grads) is expected
+    problem = Problem(inputs, spec, *grads)
+    assert any(dispatch.in_scope(kernel, problem) for kernel in GLUON_KEY_PASSES) is expected
+    assert sum(dispatch.in_scope(kernel, problem) for kernel in GLUON_KEY_PASSES) <= 1  # the variants do not overlap
 
 
-@pytest.mark.skipif(_backward is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("causal", "d_t", "d_s", "kernel"), [
+    (True, 128, 128, "gluon_key_pass_warp_specialised"), (True, 128, 64, "gluon_key_pass_warp_specialised"),
+    (True, 64, 64, "gluon_key_pass_pipelined"), (False, 64, 64, "gluon_key_pass_pipelined"),
+    (False, 128, 64, "gluon_key_pass_pipelined"), (False, 128, 128, "gluon_key_pass_stepwise"),
+    (False, 64, 128, "gluon_key_pass_stepwise")])
+def test_the_key_pass_variant_by_mask_and_head_dims(causal, d_t, d_s, kernel):
+    """The warp-specialised key pass with a causal mask and a head dim above 64; else the one-warpgroup pass, its
+    full steps pipelined where side b's head dim is at most 64 and one at a time above."""
+    q_t, q_s = torch.randn(1, 2, 256, d_t).to(torch.bfloat16), torch.randn(1, 2, 256, d_s).to(torch.bfloat16)
+    problem = Problem(KLInputs(q_t, q_t, q_s, q_s, *[None] * 6), KLSpec(0.1, 0.1, window_right=0 if causal else -1),
+                      need_a=False, need_b=True)
+    assert [k for k in GLUON_KEY_PASSES if dispatch.in_scope(k, problem)] == [kernel]
+
+
+def test_no_gluon_key_pass_beside_atomic_query_gradients():
+    inputs = _inputs(1, 2, 256, 64)
+    atomic = Problem(inputs, KLSpec(0.1, 0.1), need_a=False, need_b=True, deterministic=False)
+    assert not any(dispatch.in_scope(k, atomic) for k in GLUON_KEY_PASSES)
+    fused = atomic._replace(fused=True)  # the training forward's backward is the key pass alone: deterministic
+    assert dispatch.in_scope("gluon_key_pass_pipelined", fused)
+
+
 @pytest.mark.parametrize(("group_a", "group_b", "split"), [(1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (1, 4, 4),
                                                            (2, 8, 4), (3, 2, None), (2, 3, None)])
 def test_key_head_split(group_a, group_b, split):
     """Programs per student key head: one when its query heads share a teacher key head, else one per teacher key
     head it spans."""
-    assert _backward.key_head_split(group_a, group_b) == split
+    assert key_head_split(group_a, group_b) == split
 
 
 KEY_PASS_CASES = [  # (case, loss): every case has a frozen teacher and a trainable student (the fused path)
@@ -390,8 +399,8 @@ def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monk
     """The training call with a frozen teacher, bf16: the student's gradients match the float64 oracle with the
     Hopper fused forward and key pass (forced onto these small shapes), as closely as with the portable kernels; dQ_s
     (the forward's) is bitwise the same either way."""
-    calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
-    fused_calls = _count_calls(monkeypatch, hopper._module("fused_forward"), "attention_kl_fused_fwd_hopper")
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     inputs = make_inputs(case, torch.bfloat16, "cuda")
     inputs.tensors["q_s"].requires_grad_(True)
     inputs.tensors["k_s"].requires_grad_(True)
@@ -405,10 +414,10 @@ def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monk
     ref = loss_of(attention_kl(**ref_tensors, reduction=reduction, backend="reference", **case.kwargs()))
     ref_grads = torch.autograd.grad(ref, (ref_tensors["q_s"], ref_tensors["k_s"]))
     grads = {}
-    for label, switch in (("hopper", "all"), ("portable", "0")):
-        monkeypatch.setenv(hopper.ENV_SWITCH, switch)
-        out = loss_of(inputs.call(attention_kl, reduction=reduction, backend="triton", **case.kwargs()))
-        grads[label] = torch.autograd.grad(out, (inputs.tensors["q_s"], inputs.tensors["k_s"]))
+    for label, switch in (("hopper", "gluon"), ("portable", "portable")):
+        with forced(switch):
+            out = loss_of(inputs.call(attention_kl, reduction=reduction, backend="triton", **case.kwargs()))
+            grads[label] = torch.autograd.grad(out, (inputs.tensors["q_s"], inputs.tensors["k_s"]))
         assert len(calls) == 1, f"the Hopper key pass ran {len(calls)} times after the {label} call, expected once"
         assert len(fused_calls) == 1, f"the fused Hopper forward ran {len(fused_calls)} times after the {label} call"
     _, rtol_grad = TOLERANCES[torch.bfloat16]
@@ -422,28 +431,26 @@ def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-def test_default_key_pass_selection_on_the_gpu(monkeypatch):
-    """Without the switch: both head dims at the threshold run the Hopper key pass (measured faster there,
-    docs/perf-notes.md v10); small problems and a trainable teacher do not."""
-    monkeypatch.delenv(hopper.ENV_SWITCH, raising=False)
+def test_default_key_pass_selection_on_the_gpu():
+    """Without an override: both head dims at the threshold run a Hopper key pass (measured faster there); small
+    problems and a trainable teacher do not."""
 
     def picked(n, d, need_grad_a=False):
         q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
         inputs = KLInputs(q, q, q, q, None, None, None, None, None, None)
-        return hopper.hopper_key_pass(inputs, KLSpec(0.1, 0.1), need_grad_a, True)
+        return dispatch.select("key pass", Problem(inputs, KLSpec(0.1, 0.1), need_grad_a, True)).gluon
 
-    assert picked(8192, 128) is not None
-    assert picked(8192, 64) is not None
-    assert picked(1024, 128) is None
-    assert picked(8192, 64, need_grad_a=True) is None
+    assert picked(8192, 128)
+    assert picked(8192, 64)
+    assert not picked(1024, 128)
+    assert not picked(8192, 64, need_grad_a=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-def test_the_hopper_kernels_never_synchronise_with_the_host(monkeypatch):
+def test_the_hopper_kernels_never_synchronise_with_the_host():
     """The Hopper forward (a metric call) and key pass (a training call, frozen teacher): no implicit host
     synchronisation (``torch.cuda.set_sync_debug_mode("error")`` raises on one)."""
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
     q_t, k_t = (torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q_s, k_s = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 
@@ -453,13 +460,14 @@ def test_the_hopper_kernels_never_synchronise_with_the_host(monkeypatch):
         attention_kl(q_t, k_t, q_s, k_s, causal=True).backward()
         attention_kl(q_t, k_t, q_s, k_s).backward()
 
-    calls()  # compile outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        calls()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with forced("gluon"):
+        calls()  # compile outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            calls()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
@@ -471,8 +479,8 @@ def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poiso
     the student's gradients through the Hopper fused forward and key pass are bitwise those of the portable kernels,
     NaNs in the same places (the portable kernels' containment is tested in test_real_teacher.py and
     test_reliability.py); the poisoned rows are left out of the loss, as a user masking them would."""
-    calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
-    fused_calls = _count_calls(monkeypatch, hopper._module("fused_forward"), "attention_kl_fused_fwd_hopper")
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     g = torch.Generator(device="cuda").manual_seed(0)
     q_t, k_t, q_s, k_s = (torch.randn(1, 2, 300, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
     if poison == "future-keys":
@@ -481,16 +489,16 @@ def test_hopper_key_pass_contains_non_finite_inputs_like_the_portable_pass(poiso
     else:
         q_s[0, 1, 100, 3] = float("nan")
     results = {}
-    for switch in ("all", "0"):
-        monkeypatch.setenv(hopper.ENV_SWITCH, switch)
-        q, k = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
-        out = attention_kl(q_t, k_t, q, k, causal=True, reduction="none")
-        out.masked_fill(~torch.isfinite(out.detach()), 0.0).sum().backward()
-        results[switch] = (out.detach(), q.grad, k.grad)
+    for switch in ("gluon", "portable"):
+        with forced(switch):
+            q, k = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
+            out = attention_kl(q_t, k_t, q, k, causal=True, reduction="none")
+            out.masked_fill(~torch.isfinite(out.detach()), 0.0).sum().backward()
+            results[switch] = (out.detach(), q.grad, k.grad)
     assert len(calls) == 1, "the Hopper key pass did not run"
     assert len(fused_calls) == 1, "the fused Hopper forward did not run"
-    assert not torch.isfinite(results["0"][0]).all(), "the poison reached no row: the test checks nothing"
-    for name, hopper_value, portable_value in zip(("kl", "dq_s", "dk_s"), results["all"], results["0"]):
+    assert not torch.isfinite(results["portable"][0]).all(), "the poison reached no row: the test checks nothing"
+    for name, hopper_value, portable_value in zip(("kl", "dq_s", "dk_s"), results["gluon"], results["portable"]):
         torch.testing.assert_close(hopper_value, portable_value, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
@@ -504,15 +512,15 @@ def test_hopper_causal_key_pass_in_longest_first_chunks_is_bitwise_the_one_chunk
     single chunk: each program's work does not depend on when it runs, and none is skipped or repeated."""
     from streamkl._hopper import backward
 
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
     case = replace(H, b=2, h=8, h_kt=4, h_ks=2, n_q=1030, n_k=1030, causal=True)
-    calls = _count_calls(monkeypatch, hopper._module("backward"), "attention_kl_key_pass_hopper")
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
     inputs = make_inputs(case, torch.bfloat16, "cuda")
     inputs.tensors["k_s"].requires_grad_(True)
 
     def key_gradient():
-        out = inputs.call(attention_kl, backend="triton", **case.kwargs())
-        return torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
+        with forced("gluon"):
+            out = inputs.call(attention_kl, backend="triton", **case.kwargs())
+            return torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
 
     whole = key_gradient()
     query_bytes = (8 // 2 // 2) * 1030 * (64 + 64) * 2  # per program: 2 query heads, both sides' queries, bf16
@@ -549,12 +557,13 @@ def test_both_hopper_key_passes_agree_and_match_the_oracle(case: Case, grad: str
     order (no mask, or one query head per program); with a causal mask and several query heads per program the
     one-warpgroup pass sweeps every head's diagonal first, and both match the float64 oracle as closely."""
     views, inputs, spec, kl, lse_a, lse_b, g = _key_pass_problem(case, grad)
-    assert _backward.in_scope(inputs, spec, False, True)
-    one = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False)
-    ws = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=True)
+    assert any(dispatch.in_scope(k, Problem(inputs, spec, False, True)) for k in GLUON_KEY_PASSES)
+    one = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=False,
+                                                 overlap=case.d_s <= 64)  # the variant the table runs
+    ws = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=True, overlap=False)
     assert torch.isfinite(ws).all() and ws.abs().max() > 0
     group_a, group_b = case.h // case.h_kt, case.h // case.h_ks
-    heads_per_program = group_b // _backward.key_head_split(group_a, group_b)
+    heads_per_program = group_b // key_head_split(group_a, group_b)
     if not case.causal or heads_per_program == 1:
         assert torch.equal(ws, one)
         return
@@ -573,10 +582,10 @@ def test_both_hopper_key_passes_agree_and_match_the_oracle(case: Case, grad: str
 @pytest.mark.parametrize(("causal", "d", "specialised"), [(True, 128, True), (True, 64, False), (False, 128, False),
                                                         (False, 64, False)])
 def test_the_training_call_picks_the_key_pass_by_mask_and_head_dim(causal, d, specialised, monkeypatch):
-    """By default the key pass of a causal training call at head dim 128 runs the warp-specialised kernel, and at head
-    dim 64 or without a mask the one-warpgroup kernel (docs/perf-notes.md v13, v14), whose full steps are pipelined at
-    head dim 64 and taken one at a time at head dim 128 (v16); the gradients match the float64 oracle."""
-    monkeypatch.setenv(hopper.ENV_SWITCH, "all")
+    """The key pass of a causal training call at head dim 128 runs the warp-specialised kernel, and at head dim 64 or
+    without a mask the one-warpgroup kernel, whose full steps are pipelined at head dim 64 and taken one at a time at
+    head dim 128 (the dispatch table's variants, forced onto this small shape); the gradients match the float64
+    oracle."""
     ws_calls, one_calls = [], []
     real_ws, real_one = _backward._launch_ws, _backward._launch_dk
     monkeypatch.setattr(_backward, "_launch_ws", lambda *a: (ws_calls.append(1), real_ws(*a))[1])
@@ -585,12 +594,13 @@ def test_the_training_call_picks_the_key_pass_by_mask_and_head_dim(causal, d, sp
     inputs = make_inputs(case, torch.bfloat16, "cuda")
     inputs.tensors["k_s"].requires_grad_(True)
     ref_tensors = inputs.float64_copies()
-    out = inputs.call(attention_kl, backend="triton", **case.kwargs())
+    with forced("gluon"):
+        out = inputs.call(attention_kl, backend="triton", **case.kwargs())
+        dk = torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
     ref = attention_kl(**ref_tensors, backend="reference", **case.kwargs())
-    dk = torch.autograd.grad(out, (inputs.tensors["k_s"],))[0]
     dk_ref = torch.autograd.grad(ref, (ref_tensors["k_s"],))[0]
     assert (len(ws_calls), len(one_calls)) == ((1, 0) if specialised else (0, 1))
-    assert all(meta["OVERLAP"] == (d <= 64) for meta in one_calls), "full steps pipelined at head dim 64 only (v16)"
+    assert all(meta["OVERLAP"] == (d <= 64) for meta in one_calls), "full steps pipelined at head dim 64 only"
     assert_close(dk, dk_ref, TOLERANCES[torch.bfloat16][1], "dk_s")
 
 

@@ -15,5 +15,5 @@ def test_import_streamkl_does_not_import_lightning_or_triton():
 def test_public_surface():
     import streamkl
 
-    assert set(streamkl.__all__) == {"AttentionKLLoss", "attention_kl", "chunked_attention_kl", "naive_attention_kl",
-                                     "indexer_kl", "naive_indexer_kl"}
+    assert set(streamkl.__all__) == {"AttentionKLLoss", "AttentionKLOptions", "KLWithCount", "attention_kl",
+                                     "chunked_attention_kl", "naive_attention_kl", "indexer_kl", "naive_indexer_kl"}

@@ -99,7 +99,7 @@ def test_torch_deterministic_mode_overrides_atomic_request(monkeypatch):
     original = backward.attention_kl_bwd
 
     def spy(*args, **kwargs):
-        seen["deterministic"] = args[-1]
+        seen["deterministic"] = kwargs["deterministic"]
         return original(*args, **kwargs)
 
     monkeypatch.setattr(backward, "attention_kl_bwd", spy)
@@ -335,7 +335,7 @@ def test_launch_cache_keys_a_tma_descriptor_on_what_triton_specialises():
     another tensor of the same geometry is not."""
     from types import SimpleNamespace
 
-    from streamkl._triton._launch import _signature
+    from streamkl._triton_common.launch import _signature
 
     def desc(x, block=(1, 1, 64, 64)):
         return SimpleNamespace(base=x, shape=list(x.shape), strides=list(x.stride()), block_shape=list(block))
@@ -350,7 +350,7 @@ def test_launch_cache_keys_a_tma_descriptor_on_what_triton_specialises():
 
 
 def test_cached_launch_passes_exactly_what_triton_passes():
-    """The launch cache (``_triton/_launch.py``) calls a compiled kernel's launcher directly once Triton has
+    """The launch cache (``_triton_common/launch.py``) calls a compiled kernel's launcher directly once Triton has
     launched that specialisation: it must pass the same grid, stream and arguments as Triton's own path, and a
     new specialisation (another dtype, an unaligned pointer, a scalar equal to 1) must go back through Triton.
     A fake driver and a stand-in compiled kernel record the launches (no GPU, no compilation)."""
@@ -358,7 +358,7 @@ def test_cached_launch_passes_exactly_what_triton_passes():
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from streamkl._triton._launch import KernelLauncher
+    from streamkl._triton_common.launch import KernelLauncher
 
     def kernel(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):  # tensors, scalars, then constexprs
         pass

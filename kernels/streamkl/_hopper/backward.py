@@ -24,16 +24,19 @@ same thing with
   the pipelined loop, which never masks: both tile codes live in one loop would not fit 64-query steps in the
   registers (v14).
 
-Scope (anything else runs the portable pass, :func:`in_scope`): bf16 inputs on both sides, dense ``(B, H, N, D)``
+Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both
+sides, dense ``(B, H, N, D)``
 tensors TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
 ``N_k >= N_q``, only side b's gradient, and key-head groupings that divide one another (a teacher that groups more
 query heads per key head than the student, or fewer: then each student key head is split over several programs, one
-per teacher key head, whose fp32 parts are summed in a fixed order, so the result stays deterministic). Gluon kernels
-have no CPU interpreter: CI checks :func:`in_scope`, the GPU suite checks this pass against the portable one and the
-float64 oracle.
+per teacher key head, whose fp32 parts are summed in a fixed order, so the result stays deterministic,
+:func:`streamkl._problem.key_head_split`). Gluon kernels have no CPU interpreter: CI checks the selection, the GPU
+suite checks this pass against the portable one and the float64 oracle.
 
-With a causal mask and a head dim above 64, :func:`attention_kl_key_pass_hopper` launches the warp-specialised kernel
-of :mod:`streamkl._hopper.key_pass_ws` instead (same scope; :func:`warp_specialised`). The two kernels' key gradients
+:func:`attention_kl_key_pass_hopper` launches this kernel or the warp-specialised one of
+:mod:`streamkl._hopper.key_pass_ws` (same scope; the dispatch table takes it with a causal mask and a head dim above
+64), and this one with its full steps pipelined or one at a time (the table: pipelined where side b's head dim is at
+most 64; with a 128-wide dK accumulator two register sets of scores spill). The two kernels' key gradients
 are bitwise equal wherever both sweep the query tiles in the same order: without a mask, or when a program sweeps one
 query head; with a causal mask and several query heads per program this kernel sweeps every head's diagonal first,
 which changes the order of the fp32 sums (both match the float64 oracle equally).
@@ -47,20 +50,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .._problem import KLInputs, KLSpec
-from .._triton._helpers import l2_cache_bytes, longest_first_chunk, side_scales
-from .._triton._launch import KernelLauncher
-from .._triton.configs import LaunchConfig
-from .forward import (
-    HOPPER_HEAD_DIMS,
-    _allocate_tiles,
-    _descriptor,
-    _is_sm90,
-    _load_fixed,
-    _longest_first,
-    _tma_load,
-    _tma_ready,
-)
+from .._problem import KLInputs, KLSpec, key_head_split
+from .._triton_common.launch import KernelLauncher
+from .._triton_common.numerics import side_scales
+from .._triton_common.scheduling import l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
+from .forward import _allocate_tiles, _descriptor, _load_fixed, _longest_first, _tma_load
 from .key_pass_tiles import _ds_tile, _row_state, _step_tile, _store_dk
 from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
@@ -144,7 +139,7 @@ def _hopper_dk_kernel(
     b = pid_bh // (SPLIT * H_KB)
     heads = GROUP_B // SPLIT
     h0 = hk_b * GROUP_B + part * heads  # the query heads h0 .. h0 + heads - 1 share this student key head
-    hk_a = h0 // GROUP_A  # and one teacher key head (SPLIT makes it so, see in_scope)
+    hk_a = h0 // GROUP_A  # and one teacher key head (SPLIT makes it so, see key_head_split)
     offset = N_K - N_Q
     q_tiles = gl.cdiv(N_Q, BLOCK_M)
     if CAUSAL:  # query tiles from the first row that sees key n0; full from the first that sees the whole tile
@@ -296,103 +291,22 @@ def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
     return LaunchConfig(64, 64, 4, 2)
 
 
-def overlaps_steps(d_b: int) -> bool:
-    """Whether the one-warpgroup key pass issues each full step's score products before the previous step's
-    exponentials (two register sets of scores in flight): where side b's head dim is at most 64. With a 128-wide dK
-    accumulator the two sets spill (v14); one set at a time measured level at N = 8192 and faster at the GQA shape
-    (docs/perf-notes.md v16).
-
-    Example:
-        >>> overlaps_steps(64), overlaps_steps(128)
-        (True, False)
-    """
-    return d_b <= 64
-
-
-def key_head_split(group_a: int, group_b: int) -> int | None:
-    """Programs per student key head so that each sweeps query heads of one teacher key head (``group_*``: query
-    heads per key head of each side), or None when no whole split does.
-
-    Example:
-        >>> key_head_split(4, 2), key_head_split(1, 4), key_head_split(2, 3)  # GQA teacher; MHA teacher; neither
-        (1, 4, None)
-    """
-    if group_a % group_b == 0:
-        return 1
-    if group_b % group_a == 0:
-        return group_b // group_a
-    return None
-
-
-def in_scope(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> bool:
-    """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
-
-    Example:
-        >>> q = torch.randn(1, 4, 256, 64, dtype=torch.bfloat16)
-        >>> k_t = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)  # the teacher groups 2 query heads per key head
-        >>> in_scope(KLInputs(q, k_t, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125), False, True)
-        True
-        >>> in_scope(KLInputs(q, q, q, k_t, None, None, None, None, None, None), KLSpec(0.125, 0.125), True, True)
-        False
-    """
-    if need_grad_a or not need_grad_b:
-        return False
-    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
-    if any(x is not None for x in (inputs.sink_a, inputs.sink_b, inputs.key_padding_mask, inputs.query_mask,
-                                   inputs.cu_seqlens_q, inputs.attn_mask)):
-        return False
-    if spec.softcap_a or spec.softcap_b or spec.window_left >= 0 or spec.window_right > 0:
-        return False
-    if spec.window_right == 0 and k_a.shape[2] < q_a.shape[2]:  # causal: every row must see a key
-        return False
-    heads = q_a.shape[1]
-    group_a, group_b = heads // k_a.shape[1], heads // k_b.shape[1]
-    if key_head_split(group_a, group_b) is None:  # each program's query heads must share a teacher key head
-        return False
-    return (all(t.dtype == torch.bfloat16 and _tma_ready(t) for t in (q_a, k_a, q_b, k_b))
-            and q_a.shape[-1] in HOPPER_HEAD_DIMS and q_b.shape[-1] in HOPPER_HEAD_DIMS)
-
-
-def supports(inputs: KLInputs, spec: KLSpec, need_grad_a: bool, need_grad_b: bool) -> bool:
-    """True when :func:`attention_kl_key_pass_hopper` computes this key pass: CUDA tensors on an sm_90 device and
-    :func:`in_scope`."""
-    q_a = inputs.q_a
-    return q_a.is_cuda and _is_sm90(q_a.device.index if q_a.device.index is not None else -1) \
-        and in_scope(inputs, spec, need_grad_a, need_grad_b)
-
-
-def warp_specialised(spec: KLSpec, d_a: int, d_b: int) -> bool:
-    """Whether :func:`attention_kl_key_pass_hopper` runs the warp-specialised kernel
-    (:mod:`streamkl._hopper.key_pass_ws`) for this problem (``d_a``, ``d_b``: the head dims): with a causal mask and
-    a head dim above 64, where it measured faster than this module's one-warpgroup kernel (docs/perf-notes.md v13,
-    v14). At head dim 64 the one-warpgroup kernel's 64-query steps fit its registers once the causal diagonal is swept
-    apart (v14) and it is the faster one; without a mask the warp-specialised kernel measured slower at head dim 64
-    and level at head dim 128 (v13).
-
-    Example:
-        >>> causal, dense = KLSpec(0.125, 0.125, window_right=0), KLSpec(0.125, 0.125)
-        >>> warp_specialised(causal, 128, 128), warp_specialised(causal, 64, 64), warp_specialised(dense, 128, 128)
-        (True, False, False)
-    """
-    return spec.window_right == 0 and max(d_a, d_b) > 64
-
-
 def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
-                                 lse_b: torch.Tensor, config: LaunchConfig | None = None,
-                                 specialised: bool | None = None, overlap: bool | None = None) -> torch.Tensor:
+                                 lse_b: torch.Tensor, config: LaunchConfig | None = None, *, specialised: bool,
+                                 overlap: bool) -> torch.Tensor:
     """Side b's key gradient ``dK_b`` (input dtype, shaped like ``k_b``) of the portable key pass, on a Hopper kernel;
-    only for problems :func:`supports` accepts. ``grad_kl`` is fp32: one number (a stride-0 view, as the portable
-    backward passes it) or ``[B, H, N_q]`` contiguous. ``specialised`` picks the warp-specialised kernel (default:
-    :func:`warp_specialised`); ``config`` its tiles (default: the kernel's own choice); ``overlap``, for the
-    one-warpgroup kernel, whether full steps keep two register sets in flight (default: :func:`overlaps_steps`).
+    only for problems in its scope (module docstring). ``grad_kl`` is fp32: one number (a stride-0 view, as the
+    portable backward passes it) or ``[B, H, N_q]`` contiguous. ``specialised`` runs the warp-specialised kernel,
+    else the one-warpgroup one, whose full steps keep two register sets in flight with ``overlap`` (the variant
+    :mod:`streamkl.dispatch` selects); ``config`` the tiles (default: the kernel's own choice).
 
     Example (on an H100)::
 
         >>> q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
         >>> inputs, spec = KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125)  # doctest: +SKIP
         >>> kl, lse_a, lse_b = attention_kl_fwd(inputs, spec)  # doctest: +SKIP
-        >>> dk_b = attention_kl_key_pass_hopper(torch.ones(1, device="cuda"), inputs, spec, lse_a,
-        ...                                     lse_b)  # doctest: +SKIP
+        >>> dk_b = attention_kl_key_pass_hopper(torch.ones(1, device="cuda"), inputs, spec, lse_a, lse_b,
+        ...                                     specialised=False, overlap=True)  # doctest: +SKIP
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     batch, heads, n_q, d_a = q_a.shape
@@ -405,13 +319,11 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(k_b.dtype)
     causal = spec.window_right == 0
-    specialised = warp_specialised(spec, d_a, d_b) if specialised is None else specialised
     if specialised:  # two consumers of block_n keys each per program
         launch, cfg = _launch_ws, config or ws_key_pass_config(d_a, d_b)
         keys_per_program, extra = 2 * cfg.block_n, (("num_warps", 4), ("maxnreg", KERNEL_REGS))
     else:
         launch, cfg = _launch_dk, config or hopper_key_pass_config(d_a, d_b, causal)
-        overlap = overlaps_steps(d_b) if overlap is None else overlap
         keys_per_program, extra = cfg.block_n, (("OVERLAP", overlap), ("num_warps", cfg.num_warps))
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid = (triton.cdiv(n_k, keys_per_program), batch * h_kb * split)

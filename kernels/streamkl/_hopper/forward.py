@@ -15,10 +15,11 @@ state and epilogue, see :func:`streamkl._triton.forward._attention_kl_fwd_keys`)
 A causal grid runs the longest row tiles first in chunks of (sequence, head) pairs, as the portable forward's does
 (v18, :func:`row_tile_grid`; the fused training forward shares it).
 
-Scope (anything else runs the portable kernels, :func:`supports`): dense ``(B, H, N, D)`` inputs with unit head-dim
-stride and 16-byte aligned strides, bf16 or fp16 on both sides, head dims 64 or 128, no masks, windows, sinks,
-soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the
-selection logic (:func:`supports`), the GPU suite checks this kernel against the portable one and the float64 oracle.
+Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernels): dense ``(B, H, N, D)``
+inputs with unit head-dim stride and 16-byte aligned strides, bf16 or fp16 on both sides, head dims 64 or 128, no
+masks, windows, sinks, soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels have no CPU interpreter:
+CI checks the selection (:mod:`streamkl.dispatch`), the GPU suite checks this kernel against the portable one and the
+float64 oracle.
 """
 
 from __future__ import annotations
@@ -33,19 +34,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import (
-    LN2_C,
-    NEG_BIG,
-    key_bytes_per_head,
-    l2_cache_bytes,
-    longest_first_chunk,
-    side_scales,
-)
-from .._triton._launch import KernelLauncher
-from .._triton.configs import LaunchConfig
+from .._triton_common.launch import KernelLauncher
+from .._triton_common.numerics import LN2_C, NEG_BIG, side_scales
+from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
 
-#: Head dims this kernel is built for (both sides; they may differ).
-HOPPER_HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 #: The TMA tile load: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` later (3.9 raises on the
 #: old name).
@@ -347,48 +340,6 @@ def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
     return LaunchConfig(64, 64, 4, 2)
 
 
-def supports(inputs: KLInputs, spec: KLSpec) -> bool:
-    """True when :func:`attention_kl_fwd_hopper` computes this forward: CUDA tensors on an sm_90 device and
-    :func:`in_scope`."""
-    q_a = inputs.q_a
-    return q_a.is_cuda and _is_sm90(q_a.device.index if q_a.device.index is not None else -1) \
-        and in_scope(inputs, spec)
-
-
-def in_scope(inputs: KLInputs, spec: KLSpec) -> bool:
-    """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
-
-    Example:
-        >>> q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
-        >>> in_scope(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125))
-        True
-        >>> in_scope(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125, softcap_a=30.0))
-        False
-    """
-    q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
-    if any(x is not None for x in (inputs.sink_a, inputs.sink_b, inputs.key_padding_mask, inputs.query_mask,
-                                   inputs.cu_seqlens_q, inputs.attn_mask)):
-        return False
-    if spec.softcap_a or spec.softcap_b or spec.window_left >= 0 or spec.window_right > 0:
-        return False
-    if spec.window_right == 0 and k_a.shape[2] < q_a.shape[2]:  # causal: every row must see a key
-        return False
-    return (q_a.dtype == k_a.dtype == q_b.dtype == k_b.dtype and all(_tma_ready(t) for t in (q_a, k_a, q_b, k_b))
-            and q_a.shape[-1] in HOPPER_HEAD_DIMS and q_b.shape[-1] in HOPPER_HEAD_DIMS)
-
-
-def _tma_ready(x: torch.Tensor) -> bool:
-    """A TMA descriptor can address ``x``: bf16/fp16, unit last stride, 16-byte aligned base and other strides."""
-    return (x.dtype in _GL_DTYPES and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all((s * x.element_size()) % 16 == 0 for s in x.stride()[:-1]))
-
-
-@functools.lru_cache(maxsize=16)
-def _is_sm90(index: int) -> bool:
-    major, _ = torch.cuda.get_device_capability(index if index >= 0 else None)
-    return major == 9
-
-
 @functools.lru_cache(maxsize=64)
 def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
@@ -405,7 +356,7 @@ _launch_fwd = KernelLauncher(_hopper_fwd_kernel)
 def attention_kl_fwd_hopper(inputs: KLInputs, spec: KLSpec,
                             config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward of :func:`streamkl._triton.forward.attention_kl_fwd` (same outputs: ``(kl, lse_a, lse_b)``, each
-    ``[B, H, N_q]`` fp32, nats) on the Hopper kernel; only for problems :func:`supports` accepts.
+    ``[B, H, N_q]`` fp32, nats) on the Hopper kernel; only for problems in its scope (module docstring).
 
     Example (on an H100)::
 

@@ -29,13 +29,11 @@ programs per SM, v17a) was slower than the portable kernel with every schedule t
 flight during the exponentials. In a scratch probe, consumers taking turns on the tensor cores (FlashAttention-3's
 ping-pong) were slower than consumers that both compute at once. The softmax work of two distributions outweighs the
 products here, so the kernel gains by keeping both consumers computing, not by overlapping them with the products.
-Three consumers (``consumers=3``, head dims up to 64: 168 and 160 registers, where they spill) gave the same bits and
-were slower on every head-dim-64 shape (``benchmarks/bench_three_consumers.py``), so two is the default.
 
-Scope (anything else runs the portable kernel, :func:`supports`): dense ``(B, H, N, D)`` bf16 inputs TMA can address,
-head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with ``N_k >= N_q``. Gluon kernels
-have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel against the portable one (bitwise)
-and the float64 oracle.
+Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
+bf16 inputs TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
+``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel
+against the portable one (bitwise) and the float64 oracle.
 """
 
 from __future__ import annotations
@@ -51,12 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .._problem import KLInputs, KLSpec
-from .._triton._helpers import NEG_BIG, side_scales
-from .._triton._launch import KernelLauncher
-from .._triton.configs import LaunchConfig
+from .._triton_common.launch import KernelLauncher
+from .._triton_common.numerics import NEG_BIG, side_scales
+from .._triton_common.tiles import LaunchConfig
 from .forward import (
     _descriptor,
-    _is_sm90,
     _issue_scores,
     _row_tile_start,
     _store_kl_lse,
@@ -64,20 +61,17 @@ from .forward import (
     forward_outputs,
     row_tile_grid,
 )
-from .forward import in_scope as _forward_in_scope
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
 #: when a tile's max exceeds it by more than this many powers of two.
 FRAME_SLACK = gl.constexpr(8.0)
+#: Consumer warpgroups per program, each of ``BLOCK_M`` rows.
+CONSUMERS = gl.constexpr(2)
 #: Registers per thread of each consumer warpgroup and of the producer (``setmaxnreg``): one program (two consumer
 #: warpgroups and a producer warp) fills the register file, 2·240 + 24 = 3·168.
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 KERNEL_REGS = 168
-#: With three consumer warpgroups (192 rows per program): 3·168 + 24/4 fits the register file; the launch limit is
-#: what 13 warps may hold before ``setmaxnreg`` moves registers from the producer.
-THREE_CONSUMER_REGS = gl.constexpr(160)
-THREE_KERNEL_REGS = 128
 #: A CTA-wide barrier (inside a warp-specialised partition: that partition's warps): ``gl.thread_barrier`` in Triton
 #: 3.6, ``gl.barrier`` later.
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -171,7 +165,7 @@ def _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, 
 @gluon.jit
 def _ws_fwd_producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready, empty, q_bar,
                      b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+                     STAGES: gl.constexpr):
     """Load both consumers' query tiles once, then every key tile of both sides, ``STAGES`` ahead of the slower
     consumer."""
     mbarrier.expect(q_bar, CONSUMERS * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
@@ -289,7 +283,7 @@ def _ws_fused_fwd_kernel(
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     m0, pid_bh = _row_tile_start(N_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
     b = pid_bh // H
@@ -318,31 +312,16 @@ def _ws_fused_fwd_kernel(
     mbarrier.init(q_bar, count=1)
 
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
-                                LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                                grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
-                                LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                                grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
-                                empty, q_bar, b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
-                                LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                                grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
-                                LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                                grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 2, KL,
-                                LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                                grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
-            (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
-                                empty, q_bar, b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
-        ], [4, 4, 1], [THREE_CONSUMER_REGS, THREE_CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+        (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
+                            empty, q_bar, b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def fused_forward_config(d_a: int, d_b: int) -> LaunchConfig:
@@ -361,49 +340,15 @@ def fused_forward_config(d_a: int, d_b: int) -> LaunchConfig:
     return LaunchConfig(64, 64, 4, 2)
 
 
-def fused_forward_consumers(d_a: int, d_b: int) -> int:
-    """Consumer warpgroups per program (each of ``block_m`` rows): 2 (two programs' worth of registers, 240 each).
-    Three consumers (168 and 160 registers, a program of 192 rows) are possible at head dim 64 only
-    (``benchmarks/bench_three_consumers.py``).
-
-    Example:
-        >>> fused_forward_consumers(64, 64)
-        2
-    """
-    return 2
-
-
-def in_scope(inputs: KLInputs, spec: KLSpec) -> bool:
-    """The kernel's scope (module docstring), from shapes, strides, dtypes and options alone (any device).
-
-    Example:
-        >>> q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
-        >>> in_scope(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125))
-        True
-        >>> in_scope(KLInputs(q, q, q, q.half(), None, None, None, None, None, None), KLSpec(0.125, 0.125))
-        False
-    """
-    return inputs.q_a.dtype == torch.bfloat16 and _forward_in_scope(inputs, spec)
-
-
-def supports(inputs: KLInputs, spec: KLSpec) -> bool:
-    """True when :func:`attention_kl_fused_fwd_hopper` computes this forward: CUDA tensors on an sm_90 device and
-    :func:`in_scope`."""
-    q_a = inputs.q_a
-    return q_a.is_cuda and _is_sm90(q_a.device.index if q_a.device.index is not None else -1) \
-        and in_scope(inputs, spec)
-
-
 _launch = KernelLauncher(_ws_fused_fwd_kernel)
 
 
 def attention_kl_fused_fwd_hopper(
     inputs: KLInputs, spec: KLSpec, dq_b: torch.Tensor, config: LaunchConfig | None = None,
-    consumers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward of :func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b`` (same outputs, ``(kl,
     lse_a, lse_b)``, each ``[B, H, N_q]`` fp32, nats, and ``dq_b`` filled with side b's query gradient per unit
-    upstream gradient) on the Hopper kernel; only for problems :func:`supports` accepts.
+    upstream gradient) on the Hopper kernel; only for problems in its scope (module docstring).
 
     Example (on an H100)::
 
@@ -421,11 +366,8 @@ def attention_kl_fused_fwd_hopper(
         dq_b.zero_()
         return kl, lse_a, lse_b
     cfg = config or fused_forward_config(d_a, d_b)
-    consumers = consumers or fused_forward_consumers(d_a, d_b)
-    if consumers not in (2, 3) or (consumers == 3 and max(d_a, d_b) > 64):
-        raise ValueError(f"consumers: expected 2, or 3 with head dims <= 64, got {consumers} (head dims {d_a}, {d_b})")
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
-    grid, order_chunk = row_tile_grid(inputs, spec, consumers * cfg.block_m)
+    grid, order_chunk = row_tile_grid(inputs, spec, CONSUMERS * cfg.block_m)
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
@@ -433,7 +375,6 @@ def attention_kl_fused_fwd_hopper(
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, qk_a, qk_b,
          spec.grad_scale("b")),
         (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
-         ("STAGES", cfg.num_stages), ("CONSUMERS", consumers), ("num_warps", 4),
-         ("maxnreg", KERNEL_REGS if consumers == 2 else THREE_KERNEL_REGS)),
+         ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )
     return kl, lse_a, lse_b

@@ -8,7 +8,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .._triton._helpers import LOG2E_C
+from .._triton_common.numerics import LOG2E_C
 
 
 @gluon.jit

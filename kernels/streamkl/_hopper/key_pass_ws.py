@@ -18,8 +18,8 @@ Same result as :mod:`streamkl._hopper.backward` (the frozen teacher's key pass, 
 With a causal mask the two consumers' keys start at different query tiles: both sweep the first consumer's steps,
 and the second one's extra steps (query rows that see none of its keys) are masked to zero, a few steps per head.
 Each consumer accumulates its keys' products in the same order as the one-warpgroup kernel, so the two give bitwise
-the same gradient. :func:`streamkl._hopper.backward.attention_kl_key_pass_hopper` launches it (for causal problems,
-:func:`streamkl._hopper.backward.warp_specialised`); tried without the turns and with the one-warpgroup kernel's
+the same gradient. :func:`streamkl._hopper.backward.attention_kl_key_pass_hopper` launches it (:mod:`streamkl.dispatch`
+selects it for causal problems with a head dim above 64); tried without the turns and with the one-warpgroup kernel's
 in-flight score products per consumer, it was no faster (docs/perf-notes.md v13).
 """
 
@@ -29,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .._triton.configs import LaunchConfig
+from .._triton_common.tiles import LaunchConfig
 from .forward import _longest_first, _tma_load
 from .key_pass_tiles import _causal_mask, _ds_tile, _row_state, _store_dk
 

@@ -9,20 +9,12 @@ read their sequence's offsets from ``cu_seqlens``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .._constants import LOG2E
+from .._triton_common.numerics import LOG2E_C
 
-#: Running-max sentinel: finite, so that ``exp2(m_old - m_new)`` is never ``exp2(-inf + inf)``; a row
-#: that has seen no allowed key keeps this max and a zero sum, which marks it as empty.
-NEG_BIG = tl.constexpr(-1.0e30)
-#: log2(e) and ln(2) as kernel constants (the values of :mod:`streamkl._constants`).
-LOG2E_C = tl.constexpr(LOG2E)
-LN2_C = tl.constexpr(1.0 / LOG2E)
 #: fp16 gradient tiles are scaled so that their largest entry lands in [2^14, 2^15) before the cast.
 FP16_TARGET_EXPONENT = tl.constexpr(14)
 
@@ -193,41 +185,6 @@ def _longest_row_tile_first(pid, N_Q, BLOCK_M: tl.constexpr, chunk):
     return n_row_tiles - 1 - rank, pair
 
 
-#: The share of L2 the keys of one chunk of (sequence, head) pairs may take (:func:`longest_first_chunk`).
-L2_SHARE = 0.5
-
-
-def longest_first_chunk(key_bytes_per_pair: int, l2_bytes: int) -> int:
-    """How many (sequence, head) pairs one longest-first chunk spans (:func:`_longest_first`): as many as have their
-    keys (both sides) within :data:`L2_SHARE` of the L2 cache, at least one.
-
-    Example:
-        >>> longest_first_chunk(2 << 20, 50 << 20)  # N = 8192, D = 64, bf16, both sides: 2 MiB of keys per head
-        12
-    """
-    return max(1, int(l2_bytes * L2_SHARE) // max(key_bytes_per_pair, 1))
-
-
-def key_bytes_per_head(n_k: int, heads: int, *sides: tuple[int, torch.dtype, int]) -> int:
-    """The bytes of keys one query head reads, over ``sides`` given as ``(head dim, dtype, key heads)``: a key head
-    is shared by ``heads / key heads`` query heads, which a longest-first chunk runs together.
-
-    Example:
-        >>> key_bytes_per_head(8192, 16, (64, torch.bfloat16, 16), (64, torch.bfloat16, 16)) == 2 << 20
-        True
-    """
-    return n_k * sum(d * dtype.itemsize * key_heads for d, dtype, key_heads in sides) // heads
-
-
-@functools.lru_cache(maxsize=16)
-def l2_cache_bytes(device_index: int) -> int:
-    """The L2 cache size of CUDA device ``device_index`` (50 MiB for a CPU tensor: only the programs' order depends on
-    it, and the interpreter runs them one at a time)."""
-    if device_index < 0:
-        return 50 << 20
-    return int(torch.cuda.get_device_properties(device_index).L2_cache_size)
-
-
 def needs_wide_offsets(*tensors: torch.Tensor) -> bool:
     """True when an in-slice offset ``row * stride_n`` of some ``(B, H, N, D)`` input can overflow int32."""
     return wide_offsets(*((x.shape, x.stride()) for x in tensors))
@@ -263,11 +220,3 @@ def broadcast_strides(geometry: tuple | None) -> tuple[int, ...]:
     if geometry is None:
         return (0, 0, 0, 0)
     return tuple(0 if size == 1 else stride for size, stride in zip(*geometry))
-
-
-def side_scales(scale: float, softcap: float) -> tuple[float, float]:
-    """``(qk_scale, cap_scale)`` of one side for the kernels: the score in base 2 is ``u · qk_scale`` with
-    ``u = raw`` (no cap) or ``u = tanh(raw · cap_scale)`` (soft-capped), see :func:`_pre_exponent`."""
-    if softcap:
-        return softcap * LOG2E, scale
-    return scale * LOG2E, 0.0

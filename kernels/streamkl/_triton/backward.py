@@ -35,16 +35,19 @@ reach a gradient of an allowed entry; a row that does see one has NaN ``lse`` an
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from .._hopper import hopper_key_pass
 from .._problem import KLInputs, KLSpec
+from .._triton_common.interpreter import triton_interpreter_enabled
+from .._triton_common.launch import KernelLauncher, tensor_geometry
+from .._triton_common.numerics import LN2_C, LOG2E_C, side_scales
+from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
 from ._helpers import (
-    LN2_C,
-    LOG2E_C,
     _allowed,
     _as_operand,
     _band,
@@ -58,14 +61,9 @@ from ._helpers import (
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
-    key_bytes_per_head,
-    l2_cache_bytes,
-    longest_first_chunk,
-    side_scales,
     wide_offsets,
 )
-from ._launch import KernelLauncher, tensor_geometry
-from .configs import LaunchConfig, dk_config, dq_config, interpreting, padded_head_dim
+from .configs import dk_config, dq_config, padded_head_dim
 
 
 @triton.jit
@@ -634,7 +632,7 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b),
         FP16_A=dtype_a == torch.float16, FP16_B=dtype_b == torch.float16,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
-        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g), SCALAR_GRAD=scalar_grad,
+        INTERPRET=triton_interpreter_enabled(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g), SCALAR_GRAD=scalar_grad,
         LONGEST_FIRST=spec.window_right >= 0 and not varlen,
     )
     max_k = spec.max_seqlen_k if varlen else n_k
@@ -673,13 +671,16 @@ def attention_kl_bwd(
     dk_launch: LaunchConfig | None = None,
     dq_launch: LaunchConfig | None = None,
     dq_b: torch.Tensor | None = None,
+    key_pass: Callable | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed).
 
     ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script). ``dq_b`` is
     the query gradient per unit upstream gradient that the forward accumulated (``attention_kl_fwd(dq_b=...)``,
     only with ``need_grad_a=False``): then only the key pass runs (no atomics, deterministic) and side b's query
-    gradient is that buffer times the upstream gradient.
+    gradient is that buffer times the upstream gradient. ``key_pass``, a function of ``(grad_kl, inputs, spec, lse_a,
+    lse_b)`` returning side b's key gradient (a Hopper key pass, chosen by :mod:`streamkl.dispatch`; only with
+    ``need_grad_a=False`` and no atomic query gradient), replaces the portable key pass.
     """
     if dq_b is not None and need_grad_a:
         raise ValueError("Expected `need_grad_a=False` with a forward-accumulated `dq_b`, but got need_grad_a=True.")
@@ -726,8 +727,8 @@ def attention_kl_bwd(
         return alloc(k.shape, dtype=k.dtype, device=device)
 
     cu_k = inputs.cu_seqlens_k
-    # the sm_90 key pass where it applies (streamkl._hopper): side b's dK alone, so never with atomic dQ
-    key_pass = None if atomic else hopper_key_pass(inputs, spec, need_grad_a, need_grad_b)
+    if key_pass is not None and (need_grad_a or atomic):
+        raise ValueError("Expected `key_pass` only for side b's key gradient alone, with no atomic query gradient.")
     if key_pass is not None:
         dk_a, dk_b = None, key_pass(grad_kl, inputs, spec, lse_a, lse_b)
     else:

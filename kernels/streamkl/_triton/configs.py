@@ -8,30 +8,15 @@ is true when some key lies outside some query's window (causal included).
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import triton
+
+from .._triton_common.interpreter import triton_interpreter_enabled
+from .._triton_common.tiles import LaunchConfig
 
 #: Smallest tile edge accepted by ``tl.dot``; also the smallest padded head dim.
 MIN_BLOCK = 16
 #: Largest supported head dim (per side): D_t and D_s may each be anything in 1..MAX_HEAD_DIM.
 MAX_HEAD_DIM = 256
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Tile shape and launch parameters of one kernel."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def interpreting() -> bool:
-    """True under Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def padded_head_dim(d: int) -> int:
@@ -49,10 +34,10 @@ def _width(d_a: int, d_b: int, element_size: int) -> int:
 # use the smallest spill-free shapes.
 
 
-def forward_config(d_a: int, d_b: int, banded: bool, element_size: int = 2, fused_dq: bool = False) -> LaunchConfig:
+def forward_config(d_a: int, d_b: int, element_size: int = 2, fused_dq: bool = False) -> LaunchConfig:
     """Tiles for the forward kernel (query tile x key tile); ``fused_dq``: the forward that also accumulates
     side b's query gradient (two more products and two ``[BLOCK_M, D_b]`` fp32 accumulators)."""
-    if interpreting():
+    if triton_interpreter_enabled():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
     if fused_dq:
@@ -79,7 +64,7 @@ def _fused_forward_config(w: int, element_size: int) -> LaunchConfig:
 
 def dk_config(d_a: int, d_b: int, banded: bool, element_size: int = 2, atomic_dq: bool = False) -> LaunchConfig:
     """Tiles of the key-stationary backward pass (``BLOCK_N`` keys per program, ``BLOCK_M`` rows per step)."""
-    if interpreting():
+    if triton_interpreter_enabled():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
     if w <= 64:
@@ -93,7 +78,7 @@ def dk_config(d_a: int, d_b: int, banded: bool, element_size: int = 2, atomic_dq
 
 def dq_config(d_a: int, d_b: int, banded: bool, element_size: int = 2) -> LaunchConfig:
     """Tiles of the query-stationary dQ pass of the deterministic backward."""
-    if interpreting():
+    if triton_interpreter_enabled():
         return LaunchConfig(MIN_BLOCK, MIN_BLOCK, 1, 1)
     w = _width(d_a, d_b, element_size)
     if w <= 64:

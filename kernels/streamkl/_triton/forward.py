@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 from .._problem import KLInputs, KLSpec
+from .._triton_common.interpreter import triton_interpreter_enabled
+from .._triton_common.launch import KernelLauncher, tensor_geometry
+from .._triton_common.numerics import LN2_C, LOG2E_C, NEG_BIG, side_scales
+from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
+from .._triton_common.tiles import LaunchConfig
 from ._helpers import (
-    LN2_C,
-    LOG2E_C,
-    NEG_BIG,
     _allowed,
     _as_operand,
     _band,
@@ -37,14 +39,9 @@ from ._helpers import (
     as_uint8_mask,
     broadcast_strides,
     dot_precision,
-    key_bytes_per_head,
-    l2_cache_bytes,
-    longest_first_chunk,
-    side_scales,
     wide_offsets,
 )
-from ._launch import KernelLauncher, tensor_geometry
-from .configs import LaunchConfig, forward_config, interpreting, padded_head_dim
+from .configs import forward_config, padded_head_dim
 
 #: Lazy frames of the frozen-teacher forward (FUSED_DQ): a row's reference max moves only when a tile's max
 #: exceeds it by more than this many powers of two (probabilities stay <= 2^8: fine in fp32, bf16 and fp16).
@@ -402,7 +399,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     has_sinks, varlen = optional
     dtype_a, dtype_b = dtypes
     esize = max(dtype_a.itemsize, dtype_b.itemsize)
-    cfg = config or forward_config(d_a, d_b, spec.banded or am_g is not None, esize, fused_dq)
+    cfg = config or forward_config(d_a, d_b, esize, fused_dq)
     km_strides = km_g[1] if km_g is not None else (0, 0)
     qm_strides = qm_g[1] if qm_g is not None else (0, 0)
     am_strides = broadcast_strides(am_g)
@@ -426,7 +423,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
         HAS_QUERY_MASK=qm_g is not None, HAS_SINKS=has_sinks, IS_VARLEN=varlen,
         SOFTCAP_A=bool(spec.softcap_a), SOFTCAP_B=bool(spec.softcap_b), HAS_ATTN_MASK=am_g is not None,
         DOT_PRECISION_A=dot_precision(dtype_a, allow_tf32), DOT_PRECISION_B=dot_precision(dtype_b, allow_tf32),
-        INTERPRET=interpreting(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
+        INTERPRET=triton_interpreter_enabled(), WIDE=wide_offsets(qa_g, ka_g, qb_g, kb_g),
         FUSED_DQ=fused_dq, FP16_B=dtype_b == torch.float16, LONGEST_FIRST=longest_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -42,8 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_common.interpreter import triton_interpreter_enabled
 from ._helpers import _dot, _offset
-from .configs import MIN_BLOCK, interpreting, padded_head_dim
+from .configs import MIN_BLOCK, padded_head_dim
 from .indexer_forward import (
     DENSE_CONFIGS,
     SHAPE_KEY,
@@ -321,7 +322,7 @@ def row_splits(batch: int, rows: int, n_k: int, device: torch.device) -> int:
     """Rows per program of the key-stationary ``dk_idx`` kernel (a multiple of 128, of every ``BLOCK_M``): enough
     (key block, row range) programs to fill the GPU twice over at ``BLOCK_N = 64``. Under the interpreter, two
     smallest tiles, so the tests exercise the atomic sum."""
-    if interpreting():
+    if triton_interpreter_enabled():
         return 2 * MIN_BLOCK
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(triton.cdiv(programs, batch * triton.cdiv(n_k, 64)), triton.cdiv(rows, 128)))

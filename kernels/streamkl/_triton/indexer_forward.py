@@ -39,14 +39,16 @@ import triton
 import triton.language as tl
 
 from .._constants import LN2, LOG2E
-from ._helpers import NEG_BIG, _dot, _offset, dot_precision, needs_wide_offsets
-from .configs import MIN_BLOCK, interpreting, padded_head_dim
+from .._triton_common.interpreter import triton_interpreter_enabled
+from .._triton_common.numerics import NEG_BIG
+from ._helpers import _dot, _offset, dot_precision, needs_wide_offsets
+from .configs import MIN_BLOCK, padded_head_dim
 
 
 def _autotune_configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     """``(BLOCK_M, BLOCK_N, warps, stages)`` candidates; one smallest config under the interpreter (it would run
     every config serially)."""
-    if interpreting():
+    if triton_interpreter_enabled():
         candidates = [(MIN_BLOCK, MIN_BLOCK, 1, 1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
 
@@ -435,7 +437,7 @@ def launch_common(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: 
         D=d, D_I=d_i, BLOCK_D=padded_head_dim(d), BLOCK_DI=padded_head_dim(d_i),
         IS_CAUSAL=causal, HAS_KEY_MASK=key_padding_mask is not None,
         DOT_PRECISION=dot_precision(q.dtype, False), DOT_PRECISION_I=dot_precision(q_idx.dtype, False),
-        INTERPRET=interpreting(),
+        INTERPRET=triton_interpreter_enabled(),
         WIDE=needs_wide_offsets(q, k, q_idx, k_idx.unsqueeze(1), w_idx.unsqueeze(1)),
         batch=batch,
     )
@@ -445,7 +447,7 @@ def key_splits(batch: int, n_q: int, n_k: int, device: torch.device) -> tuple[in
     """``(SPLITS, SPLIT_N)`` of the dense forward: enough (row block, key range) programs to fill the GPU twice
     over at ``BLOCK_M = 64`` when ``B·N_q`` alone does not; ``SPLIT_N`` is a multiple of 128 (of every ``BLOCK_N``).
     Under the interpreter the ranges are two smallest tiles, so the tests exercise the merge."""
-    if interpreting():
+    if triton_interpreter_enabled():
         split_n = 2 * MIN_BLOCK
     else:
         programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -10,8 +10,9 @@ argument, constexprs included, to ``CompiledKernel.run``).
 The cache key holds everything Triton specialises on: every scalar argument's value (so ``== 1``, ``% 16`` and
 the integer width are fixed), each tensor's dtype and 16-byte alignment, which optional tensors are None, the
 constexprs, ``num_warps``/``num_stages`` and the device; for a TMA tensor descriptor (the Gluon kernels of
-:mod:`streamkl._hopper`), its base tensor's dtype and alignment, shape, strides and block shape. Floats are part of the key too, which costs nothing
-here (they follow the shapes and options). Under the interpreter every launch goes through Triton.
+:mod:`streamkl._hopper`), its base tensor's dtype and alignment, shape, strides and block shape. Floats are part
+of the key too, which costs nothing here (they follow the shapes and options). Under the interpreter every launch
+goes through Triton.
 """
 
 from __future__ import annotations

@@ -1,0 +1,466 @@
+r"""
+Dispatch
+^^^^^^^^
+
+Which implementation computes a call, decided in one table (:data:`TABLE`) from the device, the dtypes, the shapes
+and the options: the backend (the chunked PyTorch reference or the Triton kernels), then, on the Triton backend, the
+kernel of each stage of the op:
+
+* ``forward``: the forward of a call without a fused query gradient (a metric, or a training call whose teacher
+  trains too);
+* ``training forward``: the forward of a training call with a frozen side a (the teacher, for ``direction="forward"``),
+  which also accumulates side b's query gradient (:func:`fuses_dq_b`);
+* ``key pass``: the backward pass that computes the key gradients;
+* ``query gradient``: how the backward gets the query gradients;
+* ``indexer``: the sparse-attention indexer loss (:func:`streamkl.indexer_kl`), whose backend follows the same rows.
+
+Every stage's rows are tried in order and the first that applies runs. A row applies when its device requirement
+holds (the Gluon kernels: a CUDA sm_90 device and a Triton whose Gluon API imports), its ``scope`` (what the kernel
+can compute) holds and its ``pays`` (where it measured faster than the next row) holds; the last row of a stage
+always applies. :func:`table_markdown` renders the table (docs/concepts/architecture.md shows it).
+
+The one override, :func:`forced`, is for tests and benchmarks: ``forced("portable")`` keeps every call on the portable
+kernels, ``forced("gluon")`` takes a Gluon kernel wherever one can compute the call, whatever its size and head dims.
+
+This module imports no Triton: the kernels are imported when a call first needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from . import indexer_reference, reference
+from ._problem import KLInputs, KLSpec, key_head_split
+from ._triton_common.interpreter import triton_interpreter_enabled
+
+__all__ = ["FORCE_CHOICES", "GLUON_HEAD_DIMS", "GLUON_MIN_SCORES", "TABLE", "BackendQuery", "Problem", "Route",
+           "backward", "forced", "forward", "fuses_dq_b", "in_scope", "indexer_backward", "indexer_forward",
+           "new_dq_b_buffer", "saved_dq_b_dtype", "select", "select_backend", "table_markdown",
+           "triton_interpreter_enabled"]
+
+#: Problems with fewer score elements per distribution (``B·H·N_q·N_k``) stay on the portable kernels: below it the
+#: Gluon kernels' launch (four TMA descriptors, about twice a portable launch's host time) is not hidden.
+GLUON_MIN_SCORES = 1 << 28
+#: The head dims (each side) the Gluon kernels are built for.
+GLUON_HEAD_DIMS = (64, 128)
+#: The values of :func:`forced`.
+FORCE_CHOICES = ("portable", "gluon")
+_GLUON_DTYPES = (torch.bfloat16, torch.float16)
+
+_forced: list[str] = []
+
+
+class BackendQuery(NamedTuple):
+    """What the backend is chosen from: the ``backend`` option, the inputs' device and whether an input is float64."""
+
+    backend: str
+    device: torch.device
+    float64: bool
+
+
+class Problem(NamedTuple):
+    """What a kernel is chosen from: the direction-free problem ``KL(P_a ‖ P_b)`` (:mod:`streamkl._problem`), which
+    sides need gradients, whether the call asked for a deterministic backward (``deterministic=True`` or torch's
+    deterministic mode), and whether its forward accumulated side b's query gradient (``fused``)."""
+
+    inputs: KLInputs
+    spec: KLSpec
+    need_a: bool = False
+    need_b: bool = False
+    deterministic: bool = True
+    fused: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of :data:`TABLE`: in ``stage``, ``kernel`` (its code in ``source``, below ``kernels/streamkl``) runs
+    where ``device``, ``dtype`` and ``when`` say.
+
+    ``scope`` (any device) and ``pays`` are the row's conditions as code (None: always); ``gluon`` rows also need a
+    CUDA sm_90 device with a usable Gluon. ``impl`` is the module (below ``streamkl``) and function that run it, with
+    the keyword arguments that pick the kernel's variant; None where the row is a part of the portable backward.
+    """
+
+    stage: str
+    kernel: str
+    source: str
+    device: str
+    dtype: str
+    when: str
+    impl: tuple[str, str, tuple[tuple[str, Any], ...]] | None = None
+    scope: Callable[[Any], bool] | None = None
+    pays: Callable[[Any], bool] | None = None
+    gluon: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- the conditions
+def _picks_reference(q: BackendQuery) -> bool:
+    return q.backend == "reference" or (q.backend == "auto" and (q.device.type != "cuda" or q.float64))
+
+
+def _scores(p: Problem) -> int:
+    q_a, k_a = p.inputs.q_a, p.inputs.k_a
+    return q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * k_a.shape[2]
+
+
+def _large(p: Problem) -> bool:
+    return _scores(p) >= GLUON_MIN_SCORES
+
+
+def _tma_ready(x: torch.Tensor) -> bool:
+    """A TMA descriptor can address ``x``: bf16/fp16, unit last stride, 16-byte aligned base and other strides."""
+    return (x.dtype in _GLUON_DTYPES and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all((s * x.element_size()) % 16 == 0 for s in x.stride()[:-1]))
+
+
+def _dense(p: Problem) -> bool:
+    """What every Gluon kernel needs: dense ``(B, H, N, D)`` tensors a TMA descriptor can address, one dtype on both
+    sides, head dims in :data:`GLUON_HEAD_DIMS`; no masks, sinks, packing, soft-caps or windows; causal only with
+    ``N_k >= N_q`` (every row sees a key)."""
+    i, spec = p.inputs, p.spec
+    if any(x is not None for x in (i.sink_a, i.sink_b, i.key_padding_mask, i.query_mask, i.cu_seqlens_q,
+                                   i.attn_mask)):
+        return False
+    if spec.softcap_a or spec.softcap_b or spec.window_left >= 0 or spec.window_right > 0:
+        return False
+    if spec.window_right == 0 and i.k_a.shape[2] < i.q_a.shape[2]:
+        return False
+    tensors = (i.q_a, i.k_a, i.q_b, i.k_b)
+    return (all(x.dtype == i.q_a.dtype and _tma_ready(x) for x in tensors)
+            and i.q_a.shape[-1] in GLUON_HEAD_DIMS and i.q_b.shape[-1] in GLUON_HEAD_DIMS)
+
+
+def _widest(p: Problem) -> int:
+    return max(p.inputs.q_a.shape[-1], p.inputs.q_b.shape[-1])
+
+
+def _gluon_forward_pays(p: Problem) -> bool:
+    """Measured faster than the portable forward where the products weigh as much as the exponentials: head dim 128
+    (either side), at :data:`GLUON_MIN_SCORES` and more."""
+    return _large(p) and _widest(p) >= 128
+
+
+def _bf16_dense(p: Problem) -> bool:
+    return p.inputs.q_a.dtype == torch.bfloat16 and _dense(p)
+
+
+def _key_pass_scope(p: Problem) -> bool:
+    """The Gluon key passes compute side b's key gradient alone (side a frozen), never beside atomic query
+    gradients; bf16, and each program's query heads must share a teacher key head (:func:`key_head_split`)."""
+    if p.need_a or not p.need_b or not (p.deterministic or p.fused) or not _bf16_dense(p):
+        return False
+    heads = p.inputs.q_a.shape[1]
+    return key_head_split(heads // p.inputs.k_a.shape[1], heads // p.inputs.k_b.shape[1]) is not None
+
+
+def _warp_specialised_case(p: Problem) -> bool:
+    return p.spec.window_right == 0 and _widest(p) > 64
+
+
+def _ws_key_pass_scope(p: Problem) -> bool:
+    return _key_pass_scope(p) and _warp_specialised_case(p)
+
+
+def _pipelined_key_pass_scope(p: Problem) -> bool:
+    return _key_pass_scope(p) and not _warp_specialised_case(p) and p.inputs.q_b.shape[-1] <= 64
+
+
+def _stepwise_key_pass_scope(p: Problem) -> bool:
+    return _key_pass_scope(p) and not _warp_specialised_case(p) and p.inputs.q_b.shape[-1] > 64
+
+
+_PORTABLE = "any CUDA GPU; the CPU under TRITON_INTERPRET=1"
+_SM90 = "CUDA sm_90 (Hopper), Gluon available"
+_LARGE = "B·H·N_q·N_k ≥ 2^28"
+_DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
+          "windows; causal only with N_k ≥ N_q")
+
+#: The dispatch table: every stage's rows, in the order they are tried (see the module docstring).
+TABLE: tuple[Route, ...] = (
+    Route("backend", "reference", "reference.py, indexer_reference.py", "any", "any",
+          'backend="reference"; or backend="auto" with tensors off CUDA or a float64 input (both ops)',
+          scope=_picks_reference),
+    Route("backend", "triton", "_triton/, _hopper/", _PORTABLE, "fp16, bf16, fp32",
+          'otherwise (backend="triton" or "auto"); head dims ≤ 256 (the indexer: also ≤ 128 indexer heads)'),
+    Route("indexer", "triton_indexer", "_triton/indexer_forward.py, _triton/indexer_backward.py", _PORTABLE,
+          "fp16, bf16, fp32", "indexer_kl on the Triton backend: its one pair of kernels"),
+    Route("forward", "gluon_forward", "_hopper/forward.py", _SM90, "bf16 or fp16, one dtype on both sides",
+          f"{_DENSE}; {_LARGE} and a head dim of 128 (either side)",
+          impl=("_hopper.forward", "attention_kl_fwd_hopper", ()), scope=_dense, pays=_gluon_forward_pays,
+          gluon=True),
+    Route("forward", "triton_forward", "_triton/forward.py", _PORTABLE, "fp16, bf16, fp32", "otherwise",
+          impl=("_triton.forward", "attention_kl_fwd", ())),
+    Route("training forward", "gluon_training_forward", "_hopper/fused_forward.py", _SM90, "bf16",
+          f"a training call with side a frozen (fuses_dq_b); {_DENSE}; {_LARGE}",
+          impl=("_hopper.fused_forward", "attention_kl_fused_fwd_hopper", ()), scope=_bf16_dense, pays=_large,
+          gluon=True),
+    Route("training forward", "triton_training_forward", "_triton/forward.py", _PORTABLE, "fp16, bf16, fp32",
+          "otherwise",
+          impl=("_triton.forward", "attention_kl_fwd", ())),
+    Route("key pass", "gluon_key_pass_warp_specialised", "_hopper/key_pass_ws.py", _SM90, "bf16",
+          f"a backward of side b alone (side a frozen), no atomic dQ; {_DENSE}; key-head groupings that divide each "
+          f"other; causal with a head dim above 64; {_LARGE}",
+          impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", True), ("overlap", False))),
+          scope=_ws_key_pass_scope, pays=_large, gluon=True),
+    Route("key pass", "gluon_key_pass_pipelined", "_hopper/backward.py", _SM90, "bf16",
+          f"as the warp-specialised row, but not causal with a head dim above 64; D_b ≤ 64 (the next step's "
+          f"products in flight); {_LARGE}",
+          impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", False), ("overlap", True))),
+          scope=_pipelined_key_pass_scope, pays=_large, gluon=True),
+    Route("key pass", "gluon_key_pass_stepwise", "_hopper/backward.py", _SM90, "bf16",
+          f"as the warp-specialised row, but not causal with a head dim above 64; D_b > 64 (one step at a time: "
+          f"two in flight would spill); {_LARGE}",
+          impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", False), ("overlap", False))),
+          scope=_stepwise_key_pass_scope, pays=_large, gluon=True),
+    Route("key pass", "triton_key_pass", "_triton/backward.py", _PORTABLE, "fp16, bf16, fp32", "otherwise"),
+    Route("query gradient", "from_training_forward", "_triton/backward.py", "any", "any",
+          "the training forward accumulated it: the upstream gradient times its buffer", scope=lambda p: p.fused),
+    Route("query gradient", "triton_atomic_dq", "_triton/backward.py", _PORTABLE, "fp16, bf16, fp32",
+          "deterministic=False (and torch's deterministic mode off): added up in the key pass with fp32 atomics",
+          scope=lambda p: not p.deterministic),
+    Route("query gradient", "triton_query_pass", "_triton/backward.py", _PORTABLE, "fp16, bf16, fp32",
+          "otherwise: a query-stationary pass, no atomics"),
+)
+
+_STAGES: dict[str, tuple[Route, ...]] = {}
+for _route in TABLE:
+    _STAGES.setdefault(_route.stage, ())
+    _STAGES[_route.stage] += (_route,)
+
+
+# ---------------------------------------------------------------------------------------------- the override
+@contextlib.contextmanager
+def forced(kernels: str) -> Iterator[None]:
+    """For tests and benchmarks: inside the block, ``"portable"`` keeps every call on the portable Triton kernels and
+    ``"gluon"`` takes a Gluon kernel wherever one can compute the call, whatever its size and head dims (the rows'
+    ``pays`` conditions are skipped; their ``scope`` and device still hold).
+
+    The setting is process-wide (a backward that autograd runs on its device thread sees it) and blocks nest; it is
+    the only override of :data:`TABLE`, and no environment variable changes the dispatch.
+
+    Example:
+        >>> q = torch.randn(1, 2, 8, 64)
+        >>> with forced("portable"):
+        ...     select("forward", Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125))).kernel
+        'triton_forward'
+    """
+    if kernels not in FORCE_CHOICES:
+        raise ValueError(f"Expected argument `kernels` to be one of {list(FORCE_CHOICES)}, but got {kernels!r}.")
+    _forced.append(kernels)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+@functools.lru_cache(maxsize=16)
+def _is_sm90(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index if index >= 0 else None)
+    return major == 9
+
+
+@functools.lru_cache(maxsize=8)
+def _module(name: str):
+    """``streamkl.<name>``, or None for a Gluon module this Triton cannot import (Gluon's Hopper API differs between
+    Triton releases; the portable kernels never depend on it)."""
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except (ImportError, AttributeError):
+        return None
+
+
+def _gluon_device(x: torch.Tensor) -> bool:
+    """Whether ``x`` is on a device the Gluon kernels run on: CUDA, sm_90."""
+    return x.is_cuda and _is_sm90(-1 if x.device.index is None else x.device.index)
+
+
+def _applies(route: Route, query: Any, forcing: str | None) -> bool:
+    if route.gluon:
+        if forcing == "portable" or not _gluon_device(query.inputs.q_a):
+            return False
+        if route.impl is not None and _module(route.impl[0]) is None:
+            return False
+    if route.scope is not None and not route.scope(query):
+        return False
+    return route.pays is None or forcing == "gluon" or route.pays(query)
+
+
+def select(stage: str, query: Any) -> Route:
+    """The row of :data:`TABLE` that runs ``stage`` for ``query`` (a :class:`BackendQuery` for ``"backend"``, else a
+    :class:`Problem`).
+
+    Example:
+        >>> q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)  # CPU tensors: never a Gluon kernel
+        >>> select("key pass", Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125), need_b=True)).kernel
+        'triton_key_pass'
+    """
+    forcing = _forced[-1] if _forced else None
+    for route in _STAGES[stage]:
+        if _applies(route, query, forcing):
+            return route
+    raise AssertionError(f"no row of stage {stage!r} applies")  # the last row of every stage always does
+
+
+def in_scope(kernel: str, query: Any) -> bool:
+    """Whether ``kernel`` (a row's name) can compute ``query``, from shapes, strides, dtypes and options alone (any
+    device; the size conditions are not part of it).
+
+    Example:
+        >>> q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+        >>> in_scope("gluon_forward", Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125)))
+        True
+        >>> in_scope("gluon_forward", Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125, softcap_a=30.0)))
+        False
+    """
+    (route,) = [r for r in TABLE if r.kernel == kernel]
+    return route.scope is None or route.scope(query)
+
+
+def _implementation(route: Route) -> Callable:
+    """The function that runs ``route`` (looked up on every call, so a test can wrap it), its variant bound."""
+    name, attr, variant = route.impl
+    fn = getattr(_module(name), attr)
+    return functools.partial(fn, **dict(variant)) if variant else fn
+
+
+def select_backend(backend: str, device: torch.device, dtypes: tuple[torch.dtype, ...] = (),
+                   head_dims: tuple[int, ...] = ()) -> str:
+    """The backend (``"reference"`` or ``"triton"``, see :data:`TABLE`) that runs a call with option ``backend``
+    ("auto" | "triton" | "reference") on ``device``. A request the kernels cannot serve raises; it is never
+    silently replaced by the reference. ``backend="triton"`` off CUDA needs Triton's CPU interpreter
+    (``TRITON_INTERPRET=1``), which is how CI runs the real kernels.
+
+    Example:
+        >>> select_backend("auto", torch.device("cpu"))
+        'reference'
+    """
+    fp64 = torch.float64 in dtypes
+    if select("backend", BackendQuery(backend, device, fp64)).kernel == "reference":
+        return "reference"
+    if device.type != "cuda" and not triton_interpreter_enabled():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got tensors on {device}); set TRITON_INTERPRET=1 before "
+            "importing triton to run the kernels on the CPU interpreter, or use backend='reference'."
+        )
+    if fp64:
+        raise TypeError(
+            "backend='triton' computes in float32 and does not take float64 inputs; use backend='reference' "
+            "(or 'auto', which routes float64 there)."
+        )
+    from ._triton.configs import MAX_HEAD_DIM
+
+    if any(d > MAX_HEAD_DIM for d in head_dims):
+        raise ValueError(
+            f"The Triton kernels support head dims up to {MAX_HEAD_DIM}, but got D_t, D_s = {head_dims}; "
+            "use backend='reference' for larger heads."
+        )
+    return "triton"
+
+
+def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> bool:
+    """Whether a call's forward is the ``training forward`` (it also accumulates side b's query gradient): the Triton
+    backend, with side a frozen (the default ``direction="forward"`` with a teacher that takes no gradient) and side
+    b's queries trainable. The backward then runs only its key pass (7 products and 4 exponentials per score element
+    instead of 8 and 6).
+
+    Example:
+        >>> fuses_dq_b("triton", need_q_a=False, need_k_a=False, need_q_b=True)  # frozen teacher, trainable student
+        True
+        >>> fuses_dq_b("triton", need_q_a=True, need_k_a=True, need_q_b=True)  # the teacher trains too
+        False
+    """
+    return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
+
+
+# ---------------------------------------------------------------------------------------------- running
+def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kl, lse_a, lse_b)`` of the problem on ``backend``, by the kernel :data:`TABLE` selects; with ``dq_b`` (the
+    Triton backend; a buffer from :func:`new_dq_b_buffer`) the training forward, which also fills it with side b's
+    query gradient per unit upstream gradient."""
+    if backend == "reference":
+        return reference.chunked_attention_kl_fwd(inputs, spec)
+    problem = Problem(inputs, spec)
+    if dq_b is None:
+        route = select("forward", problem)
+        if route.gluon:
+            return _implementation(route)(inputs, spec)
+        return _implementation(route)(inputs, spec, allow_tf32)
+    route = select("training forward", problem)
+    if route.gluon:
+        return _implementation(route)(inputs, spec, dq_b)
+    return _implementation(route)(inputs, spec, allow_tf32, dq_b=dq_b)
+
+
+def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Tensor, lse_a: torch.Tensor,
+             lse_b: torch.Tensor, need_a: bool, need_b: bool, backend: str, allow_tf32: bool, deterministic: bool,
+             dq_b: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    """``(dq_a, dk_a, dq_b, dk_b)`` of ``Σ grad_kl · KL`` (None where not requested) on ``backend``, the key pass and
+    the query gradients by the rows :data:`TABLE` selects; ``dq_b``: the training forward's buffer, or None."""
+    if backend == "reference":
+        return reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b)
+    problem = Problem(inputs, spec, need_a, need_b, deterministic, dq_b is not None)
+    key_pass = select("key pass", problem)
+    query = select("query gradient", problem)
+    return _module("_triton.backward").attention_kl_bwd(
+        grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, allow_tf32,
+        deterministic=query.kernel != "triton_atomic_dq", dq_b=dq_b,
+        key_pass=_implementation(key_pass) if key_pass.gluon else None)
+
+
+def indexer_forward(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal: bool, scale: float,
+                    backend: str) -> tuple[torch.Tensor, ...]:
+    """``(kl, lse_h, lse_index, psum)`` of the indexer loss (:func:`streamkl.indexer_kl`) on ``backend``: the
+    ``indexer`` row of :data:`TABLE` (one kernel pair per backend)."""
+    if backend == "reference":
+        fn = indexer_reference.chunked_indexer_kl_fwd
+    else:
+        fn = _module("_triton.indexer_forward").indexer_kl_fwd
+    return fn(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal, scale)
+
+
+def indexer_backward(grad_kl, q, k, q_idx, k_idx, w_idx, lse_h, lse_index, psum, topk_indices, key_padding_mask,
+                     causal: bool, scale: float, backend: str) -> tuple[torch.Tensor, ...]:
+    """``(dq_idx, dk_idx, dw_idx)`` of the indexer loss on ``backend`` (see :func:`indexer_forward`)."""
+    if backend == "reference":
+        fn = indexer_reference.chunked_indexer_kl_bwd
+    else:
+        fn = _module("_triton.indexer_backward").indexer_kl_bwd
+    return fn(grad_kl, q, k, q_idx, k_idx, w_idx, lse_h, lse_index, psum, topk_indices, key_padding_mask, causal,
+              scale)
+
+
+def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
+    """The buffer the training forward fills with side b's query gradient
+    (:func:`streamkl._triton.forward.new_dq_b_buffer`)."""
+    return _module("_triton.forward").new_dq_b_buffer(inputs)
+
+
+def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
+    """The dtype the training forward saves side b's query gradient in
+    (:func:`streamkl._triton.forward.saved_dq_b_dtype`)."""
+    return _module("_triton.forward").saved_dq_b_dtype(dtype, numel)
+
+
+# ---------------------------------------------------------------------------------------------- the table in words
+def table_markdown() -> str:
+    """:data:`TABLE` as a markdown table (stage, kernel, device, dtype, conditions), rows in the order they are
+    tried; docs/concepts/architecture.md shows it.
+
+    Example:
+        >>> table_markdown().splitlines()[0]
+        '| stage | kernel | device | dtype | when (tried in order; the first that applies runs) |'
+    """
+    lines = ["| stage | kernel | device | dtype | when (tried in order; the first that applies runs) |",
+             "|---|---|---|---|---|"]
+    for r in TABLE:
+        lines.append(f"| {r.stage} | `{r.kernel}` (`{r.source}`) | {r.device} | {r.dtype} | {r.when} |")
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""The op package's import graph points one way: the public API → autograd → the dispatch table → the kernels, over
+a foundation of the problem, its checks and options. The oracles (``naive``, ``indexer_naive``, ``reference``) reach no
+kernel; the portable kernels (``_triton``) and the Hopper ones (``_hopper``) never import each other, only what they
+share (``_triton_common``). Read from the source (every import statement, including those inside functions; imports
+under ``if TYPE_CHECKING:`` are annotations, not imports), so a violation fails here before it surprises a reader.
+The rules are data (:data:`LAYERS`, :data:`ORACLES`, :data:`KERNELS`, :data:`APART`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kernels" / "streamkl"
+
+#: Module (or subpackage) -> layer; a module imports only from its own layer or below.
+LAYERS = {
+    # the foundation: constants, the canonical problem, its checks, the options and the precision rules
+    "_constants": 0, "_problem": 0, "_reduction": 0, "_traced_precision": 0,
+    "_validation": 1, "precision": 1, "_indexer_problem": 2, "options": 2,
+    # the kernels (and what the Triton and Gluon kernels share), the chunked PyTorch backends and the oracles
+    "_triton_common": 3,
+    "_triton": 4, "_hopper": 4, "reference": 4, "indexer_reference": 4, "naive": 4, "indexer_naive": 4,
+    # which kernel runs
+    "dispatch": 5,
+    # autograd over the dispatch
+    "autograd": 6, "indexer_autograd": 6,
+    # the public op, and what is built on it
+    "api": 7, "indexer": 7, "sharded": 7,
+    "nn": 8,
+    "__init__": 9,
+}
+#: The oracles: the definition of "correct" may not depend on any kernel, directly or through another module.
+ORACLES = ("naive", "indexer_naive", "reference", "indexer_reference")
+#: The kernel packages (reachable from the API only through the dispatch table).
+KERNELS = ("_triton", "_hopper", "_triton_common")
+#: Units that never import each other (what they share lives in ``_triton_common``).
+APART = (("_triton", "_hopper"),)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The ids of the import nodes under ``if TYPE_CHECKING:``."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    return skipped
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(absolute module, imported names)`` for every runtime import in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
+    skipped = _type_checking_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [alias.name for alias in node.names]
+            if node.module is None:  # `from . import reference`
+                found += [(f"{module}.{name}", []) for name in names]
+            else:
+                found.append((module, names))
+    return found
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a ``streamkl`` module: its first component below the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {name: [(m, names) for m, names in _imports(path)] for name, path in MODULES.items()}
+
+
+def _edges(module: str) -> set[str]:
+    """The package's modules that ``module`` imports (a package import counts as its ``__init__``)."""
+    return {t for t, _ in GRAPH[module] if t in MODULES and t != module}
+
+
+def test_every_module_has_a_layer():
+    assert {_unit(m) for m in MODULES} <= set(LAYERS), sorted({_unit(m) for m in MODULES} - set(LAYERS))
+
+
+def test_no_import_cycles():
+    done, path = set(), []
+
+    def visit(node: str) -> None:
+        if node in path:
+            cycle = path[path.index(node):] + [node]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+        if node in done:
+            return
+        path.append(node)
+        for target in sorted(_edges(node)):
+            visit(target)
+        path.pop()
+        done.add(node)
+
+    for module in sorted(MODULES):
+        visit(module)
+    assert done == set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_layers(module):
+    """api → autograd → dispatch → kernels, over the foundation; never the other way."""
+    unit = _unit(module)
+    for target, _ in GRAPH[module]:
+        if not target.startswith("streamkl"):
+            continue
+        other = _unit(target)
+        if other == unit:
+            continue
+        assert LAYERS[other] <= LAYERS[unit], f"{module} imports {target}: a higher layer ({other} > {unit})"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_dispatch_reaches_the_kernels(module):
+    """Outside the kernel packages, no module imports a kernel: the dispatch table imports them by name when a call
+    needs them (so importing the API imports no Triton)."""
+    if _unit(module) in (*KERNELS, "dispatch"):
+        return
+    kernels = [t for t, _ in GRAPH[module] if t.startswith("streamkl.") and _unit(t) in ("_triton", "_hopper")]
+    assert not kernels, f"{module} imports the kernels {kernels}"
+
+
+@pytest.mark.parametrize("oracle", ORACLES)
+def test_the_oracles_reach_no_kernel(oracle):
+    """Everything an oracle imports, directly or through other modules, is below the kernels: the definition of
+    "correct" does not run through the code it checks."""
+    seen, todo = set(), [f"streamkl.{oracle}"]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        todo += sorted(_edges(module))
+    reached = sorted(m for m in seen if _unit(m) in (*KERNELS, "dispatch", "autograd", "indexer_autograd", "api"))
+    assert not reached, f"streamkl.{oracle} reaches {reached}"
+
+
+@pytest.mark.parametrize(("first", "second"), APART)
+def test_the_portable_and_hopper_kernels_import_nothing_of_each_other(first, second):
+    for module in MODULES:
+        unit = _unit(module)
+        if unit in (first, second):
+            other = second if unit == first else first
+            crossing = [t for t, _ in GRAPH[module] if t.startswith("streamkl.") and _unit(t) == other]
+            assert not crossing, f"{module} imports {crossing}: share it through _triton_common instead"
