@@ -106,7 +106,7 @@ def attention_kl(
             applies only to float32 inputs outside autocast.
         deterministic: bitwise-reproducible gradients. ``True`` runs the two-pass backward (a key-stationary
             pass for dK, a query-stationary pass for dQ, no atomics), which was also the faster design on an
-            H100 at D=64/128 (docs/perf-notes.md). ``False`` runs the one-pass backward that adds dQ with fp32
+            H100 at D=64/128 (docs/concepts/kernels.md). ``False`` runs the one-pass backward that adds dQ with fp32
             atomics (the last bits vary from run to run); it is ignored while
             ``torch.use_deterministic_algorithms(True)`` is on. With a frozen teacher (``"forward"``, Triton
             backend, grad mode on) neither applies: the forward accumulates ``dQ_s`` itself (saved like ``q_s``, in

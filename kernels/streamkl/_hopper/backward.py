@@ -1,7 +1,7 @@
 """Hopper (sm_90) key pass of the attention-KL backward in Gluon: the student's key gradient with the score products
 of the next query tile in flight during the exponentials of this one.
 
-The training path with a frozen teacher (``direction="forward"``, v6 in docs/perf-notes.md) runs one backward kernel:
+The training path with a frozen teacher (``direction="forward"``; docs/concepts/kernels.md) runs one backward kernel:
 the portable key-stationary pass (:func:`streamkl._triton.backward._attention_kl_bwd_dk_kernel` with only side b's
 gradient and no atomics). Per key tile it sweeps the query tiles of every query head that shares the student's key
 head, recomputes both score tiles (transposed: keys × queries), forms
@@ -282,8 +282,8 @@ _launch_ws = KernelLauncher(_ws_dk_kernel)
 
 
 def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
-    """Tiles of the one-warpgroup key pass, the fastest of the H100 sweeps (``benchmarks/bench_hopper_key_pass.py``,
-    ``benchmarks/bench_peeled_key_pass.py``; bf16, N = 8192): ``block_n`` keys per program (64, one warpgroup),
+    """Tiles of the one-warpgroup key pass, the fastest of the H100 sweeps (bf16, N = 8192;
+    docs/concepts/kernels.md): ``block_n`` keys per program (64, one warpgroup),
     ``block_m`` queries per step, ``num_stages`` the depth of the query ring. 64-query steps, with a ring of 6 at head
     dim 64 (3 with a causal mask) and of 2 at head dim 128 (a deeper ring leaves room for one program per SM only)."""
     if max(d_a, d_b) <= 64:

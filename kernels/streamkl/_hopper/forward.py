@@ -333,7 +333,7 @@ def _hopper_fwd_kernel(
 
 
 def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
-    """Tiles of the Hopper forward: the fastest of ``benchmarks/bench_hopper.py``'s sweep (H100, bf16, N = 8192,
+    """Tiles of the Hopper forward: the fastest of an H100 sweep (bf16, N = 8192,
     causal and not), 64×64 with one warpgroup; ``num_stages`` is the depth of the key ring."""
     if max(d_a, d_b) <= 64:
         return LaunchConfig(64, 64, 4, 3)

@@ -24,7 +24,7 @@ step past a row's diagonal a consumer copies side b's key tile into its own scra
 replaced by 0 and takes the query-gradient products from there: a key a row must not see cannot reach it through
 ``0·inf``, and the ring slot, which the other consumer may need unchanged, is never written.
 
-What was measured (``benchmarks/bench_ws_fused_forward.py``, docs/perf-notes.md v17): one warpgroup per program (two
+What was measured (docs/concepts/kernels.md, tried and lost): one warpgroup per program (two
 programs per SM, v17a) was slower than the portable kernel with every schedule tried, with and without products in
 flight during the exponentials. In a scratch probe, consumers taking turns on the tensor cores (FlashAttention-3's
 ping-pong) were slower than consumers that both compute at once. The softmax work of two distributions outweighs the
@@ -325,7 +325,7 @@ def _ws_fused_fwd_kernel(
 
 
 def fused_forward_config(d_a: int, d_b: int) -> LaunchConfig:
-    """Tiles of the fused Hopper forward, from ``benchmarks/bench_ws_fused_forward.py``'s sweep (H100, bf16, the
+    """Tiles of the fused Hopper forward, from an H100 sweep (bf16, the
     long-context shapes): ``block_m`` rows per consumer (a program holds two), ``block_n`` keys per tile (64, the
     portable kernel's, so that both give the same bits; 32-key tiles were slower on every shape), ``num_stages`` slots
     in the key ring (2: the fastest on three shapes, within the timing noise of 3 on the other two); ``num_warps`` is

@@ -20,7 +20,7 @@ and the second one's extra steps (query rows that see none of its keys) are mask
 Each consumer accumulates its keys' products in the same order as the one-warpgroup kernel, so the two give bitwise
 the same gradient. :func:`streamkl._hopper.backward.attention_kl_key_pass_hopper` launches it (:mod:`streamkl.dispatch`
 selects it for causal problems with a head dim above 64); tried without the turns and with the one-warpgroup kernel's
-in-flight score products per consumer, it was no faster (docs/perf-notes.md v13).
+in-flight score products per consumer, it was no faster (docs/concepts/kernels.md, tried and lost).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def _ws_dk_kernel(
 
 
 def ws_key_pass_config(d_a: int, d_b: int) -> LaunchConfig:
-    """Tiles of the warp-specialised key pass, the fastest of ``benchmarks/bench_ws_key_pass.py``'s sweep (H100,
+    """Tiles of the warp-specialised key pass, the fastest of an H100 sweep (
     bf16, causal, N = 8192): ``block_n`` keys per consumer (64; a program holds two consumers), ``block_m`` queries
     per step and ``num_stages`` the depth of the shared query ring: 128 queries and 2 slots at head dim 64, 64 and 3
     at head dim 128 (128 queries spill there). ``num_warps`` is each consumer's (one warpgroup).
