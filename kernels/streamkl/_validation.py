@@ -30,6 +30,10 @@ def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     return value
 
 
+#: The smallest normal float32: a smaller temperature's reciprocal scales the scores past float32's range.
+FLOAT32_TINY: float = float(torch.finfo(torch.float32).tiny)
+
+
 def check_temperature(temperature: object) -> float:
     """Return the temperature as a float; it must be a finite real number > 0."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -39,7 +43,7 @@ def check_temperature(temperature: object) -> float:
     value = float(temperature)
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"Expected argument `temperature` to be finite and > 0, but got {temperature!r}.")
-    if value < torch.finfo(torch.float32).tiny:  # 1e-38 gave nan: the scores are divided by it in float32
+    if value < FLOAT32_TINY:  # 1e-38 gave nan: the scores are divided by it in float32
         raise ValueError(f"Expected argument `temperature` to be finite and > 0, at least 1.1754944e-38 (the smallest "
                          f"normal float32; the op computes in float32), but got {temperature!r}.")
     return value

@@ -29,7 +29,15 @@ from typing import Any, NamedTuple
 import torch
 
 from ._constants import BACKENDS, DIRECTIONS, LAYOUTS, REDUCTIONS
-from ._validation import check_choice, check_flag, check_scale, check_softcap, check_temperature, check_window
+from ._validation import (
+    FLOAT32_TINY,
+    check_choice,
+    check_flag,
+    check_scale,
+    check_softcap,
+    check_temperature,
+    check_window,
+)
 
 __all__ = ["BACKENDS", "BATCH", "DIRECTIONS", "EXECUTION", "LAYOUTS", "PROBLEM", "REDUCTIONS", "AttentionKLOptions",
            "KLWithCount", "keyword_signature", "option_names"]
@@ -95,7 +103,7 @@ class AttentionKLOptions:
         for name in ("scale_t", "scale_s"):
             if getattr(self, name) is not None:
                 self._normalise(name, check_scale(name, getattr(self, name)))
-        if type(self.temperature) is not float or not 0.0 < self.temperature < math.inf:
+        if type(self.temperature) is not float or not FLOAT32_TINY <= self.temperature < math.inf:  # else: checked
             self._normalise("temperature", check_temperature(self.temperature))
         if self.direction not in DIRECTIONS or type(self.direction) is not str:
             check_choice("direction", self.direction, DIRECTIONS)
