@@ -29,3 +29,16 @@ def _no_capture_left_recording():
     leaked = list(_RECORDING)
     _RECORDING.clear()
     assert not leaked, f"the test left attention captures recording: {leaked}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``multi_gpu`` skip with fewer than two CUDA devices, and run one after another in one pytest-xdist
+    worker (``--dist loadgroup``, as ``./scripts/test --gpu`` runs): each takes both GPUs for its spawned ranks."""
+    enough = torch.cuda.device_count() >= 2
+    for item in items:
+        if item.get_closest_marker("multi_gpu") is None:
+            continue
+        if not enough:
+            item.add_marker(pytest.mark.skip(reason="needs 2 CUDA devices"))
+        elif config.pluginmanager.hasplugin("xdist"):
+            item.add_marker(pytest.mark.xdist_group("multi_gpu"))

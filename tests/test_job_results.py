@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytest.importorskip("jsonargparse", reason="the job's command line needs the cli extra")
+
 from lightning_streamkl.jobs import render_report
 from lightning_streamkl.jobs.cli import DEFAULT_CONFIG
 

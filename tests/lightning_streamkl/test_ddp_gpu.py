@@ -27,7 +27,7 @@ from .test_ddp import STEPS, WORLD, equivalence_runs, half_batch_gradients, max_
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+    pytest.mark.multi_gpu,
 ]
 
 RTOL = 1e-4  # float32 on GPUs: one GPU with 4 rows vs two with 2 each run different GEMM shapes

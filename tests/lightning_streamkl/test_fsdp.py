@@ -215,7 +215,7 @@ def test_sharded_strategies_match_ddp_on_the_same_global_batch():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.multi_gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("precision", "rtol"), [("32-true", 1e-4), ("bf16-mixed", 2e-2)])
 def test_sharded_strategies_match_ddp_on_two_gpus(capsys, precision, rtol):

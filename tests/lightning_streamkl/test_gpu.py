@@ -42,7 +42,7 @@ def test_a_teacher_on_the_host_sends_its_queries_and_keys_to_the_student():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.multi_gpu
 def test_a_teacher_on_the_second_gpu():
     teacher = make_teacher()
     other = _kl("cuda:1", teacher)

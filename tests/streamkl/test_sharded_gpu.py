@@ -25,7 +25,7 @@ from tests._helpers import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+    pytest.mark.multi_gpu,
 ]
 
 WORLD, N, DTYPES = 2, 4096, (torch.float32, torch.bfloat16)
