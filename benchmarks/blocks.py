@@ -113,6 +113,8 @@ SOURCES: dict[str, Callable[[], dict[str, dict[str, str]]]] = {
     "benchmarks/long_context/tables.py": lambda: script("benchmarks/long_context/tables.py").blocks(),
     "benchmarks/job_headline.py": lambda: script("benchmarks/job_headline.py").blocks(),
     "benchmarks/user_path.py": _user_path,
+    "benchmarks/user_path_trl.py": _one("benchmarks/user_path_trl.py", "docs/guides/trl.md", "user-path-trl",
+                                        "markdown", "nvidia-h100-80gb-hbm3-user-path-trl.json"),
 }
 
 

@@ -259,6 +259,15 @@ def table(data: dict) -> str:
     return "\n".join(rows)
 
 
+def markdown(data: dict, source: str = "benchmarks/results/nvidia-h100-80gb-hbm3-user-path-trl.json") -> str:
+    """The guide's block: the run's setup in one line, then :func:`table`."""
+    versions = f"torch {data['torch']}, transformers {data['transformers']}, TRL {data['trl'] or 'not installed'}"
+    setup = (f"{data['device']}, {versions}; one packed row of N = {data['n']} tokens ({data['docs']} documents), "
+             f"`attn_implementation=\"{data['attention']}\"`, median of {data['steps']} steps after {data['warmup']} "
+             f"warm-up steps; the teacher's weights take {data['teacher_gib']:.2f} GiB. From `{source}`:")
+    return setup + "\n\n" + table(data)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=16384, help="tokens per packed row (one row per step)")
