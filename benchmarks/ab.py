@@ -8,6 +8,7 @@ every round); the verdict per case is the median of the per-round ratios with th
     python benchmarks/ab.py HEAD~1                            # the grid's N = 8192 rows, fwd and fwd+bwd, 7 rounds
     python benchmarks/ab.py 5cfe097 --bench overhead --rounds 15 --out /tmp/ab.json
     python benchmarks/ab.py HEAD --device cpu                 # the plumbing, on tiny CPU problems
+    python benchmarks/ab.py /path/to/other/checkout           # a folder holding kernels/streamkl, used as it is
 
 A benchmark takes part by defining ``ab_cases(device, quick)``: case name -> a function that, given a ``streamkl``
 package, returns the zero-argument call to time (``BENCHES`` lists them). With 7 rounds the sign test can reach
@@ -105,7 +106,7 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rev", help="the git revision to compare this tree with")
+    parser.add_argument("rev", help="the git revision to compare this tree with, or a checkout's folder")
     parser.add_argument("--bench", choices=sorted(BENCHES), default="grid")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for tiny problems (the plumbing)")
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     cases = importlib.import_module(BENCHES[args.bench]).ab_cases(args.device, quick=not args.full)
     if args.cases:
         cases = {k: v for k, v in cases.items() if any(c in k for c in args.cases)}
-    with revision_tree(args.rev) as tree:
+    other = contextlib.nullcontext(args.rev) if os.path.isdir(args.rev) else revision_tree(args.rev)
+    with other as tree:
         base = load_revision(tree)
         results = run(cases, streamkl, base, args.rounds, timer_for(args.device))
     print(table(results))
