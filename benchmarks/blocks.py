@@ -113,6 +113,8 @@ SOURCES: dict[str, Callable[[], dict[str, dict[str, str]]]] = {
     "benchmarks/long_context/tables.py": lambda: script("benchmarks/long_context/tables.py").blocks(),
     "benchmarks/job_headline.py": lambda: script("benchmarks/job_headline.py").blocks(),
     "benchmarks/user_path.py": _user_path,
+    "benchmarks/real_batches.py": lambda: {"docs/concepts/kernels.md": script("benchmarks/real_batches.py").blocks(
+        script("benchmarks/real_batches.py").load())},
 }
 
 
