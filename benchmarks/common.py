@@ -105,15 +105,15 @@ def do_bench_ms(fn: Callable[[], object], rep: int = 200, warmup: int = 25) -> f
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def wall_ms(fn: Callable[[], object], iters: int = 10, device: str = "cuda") -> float:
-    """Median ms of ``iters`` calls of ``fn`` after three warm-up calls: CUDA events around each call on a GPU, the
-    wall clock on the CPU.
+def wall_ms(fn: Callable[[], object], iters: int = 10, device: str = "cuda", warmup: int = 3) -> float:
+    """Median ms of ``iters`` calls of ``fn`` after ``warmup`` warm-up calls: CUDA events around each call on a GPU,
+    the wall clock on the CPU.
 
     Example:
         >>> wall_ms(lambda: sum(range(100)), iters=3, device="cpu") >= 0
         True
     """
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     if device == "cpu":
         times = []
@@ -137,15 +137,15 @@ def wall_ms(fn: Callable[[], object], iters: int = 10, device: str = "cuda") -> 
 
 
 def per_call_us(fn: Callable[[], object], n: int, sync: Callable[[], object] = lambda: None,
-                repeats: int = 5) -> float:
-    """Best of ``repeats`` averages over ``n`` back-to-back calls, in µs (synchronised before and after): host time
-    per call where the device work is negligible.
+                repeats: int = 5, warmup: int = 20) -> float:
+    """Best of ``repeats`` averages over ``n`` back-to-back calls, in µs (synchronised before and after, after
+    ``warmup`` calls): host time per call where the device work is negligible.
 
     Example:
         >>> per_call_us(lambda: None, 10) < 1e6
         True
     """
-    for _ in range(20):
+    for _ in range(warmup):
         fn()
     sync()
     best = float("inf")
