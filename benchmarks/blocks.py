@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import RESULTS, ROOT, read_block, read_json, replace_block  # noqa: E402
+from common import RESULTS, ROOT, read_block, read_json, write_blocks  # noqa: E402
 
 #: a page generated whole, and the script that writes it
 WHOLE_PAGES = {"docs/benchmarks.md": "benchmarks/report.py"}
@@ -179,13 +179,7 @@ def stale(texts: dict[str, str] | None = None) -> list[str]:
 def write() -> None:
     """Rewrite every generated block and every page generated whole from the committed results."""
     for page, named in render_all().items():
-        path = os.path.join(ROOT, page)
-        with open(path) as f:
-            text = f.read()
-        for name, body in named.items():
-            text = replace_block(text, name, body)
-        with open(path, "w") as f:
-            f.write(text)
+        write_blocks(os.path.join(ROOT, page), named)
     for page, text in whole_pages().items():
         with open(os.path.join(ROOT, page), "w") as f:
             f.write(text)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .._import_graph import import_graph, layer_unit
+
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_streamkl"
 
 #: Module (or subpackage) -> layer; a module may import only from its own layer or below.
@@ -27,49 +29,11 @@ ADAPTERS = {"callback", "mixin", "continual", "indexer", "integrations"}
 LIGHTNING_FREE = {"options", "capture", "config", "terms", "loss", "metrics", "teacher", "engine", "integrations"}
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _imports(path: Path) -> list[tuple[str, list[str]]]:
-    """``(absolute module, imported names)`` for every import in ``path``."""
-    tree = ast.parse(path.read_text())
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, []) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            names = [alias.name for alias in node.names]
-            if node.module is None:  # `from . import step_wrapper`
-                found += [(f"{module}.{name}", []) for name in names]
-            else:
-                found.append((module, names))
-    return found
-
-
-def _unit(module: str) -> str:
-    """The layer unit of a ``lightning_streamkl`` module: its first component below the package."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
-
-
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-GRAPH = {name: [(m, names) for m, names in _imports(path)] for name, path in MODULES.items()}
+MODULES, GRAPH = import_graph(PACKAGE, runtime_only=False)
 
 
 def test_every_module_has_a_layer():
-    assert {_unit(m) for m in MODULES} <= set(LAYERS), sorted({_unit(m) for m in MODULES} - set(LAYERS))
+    assert {layer_unit(m) for m in MODULES} <= set(LAYERS), sorted({layer_unit(m) for m in MODULES} - set(LAYERS))
 
 
 def test_no_import_cycles():
@@ -95,11 +59,11 @@ def test_no_import_cycles():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down_the_layers(module):
-    unit = _unit(module)
+    unit = layer_unit(module)
     for target, names in GRAPH[module]:
         if not target.startswith("lightning_streamkl"):
             continue
-        other = _unit(target) if target != "lightning_streamkl" else "__init__"
+        other = layer_unit(target) if target != "lightning_streamkl" else "__init__"
         if other == unit:
             continue
         assert LAYERS[other] <= LAYERS[unit], f"{module} imports {target}: a higher layer ({other} > {unit})"
@@ -110,7 +74,7 @@ def test_imports_point_down_the_layers(module):
             assert target == "lightning_streamkl" or not target.split(".")[-1].startswith("_"), (module, target)
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if _unit(m) in LIGHTNING_FREE))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_unit(m) in LIGHTNING_FREE))
 def test_the_engine_and_below_do_not_import_lightning(module):
     lightning = [t for t, _ in GRAPH[module] if t.split(".")[0] in ("lightning", "pytorch_lightning")]
     assert not lightning, f"{module} imports {lightning}: the engine and everything below it are Lightning-free"
@@ -118,7 +82,7 @@ def test_the_engine_and_below_do_not_import_lightning(module):
 
 def test_the_library_never_imports_the_job():
     for module, imports in GRAPH.items():
-        if _unit(module) != "jobs":
+        if layer_unit(module) != "jobs":
             assert not [t for t, _ in imports if t.startswith("lightning_streamkl.jobs")], module
 
 
@@ -126,7 +90,7 @@ def test_the_library_never_imports_the_integrations():
     """``lightning_streamkl.integrations.*`` (TRL, ...) are imported by their users only: ``import lightning_streamkl``
     must not pull in another training library."""
     for module, imports in GRAPH.items():
-        if _unit(module) != "integrations":
+        if layer_unit(module) != "integrations":
             assert not [t for t, _ in imports if t.startswith("lightning_streamkl.integrations")], module
 
 

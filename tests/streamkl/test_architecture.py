@@ -7,10 +7,11 @@ The rules are data (:data:`LAYERS`, :data:`ORACLES`, :data:`KERNELS`, :data:`APA
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from .._import_graph import import_graph, layer_unit
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kernels" / "streamkl"
 
@@ -39,57 +40,7 @@ KERNELS = ("_triton", "_hopper", "_triton_common")
 APART = (("_triton", "_hopper"),)
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """The ids of the import nodes under ``if TYPE_CHECKING:``."""
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
-    return skipped
-
-
-def _imports(path: Path) -> list[tuple[str, list[str]]]:
-    """``(absolute module, imported names)`` for every runtime import in ``path``."""
-    tree = ast.parse(path.read_text())
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
-    skipped = _type_checking_nodes(tree)
-    found = []
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found += [(alias.name, []) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            names = [alias.name for alias in node.names]
-            if node.module is None:  # `from . import reference`
-                found += [(f"{module}.{name}", []) for name in names]
-            else:
-                found.append((module, names))
-    return found
-
-
-def _unit(module: str) -> str:
-    """The layer unit of a ``streamkl`` module: its first component below the package."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
-
-
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-GRAPH = {name: [(m, names) for m, names in _imports(path)] for name, path in MODULES.items()}
+MODULES, GRAPH = import_graph(PACKAGE, runtime_only=True)
 
 
 def _edges(module: str) -> set[str]:
@@ -98,7 +49,7 @@ def _edges(module: str) -> set[str]:
 
 
 def test_every_module_has_a_layer():
-    assert {_unit(m) for m in MODULES} <= set(LAYERS), sorted({_unit(m) for m in MODULES} - set(LAYERS))
+    assert {layer_unit(m) for m in MODULES} <= set(LAYERS), sorted({layer_unit(m) for m in MODULES} - set(LAYERS))
 
 
 def test_no_import_cycles():
@@ -124,11 +75,11 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down_the_layers(module):
     """api → autograd → dispatch → kernels, over the foundation; never the other way."""
-    unit = _unit(module)
+    unit = layer_unit(module)
     for target, _ in GRAPH[module]:
         if not target.startswith("streamkl"):
             continue
-        other = _unit(target)
+        other = layer_unit(target)
         if other == unit:
             continue
         assert LAYERS[other] <= LAYERS[unit], f"{module} imports {target}: a higher layer ({other} > {unit})"
@@ -138,9 +89,9 @@ def test_imports_point_down_the_layers(module):
 def test_only_the_dispatch_reaches_the_kernels(module):
     """Outside the kernel packages, no module imports a kernel: the dispatch table imports them by name when a call
     needs them (so importing the API imports no Triton)."""
-    if _unit(module) in (*KERNELS, "dispatch"):
+    if layer_unit(module) in (*KERNELS, "dispatch"):
         return
-    kernels = [t for t, _ in GRAPH[module] if t.startswith("streamkl.") and _unit(t) in ("_triton", "_hopper")]
+    kernels = [t for t, _ in GRAPH[module] if t.startswith("streamkl.") and layer_unit(t) in ("_triton", "_hopper")]
     assert not kernels, f"{module} imports the kernels {kernels}"
 
 
@@ -155,15 +106,15 @@ def test_the_oracles_reach_no_kernel(oracle):
             continue
         seen.add(module)
         todo += sorted(_edges(module))
-    reached = sorted(m for m in seen if _unit(m) in (*KERNELS, "dispatch", "autograd", "indexer_autograd", "api"))
+    reached = sorted(m for m in seen if layer_unit(m) in (*KERNELS, "dispatch", "autograd", "indexer_autograd", "api"))
     assert not reached, f"streamkl.{oracle} reaches {reached}"
 
 
 @pytest.mark.parametrize(("first", "second"), APART)
 def test_the_portable_and_hopper_kernels_import_nothing_of_each_other(first, second):
     for module in MODULES:
-        unit = _unit(module)
+        unit = layer_unit(module)
         if unit in (first, second):
             other = second if unit == first else first
-            crossing = [t for t, _ in GRAPH[module] if t.startswith("streamkl.") and _unit(t) == other]
+            crossing = [t for t, _ in GRAPH[module] if t.startswith("streamkl.") and layer_unit(t) == other]
             assert not crossing, f"{module} imports {crossing}: share it through _triton_common instead"
