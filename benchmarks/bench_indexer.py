@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,7 +50,7 @@ from streamkl.indexer_naive import megatron_style_indexer_loss
 #: bf16 dense matmul rate measured on an H100 (8192³, do_bench).
 BF16_FLOOR_FLOPS = 756e12
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, ROOT, gpu_tag, write_blocks, write_json  # noqa: E402
+from common import RESULTS, ROOT, do_bench_ms, gpu_tag, wall_ms, write_blocks, write_json  # noqa: E402
 
 
 @dataclass
@@ -129,19 +128,8 @@ def make_inputs(shape: Shape, device) -> dict:
 
 def _timer(device: str):
     if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-    def cpu_median(fn, repeats: int = 2) -> float:  # the CPU smoke check: only that it runs
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cpu_median
+        return lambda fn: do_bench_ms(fn, rep=100, warmup=25)
+    return lambda fn: wall_ms(fn, iters=2, device="cpu", warmup=0)  # the CPU smoke check: only that it runs
 
 
 def _peak(device: str, fn) -> int | None:
