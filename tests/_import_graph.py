@@ -71,3 +71,39 @@ def import_graph(package: Path, runtime_only: bool = False) -> tuple[dict[str, P
     """The package's modules (name -> path) and their imports (name -> :func:`imports`)."""
     modules = {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
     return modules, {name: imports(path, package, runtime_only) for name, path in modules.items()}
+
+
+def internal_edges(modules: dict[str, Path], graph: Graph) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (a package import counts as its ``__init__``)."""
+    return {m: {t for t, _ in imports if t in modules and t != m} for m, imports in graph.items()}
+
+
+def import_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``edges`` (its modules in order, the first repeated at the end), or None.
+
+    Example:
+        >>> import_cycle({"a": {"b"}, "b": {"a"}}), import_cycle({"a": {"b"}, "b": set()})
+        (['a', 'b', 'a'], None)
+    """
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for module in sorted(edges):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return None

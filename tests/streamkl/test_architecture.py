@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .._import_graph import import_graph, layer_unit
+from .._import_graph import import_cycle, import_graph, internal_edges, layer_unit
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kernels" / "streamkl"
 
@@ -43,9 +43,7 @@ APART = (("_triton", "_hopper"),)
 MODULES, GRAPH = import_graph(PACKAGE, runtime_only=True)
 
 
-def _edges(module: str) -> set[str]:
-    """The package's modules that ``module`` imports (a package import counts as its ``__init__``)."""
-    return {t for t, _ in GRAPH[module] if t in MODULES and t != module}
+EDGES = internal_edges(MODULES, GRAPH)
 
 
 def test_every_module_has_a_layer():
@@ -53,23 +51,8 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_cycles():
-    done, path = set(), []
-
-    def visit(node: str) -> None:
-        if node in path:
-            cycle = path[path.index(node):] + [node]
-            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
-        if node in done:
-            return
-        path.append(node)
-        for target in sorted(_edges(node)):
-            visit(target)
-        path.pop()
-        done.add(node)
-
-    for module in sorted(MODULES):
-        visit(module)
-    assert done == set(MODULES)
+    cycle = import_cycle(EDGES)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -105,7 +88,7 @@ def test_the_oracles_reach_no_kernel(oracle):
         if module in seen:
             continue
         seen.add(module)
-        todo += sorted(_edges(module))
+        todo += sorted(EDGES[module])
     reached = sorted(m for m in seen if layer_unit(m) in (*KERNELS, "dispatch", "autograd", "indexer_autograd", "api"))
     assert not reached, f"streamkl.{oracle} reaches {reached}"
 
