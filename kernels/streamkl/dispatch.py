@@ -288,9 +288,11 @@ def _applies(route: Route, query: Any, forcing: str | None) -> bool:
             return False
         if route.impl is not None and _module(route.impl[0]) is None:
             return False
-    if route.scope is not None and not route.scope(query):
+    # the size condition first: it reads shapes only, and turns every Gluon row down for a short call before the
+    # scope reads strides and options (the host time of a short call is the op's cost there)
+    if route.pays is not None and forcing != "gluon" and not route.pays(query):
         return False
-    return route.pays is None or forcing == "gluon" or route.pays(query)
+    return route.scope is None or route.scope(query)
 
 
 def select(stage: str, query: Any) -> Route:
