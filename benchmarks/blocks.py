@@ -76,8 +76,8 @@ def _continual() -> dict:
 
 
 def _user_path() -> dict:
-    bench = script("benchmarks/user_path.py")
-    return {os.path.relpath(doc, ROOT): named for doc, named in bench.blocks(read_json(bench.RESULT)).items()}
+    return {os.path.relpath(doc, ROOT): named
+            for doc, named in script("benchmarks/user_path.py").committed_blocks().items()}
 
 
 def _one(path: str, page: str, name: str, render: str, result: str, *extra) -> Callable[[], dict]:

@@ -57,6 +57,8 @@ PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
+#: The committed run of the compiled students the docs render (the cells of the capture without graph breaks).
+COMPILED_RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 #: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
@@ -581,33 +583,45 @@ def headline(data: dict) -> str:
             f"([the user-path benchmark](docs/guides/precision.md#what-it-costs)).")
 
 
-def blocks(data: dict) -> dict[str, dict[str, str]]:
-    """``{file: {block name: markdown}}`` rendered from a results file."""
+def setup_line(data: dict) -> str:
+    """The models, card and software of a results file, in one paragraph."""
+    t, s = data["teacher"], data["student"]
+    return (f"Teacher: {data['teacher_params'] / 1e9:.2f}B parameters, {t['num_hidden_layers']} layers, "
+            f"{t['num_attention_heads']} query and {t['num_key_value_heads']} key-value heads of "
+            f"{t['hidden_size'] // t['num_attention_heads']}, bf16 ({data['teacher_gib']:.2f} GiB). Student: "
+            f"{data['student_params'] / 1e9:.2f}B parameters, {s['num_hidden_layers']} layers, "
+            f"{s['num_attention_heads']} and {s['num_key_value_heads']} heads of "
+            f"{s['hidden_size'] // s['num_attention_heads']}, fp32 weights (bf16 under `bf16-true`). Measured on one "
+            f"{data['device']} (torch {data['torch']}, Triton {data['triton']}, transformers {data['transformers']}, "
+            f"Lightning {data['lightning']}); median of {data['steps']} steps after {data['warmup']}.")
+
+
+def blocks(data: dict, compiled: dict | None = None) -> dict[str, dict[str, str]]:
+    """``{file: {block name: markdown}}`` rendered from a results file and, when given, the compiled students' file
+    (block ``user-path:compiled``)."""
     ns = sorted({r["n"] for r in data["cells"].values() if r["pairs"] in ("four", "uniform")})
     tables = {f"user-path:n{n}": matrix_table(data, n) for n in ns}
-    student_params = data["student_params"]
-    t, s = data["teacher"], data["student"]
-    header = (f"Teacher: {data['teacher_params'] / 1e9:.2f}B parameters, {t['num_hidden_layers']} layers, "
-              f"{t['num_attention_heads']} query and {t['num_key_value_heads']} key-value heads of "
-              f"{t['hidden_size'] // t['num_attention_heads']}, bf16 ({data['teacher_gib']:.2f} GiB). Student: "
-              f"{student_params / 1e9:.2f}B parameters, {s['num_hidden_layers']} layers, {s['num_attention_heads']} "
-              f"and {s['num_key_value_heads']} heads of {s['hidden_size'] // s['num_attention_heads']}, fp32 weights "
-              f"(bf16 under `bf16-true`). Measured on one {data['device']} (torch {data['torch']}, Triton "
-              f"{data['triton']}, transformers {data['transformers']}, Lightning {data['lightning']}); median of "
-              f"{data['steps']} steps after {data['warmup']}.")
-    tables["user-path:setup"] = header
+    tables["user-path:setup"] = setup_line(data)
     tables["user-path:naive"] = naive_table(data)
     tables["user-path:accuracy"] = accuracy_table(data)
+    if compiled is not None:
+        tables["user-path:compiled"] = setup_line(compiled) + "\n\n" + matrix_table(compiled, 16384)
     return {PRECISION_DOC: tables, README: {"user-path:readme": headline(data)}}
 
 
-def render(path: str) -> None:
+def committed_blocks() -> dict[str, dict[str, str]]:
+    """:func:`blocks` of the committed results (:data:`RESULT`, :data:`COMPILED_RESULT`)."""
+    with open(RESULT) as f:
+        data = json.load(f)
+    with open(COMPILED_RESULT) as f:
+        return blocks(data, json.load(f))
+
+
+def render() -> None:
     sys.path.insert(0, HERE)
     from report import write_blocks
 
-    with open(path) as f:
-        data = json.load(f)
-    for doc, named in blocks(data).items():
+    for doc, named in committed_blocks().items():
         write_blocks(doc, named)
         print(f"wrote {', '.join(named)} into {os.path.relpath(doc, ROOT)}")
 
@@ -621,10 +635,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--budget-s", type=float, help="start no cell after this many seconds (resume later)")
-    parser.add_argument("--render", nargs="?", const=RESULT, help="write a results file's tables into the docs")
+    parser.add_argument("--render", action="store_true", help="write the committed results' tables into the docs")
     args = parser.parse_args(argv)
     if args.render:
-        render(args.render)
+        render()
         return
     import torch
 

@@ -28,9 +28,7 @@ def _block(text: str, name: str) -> str:
 
 
 def test_the_docs_show_the_committed_run(user_path):
-    with open(user_path.RESULT) as f:
-        data = json.load(f)
-    for doc, named in user_path.blocks(data).items():
+    for doc, named in user_path.committed_blocks().items():
         text = Path(doc).read_text()
         for name, body in named.items():
             assert _block(text, name) == body, f"{name} in {Path(doc).relative_to(ROOT)} is not a fresh render"

@@ -173,7 +173,7 @@ class AttentionCapture(ABC):
         self.model = model
         self.capture_values = capture_values
         self._exclude_ids = {id(m) for m in exclude if m is not model}
-        self.records: dict[str, CapturedAttention] = {}
+        self._records: dict[str, CapturedAttention] = {}
         self.selected: set[str] | None = None
         self._depth = 0
         self._paths: dict[int, str] | None = None
@@ -190,6 +190,20 @@ class AttentionCapture(ABC):
 
     def _detach(self) -> None:  # noqa: B027 - optional hook
         """Remove what :meth:`_attach` installed; called when the outermost block closes (also on error)."""
+
+    def _settle(self) -> None:  # noqa: B027 - optional hook
+        """Turn the calls that ``torch.compile`` traced while recording into records; called before the records are
+        read and before the outermost block closes."""
+
+    @property
+    def records(self) -> dict[str, CapturedAttention]:
+        """The recorded calls by layer path (each layer's last call)."""
+        self._settle()
+        return self._records
+
+    @records.setter
+    def records(self, records: dict[str, CapturedAttention]) -> None:
+        self._records = records
 
     # ---------------------------------------------------------------- layers
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
@@ -303,7 +317,7 @@ class AttentionCapture(ABC):
             return
         with torch.enable_grad():  # (the cast of a reentrant checkpoint's leaf copies, made under no_grad, too)
             q, k, v = cast_for_autocast(q, k, v)
-        self.records[name] = CapturedAttention(
+        self._records[name] = CapturedAttention(
             q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v if self.capture_values else None,
             window, softcap, sinks, attn_mask, query_mask, packed, masks_from_call)
 
@@ -322,6 +336,8 @@ class AttentionCapture(ABC):
         try:
             yield self
         finally:
+            if self._depth == 1:
+                self._settle()
             # remove this instance (the innermost occurrence), even if blocks close out of order
             for i in range(len(_RECORDING) - 1, -1, -1):
                 if _RECORDING[i] is self:
@@ -338,6 +354,7 @@ class AttentionCapture(ABC):
         if depth == 0:
             yield
             return
+        self._settle()
         _RECORDING[:] = [c for c in _RECORDING if c is not self]
         self._depth = 0
         self._detach()
@@ -350,12 +367,13 @@ class AttentionCapture(ABC):
 
     def pop(self) -> dict[str, CapturedAttention]:
         """Hand over the records and forget them."""
-        records, self.records = self.records, {}
+        records, self._records = self.records, {}
         return records
 
     def clear(self) -> None:
         """Drop every record (releases the captured tensors)."""
-        self.records = {}
+        self._settle()
+        self._records = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={type(self.model).__name__}, layers={len(self.layer_names())})"

@@ -22,11 +22,12 @@ else kept as a general mask; flash-attention calls are read from their padding m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,9 @@ _FLASH_MASKS: dict[tuple, tuple[tuple, Masking]] = {}
 #: the call arguments flash_masking reads: tensors (compared by identity and version) and scalars (by value)
 FLASH_TENSOR_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
 FLASH_SCALAR_KWARGS = ("sliding_window", "max_length_q", "max_length_k")
+#: calls noted by compiled code while recording, as ``(function, arguments)``; :func:`settle_traced_calls` runs them
+_TRACED: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+_CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 _USES_INTERFACE: dict[type, bool] = {}
 _SIGNATURES: dict[Any, inspect.Signature | None] = {}
 _POSITIONAL_NAMES: dict[Any, tuple[str, ...] | None] = {}
@@ -208,17 +212,54 @@ def _named_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     return call
 
 
+@functools.cache
 def _capturing(original: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``original`` with the calls of captured modules recorded first; every argument passes through unchanged."""
+    """``original`` with the calls of captured modules recorded first; every argument passes through unchanged.
+
+    One wrapper per function for the life of the process, so that a compiled model's guards (which check the
+    function they traced) hold from one step to the next. Under ``torch.compile`` the call is noted in
+    :data:`_TRACED` (a side effect dynamo replays after the graph runs, the tensors as graph outputs) and read when
+    the records are (:func:`settle_traced_calls`): no graph break in the layer."""
 
     @functools.wraps(original)
     def streamkl_capturing_attention(*args: Any, **kwargs: Any) -> Any:
         module = args[0] if args else kwargs.get("module")
-        if id(module) in _OWNERS or id(module) in _PENDING:
+        if torch.compiler.is_compiling():
+            if id(module) in _OWNERS:
+                _TRACED.append((_observe, (original, name, args, kwargs)))
+        elif id(module) in _OWNERS or id(module) in _PENDING:
             _observe(original, name, args, kwargs)
         return original(*args, **kwargs)
 
     return streamkl_capturing_attention
+
+
+def settle_traced_calls() -> None:
+    """Record the attention calls that ``torch.compile``'d code noted (:data:`_TRACED`), in the order they ran.
+
+    Example:
+        >>> settle_traced_calls()  # nothing traced: nothing to do
+        >>> _TRACED
+        []
+    """
+    while _TRACED:
+        calls = _TRACED[:]
+        _TRACED.clear()
+        for fn, args in calls:
+            fn(*args)
+
+
+@contextlib.contextmanager
+def _side_effects_in_checkpoints() -> Iterator[None]:
+    """Let dynamo trace the capture's side effect inside an activation-checkpointed layer (without it, each
+    checkpointed layer that records breaks the graph and runs eagerly). The noted call is not replayed when the
+    backward recomputes the layer, as the eager capture ignores recomputations (:func:`_observe`)."""
+    config = torch._dynamo.config
+    if not hasattr(config, _CHECKPOINT_SIDE_EFFECTS):  # pragma: no cover - an older torch: graph breaks remain
+        yield
+        return
+    with config.patch(**{_CHECKPOINT_SIDE_EFFECTS: True}):
+        yield
 
 
 def _patch_targets(module: nn.Module) -> list[tuple[dict, str, str]]:
@@ -469,6 +510,7 @@ class HFAttentionCapture(AttentionCapture):
         self._handles: dict[int, list[tuple[int, str]]] = {}
         self._hooks: list[Any] = []
         self._cross: dict[int, bool] = {}
+        self._compile_settings = contextlib.ExitStack()
 
     def find_layers(self) -> list[str]:
         """Module paths of the attention modules that use transformers' attention interface."""
@@ -483,8 +525,13 @@ class HFAttentionCapture(AttentionCapture):
             _OWNERS.setdefault(id(m), []).append(self)
             self._handles[id(m)] = [_retain(target, key, name) for target, key, name in _patch_targets(m)]
             self._hooks.append(m.register_forward_pre_hook(self._note_call, with_kwargs=True))
+        self._compile_settings.enter_context(_side_effects_in_checkpoints())
+
+    def _settle(self) -> None:
+        settle_traced_calls()
 
     def _detach(self) -> None:
+        self._compile_settings.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -509,7 +556,10 @@ class HFAttentionCapture(AttentionCapture):
             if len(args) > 1:  # with the hidden states as the only positional argument the keywords say everything
                 named = _named_arguments(type(module).forward, (module, *args), kwargs) or kwargs
             cross = any(named.get(arg) is not None for arg in CROSS_ATTENTION_ARGS)
-        self._cross[id(module)] = cross
+        if torch.compiler.is_compiling():  # noted in call order, beside the attention calls (no dict write in a graph)
+            _TRACED.append((self._cross.__setitem__, (id(module), cross)))
+        else:
+            self._cross[id(module)] = cross
 
     def _record_call(self, name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor | None, mask: Any, kwargs: dict[str, Any]) -> None:

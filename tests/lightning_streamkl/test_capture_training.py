@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from lightning_streamkl import MultiheadAttentionCapture, RecorderCapture, record
 from lightning_streamkl.capture import HFAttentionCapture, build_capture
-from lightning_streamkl.capture.hf import _PATCHES, _PENDING
+from lightning_streamkl.capture.hf import _PATCHES, _PENDING, _TRACED
 from lightning_streamkl.engine import AttentionDistiller
 
 from ._hf import tiny
@@ -65,20 +65,40 @@ def test_gradient_checkpointing_gives_the_same_kl_and_gradients(use_reentrant, k
     assert not _PENDING and not _PATCHES  # the leaf copies were consumed, the registry restored
 
 
-def test_compiled_student_gives_the_same_kl_and_gradients():
-    """``torch.compile`` (dynamo + AOTAutograd; the recording runs outside the graph, as a graph break in the
-    paired layers only) over two steps, and an uncaptured forward after them."""
+def _graph_breaks(step) -> tuple[dict[str, int], int]:
+    """``(graph breaks by reason, graphs compiled)`` over two calls of ``step``, from a fresh dynamo."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    step()
+    step()
+    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "reentrant", "non-reentrant"])
+def test_compiled_student_gives_the_same_kl_and_gradients(checkpointing):
+    """``torch.compile`` (dynamo + AOTAutograd) of a recorded student, with and without Hugging Face gradient
+    checkpointing: the capture adds no graph break and no graph to the student's own compile (the calls are noted in
+    the graph and read after it), and the KL and gradients over two steps are the eager ones; an uncaptured forward
+    after them."""
     teacher = tiny("llama", seed=0, hidden=64, dtype=torch.float32)
     student = tiny("llama", seed=1, hidden=32, kv_heads=1, dtype=torch.float32).train()
     batch = token_batch(3, 11, pad="right")
     expected = _step(teacher, copy.deepcopy(student), batch, steps=2)
-    torch._dynamo.reset()
+    if checkpointing != "none":
+        student.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     compiled = torch.compile(student, backend="aot_eager")
-    got = _step(teacher, student, batch, forward=compiled, steps=2)
+    plain = _graph_breaks(lambda: compiled(**batch, labels=batch["input_ids"], use_cache=False).loss.backward())
+    got = []
+    recorded = _graph_breaks(lambda: got.extend(_step(teacher, student, batch, forward=compiled)))
+    assert recorded == plain
     _assert_same(got, expected, rtol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(**batch).logits, student(**batch).logits, rtol=1e-5, atol=1e-6)
-    assert not _PATCHES
+        torch.testing.assert_close(compiled(**batch, use_cache=False).logits, student(**batch).logits, rtol=1e-5,
+                                   atol=1e-6)
+    assert not _PATCHES and not _TRACED
 
 
 def test_values_are_recorded_only_when_asked():
