@@ -8,7 +8,7 @@ import torch
 
 from ._validation import prepare_problem
 from .autograd import attention_kl_per_row
-from .dispatch import select_backend
+from .dispatch import select_backend, without_full_masks
 from .options import BATCH, EXECUTION, PROBLEM, AttentionKLOptions, KLWithCount, keyword_signature
 from .precision import cast_for_autocast, resolve_allow_tf32
 
@@ -169,7 +169,7 @@ def attention_kl(
     """
     opts = AttentionKLOptions.of("attention_kl", options, kwargs)
     q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)
-    problem = prepare_problem(q_t, k_t, q_s, k_s, opts)
+    problem = without_full_masks(prepare_problem(q_t, k_t, q_s, k_s, opts))
     if opts.check_finite:
         named = (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s), ("sinks_t", opts.sinks_t),
                  ("sinks_s", opts.sinks_s))

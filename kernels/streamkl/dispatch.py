@@ -31,19 +31,38 @@ import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from . import indexer_reference, reference
-from ._problem import KLInputs, KLSpec, key_head_split
+from ._problem import AttentionKLProblem, KLInputs, KLSpec, key_head_split
 from ._triton_common.interpreter import triton_interpreter_enabled
 
-__all__ = ["FORCE_CHOICES", "GLUON_HEAD_DIMS", "GLUON_MIN_SCORES", "TABLE", "BackendQuery", "Problem", "Route",
-           "backward", "forced", "forward", "fuses_dq_b", "in_scope", "indexer_backward", "indexer_forward",
-           "new_dq_b_buffer", "saved_dq_b_dtype", "select", "select_backend", "table_markdown",
-           "triton_interpreter_enabled"]
+__all__ = [
+    "FORCE_CHOICES",
+    "GLUON_HEAD_DIMS",
+    "GLUON_MIN_SCORES",
+    "TABLE",
+    "BackendQuery",
+    "Problem",
+    "Route",
+    "backward",
+    "forced",
+    "forward",
+    "fuses_dq_b",
+    "in_scope",
+    "indexer_backward",
+    "indexer_forward",
+    "new_dq_b_buffer",
+    "saved_dq_b_dtype",
+    "select",
+    "select_backend",
+    "table_markdown",
+    "triton_interpreter_enabled",
+    "without_full_masks",
+]
 
 #: Problems with fewer score elements per distribution (``B·H·N_q·N_k``) stay on the portable kernels: below it the
 #: Gluon kernels' launch (four TMA descriptors, about twice a portable launch's host time) is not hidden.
@@ -68,7 +87,8 @@ class BackendQuery(NamedTuple):
 class Problem(NamedTuple):
     """What a kernel is chosen from: the direction-free problem ``KL(P_a ‖ P_b)`` (:mod:`streamkl._problem`), which
     sides need gradients, whether the call asked for a deterministic backward (``deterministic=True`` or torch's
-    deterministic mode), and whether its forward accumulated side b's query gradient (``fused``)."""
+    deterministic mode), whether its forward accumulated side b's query gradient (``fused``) and, in the backward,
+    whether the upstream gradient is one number for every row (``scalar_grad``: ``reduction="mean"``/``"sum"``)."""
 
     inputs: KLInputs
     spec: KLSpec
@@ -76,6 +96,7 @@ class Problem(NamedTuple):
     need_b: bool = False
     deterministic: bool = True
     fused: bool = False
+    scalar_grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,14 +168,13 @@ def _gluon_forward_pays(p: Problem) -> bool:
     return _large(p) and _widest(p) >= 128
 
 
-def _bf16_dense(p: Problem) -> bool:
-    return p.inputs.q_a.dtype == torch.bfloat16 and _dense(p)
-
-
 def _key_pass_scope(p: Problem) -> bool:
     """The Gluon key passes compute side b's key gradient alone (side a frozen), never beside atomic query
-    gradients; bf16, and each program's query heads must share a teacher key head (:func:`key_head_split`)."""
-    if p.need_a or not p.need_b or not (p.deterministic or p.fused) or not _bf16_dense(p):
+    gradients; bf16, or fp16 with a scalar upstream gradient (their fixed fp16 scale bounds ``|dS|`` by 1), and each
+    program's query heads must share a teacher key head (:func:`key_head_split`)."""
+    if p.need_a or not p.need_b or not (p.deterministic or p.fused) or not _dense(p):
+        return False
+    if p.inputs.q_a.dtype == torch.float16 and not p.scalar_grad:
         return False
     heads = p.inputs.q_a.shape[1]
     return key_head_split(heads // p.inputs.k_a.shape[1], heads // p.inputs.k_b.shape[1]) is not None
@@ -179,6 +199,7 @@ def _stepwise_key_pass_scope(p: Problem) -> bool:
 _PORTABLE = "any CUDA GPU; the CPU under TRITON_INTERPRET=1"
 _SM90 = "CUDA sm_90 (Hopper), Gluon available"
 _LARGE = "B·H·N_q·N_k ≥ 2^28"
+_KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
 
@@ -197,24 +218,25 @@ TABLE: tuple[Route, ...] = (
           gluon=True),
     Route("forward", "triton_forward", "_triton/forward.py", _PORTABLE, "fp16, bf16, fp32", "otherwise",
           impl=("_triton.forward", "attention_kl_fwd", ())),
-    Route("training forward", "gluon_training_forward", "_hopper/fused_forward.py", _SM90, "bf16",
+    Route("training forward", "gluon_training_forward", "_hopper/fused_forward.py", _SM90,
+          "bf16 or fp16, one dtype on both sides",
           f"a training call with side a frozen (fuses_dq_b); {_DENSE}; {_LARGE}",
-          impl=("_hopper.fused_forward", "attention_kl_fused_fwd_hopper", ()), scope=_bf16_dense, pays=_large,
+          impl=("_hopper.fused_forward", "attention_kl_fused_fwd_hopper", ()), scope=_dense, pays=_large,
           gluon=True),
     Route("training forward", "triton_training_forward", "_triton/forward.py", _PORTABLE, "fp16, bf16, fp32",
           "otherwise",
           impl=("_triton.forward", "attention_kl_fwd", ())),
-    Route("key pass", "gluon_key_pass_warp_specialised", "_hopper/key_pass_ws.py", _SM90, "bf16",
+    Route("key pass", "gluon_key_pass_warp_specialised", "_hopper/key_pass_ws.py", _SM90, _KEY_PASS_DTYPES,
           f"a backward of side b alone (side a frozen), no atomic dQ; {_DENSE}; key-head groupings that divide each "
           f"other; causal with a head dim above 64; {_LARGE}",
           impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", True), ("overlap", False))),
           scope=_ws_key_pass_scope, pays=_large, gluon=True),
-    Route("key pass", "gluon_key_pass_pipelined", "_hopper/backward.py", _SM90, "bf16",
+    Route("key pass", "gluon_key_pass_pipelined", "_hopper/backward.py", _SM90, _KEY_PASS_DTYPES,
           f"as the warp-specialised row, but not causal with a head dim above 64; D_b ≤ 64 (the next step's "
           f"products in flight); {_LARGE}",
           impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", False), ("overlap", True))),
           scope=_pipelined_key_pass_scope, pays=_large, gluon=True),
-    Route("key pass", "gluon_key_pass_stepwise", "_hopper/backward.py", _SM90, "bf16",
+    Route("key pass", "gluon_key_pass_stepwise", "_hopper/backward.py", _SM90, _KEY_PASS_DTYPES,
           f"as the warp-specialised row, but not causal with a head dim above 64; D_b > 64 (one step at a time: "
           f"two in flight would spill); {_LARGE}",
           impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", False), ("overlap", False))),
@@ -233,6 +255,35 @@ _STAGES: dict[str, tuple[Route, ...]] = {}
 for _route in TABLE:
     _STAGES.setdefault(_route.stage, ())
     _STAGES[_route.stage] += (_route,)
+
+
+# ---------------------------------------------------------------------------------------------- masks that mask nothing
+def without_full_masks(problem: AttentionKLProblem) -> AttentionKLProblem:
+    """``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every key and row, on CUDA
+    problems of at least :data:`GLUON_MIN_SCORES` score elements: a mask sends the call to the portable kernels and
+    costs a load per tile, and the Hugging Face batch of equal-length sequences carries an all-True one. Reading a
+    mask costs one device synchronisation (as transformers' own check before sdpa), so smaller problems, whose
+    host time is their cost, keep the mask; so do calls under ``torch.compile`` tracing and CUDA-graph capture.
+
+    Example:
+        >>> from streamkl._validation import prepare_problem
+        >>> from streamkl.options import AttentionKLOptions
+        >>> q = torch.randn(1, 2, 8, 64)
+        >>> opts = AttentionKLOptions.of("attention_kl", None, {"key_padding_mask": torch.ones(1, 8, dtype=torch.bool)})
+        >>> without_full_masks(prepare_problem(q, q, q, q, opts)).key_padding_mask is None  # a CPU tensor: kept
+        False
+    """
+    masks = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
+    q = problem.q_t
+    if (all(m is None for m in masks.values()) or not q.is_cuda or torch.compiler.is_compiling()
+            or q.shape[0] * q.shape[1] * q.shape[2] * problem.k_t.shape[2] < GLUON_MIN_SCORES
+            or torch.cuda.is_current_stream_capturing()):
+        return problem
+    present = [m for m in masks.values() if m is not None]
+    every = torch.stack([m.all() for m in present]).tolist()  # one synchronisation for both masks
+    full = iter(every)
+    dropped = {name: None for name, m in masks.items() if m is not None and next(full)}
+    return replace(problem, **dropped) if dropped else problem
 
 
 # ---------------------------------------------------------------------------------------------- the override
@@ -409,7 +460,7 @@ def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Te
     the query gradients by the rows :data:`TABLE` selects; ``dq_b``: the training forward's buffer, or None."""
     if backend == "reference":
         return reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b)
-    problem = Problem(inputs, spec, need_a, need_b, deterministic, dq_b is not None)
+    problem = Problem(inputs, spec, need_a, need_b, deterministic, dq_b is not None, not any(grad_kl.stride()))
     key_pass = select("key pass", problem)
     query = select("query gradient", problem)
     return _module("_triton.backward").attention_kl_bwd(

@@ -125,11 +125,12 @@ def test_the_forward_on_an_h100(hopper):
 
 
 def test_the_training_forward_on_an_h100(hopper):
-    """The Gluon training forward from 2^28 score elements, bf16, head dims 64 or 128, causal or not."""
+    """The Gluon training forward from 2^28 score elements, bf16 or fp16, head dims 64 or 128, causal or not."""
     pick = lambda p: dispatch.select("training forward", p).kernel
     for d, causal in ((64, False), (64, True), (128, False), (128, True)):
         assert pick(_large(d, causal=causal)) == "gluon_training_forward", (d, causal)
-    assert pick(_large(128, dtype=torch.float16)) == "triton_training_forward"
+    assert pick(_large(128, dtype=torch.float16)) == "gluon_training_forward"
+    assert pick(_large(128, dtype=torch.float32)) == "triton_training_forward"
     assert pick(_large(128, n=8192)) == "triton_training_forward"
     with forced("gluon"):
         assert pick(_large(64, n=256)) == "gluon_training_forward"

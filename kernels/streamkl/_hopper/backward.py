@@ -17,15 +17,17 @@ same thing with
 * both score products of step ``t + 1`` issued asynchronously before the exponentials of step ``t`` (two register
   sets, even and odd steps, as in :mod:`streamkl._hopper.forward`), so the tensor cores run during the exponentials;
 * ``dSᵀ`` rounded to the input dtype in registers and fed to the tensor cores as the register operand of
-  ``dK_b += dSᵀ · Q_b`` (no shared-memory round trip);
+  ``dK_b += dSᵀ · Q_b`` (no shared-memory round trip); fp16 tiles scaled by the fixed power of two
+  :data:`streamkl._triton_common.numerics.FP16_DS_SCALE` first, divided out at the store;
 * a scalar upstream gradient (``reduction="mean"``/``"sum"``) applied once to ``dK_b`` at the end instead of to every
-  element (bf16 has fp32's range, so nothing underflows either way);
+  element (bf16 has fp32's range, and fp16 tiles stay within ``|dS| <= 1`` before their scale, so nothing underflows
+  either way; fp16 with one upstream gradient per row, whose range is unknown, stays on the portable pass);
 * with a causal mask, the program's diagonal tiles (masked) swept first, one at a time, then the full tiles through
   the pipelined loop, which never masks: both tile codes live in one loop would not fit 64-query steps in the
   registers (v14).
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both
-sides, dense ``(B, H, N, D)``
+sides, or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)``
 tensors TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
 ``N_k >= N_q``, only side b's gradient, and key-head groupings that divide one another (a teacher that groups more
 query heads per key head than the student, or fewer: then each student key head is split over several programs, one
@@ -56,7 +58,7 @@ from .._triton_common.numerics import side_scales
 from .._triton_common.scheduling import l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
 from .forward import _allocate_tiles, _descriptor, _load_fixed, _longest_first, _tma_load
-from .key_pass_tiles import _ds_tile, _row_state, _step_tile, _store_dk
+from .key_pass_tiles import _ds_operand, _ds_tile, _row_state, _step_tile, _store_dk
 from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
 
@@ -104,7 +106,7 @@ def _fold_step(x, y, dk, qb_ring, step, lse2_a, lse2_b, g, rows, keys, qk_scale_
     diagonal tile)."""
     ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, MASKED, SCALAR_GRAD)
     qb = qb_ring.index(step % STAGES).reshape([BLOCK_M, D_B])
-    dk = warpgroup_mma(gl.convert_layout(ds.to(qb_ring.dtype), dot_layout), qb, dk, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout), qb, dk, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
 
 
@@ -188,7 +190,8 @@ def _hopper_dk_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD)
+    _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
+              qb_desc.dtype == gl.float16)
 
 
 @gluon.jit

@@ -30,10 +30,14 @@ flight during the exponentials. In a scratch probe, consumers taking turns on th
 ping-pong) were slower than consumers that both compute at once. The softmax work of two distributions outweighs the
 products here, so the kernel gains by keeping both consumers computing, not by overlapping them with the products.
 
+fp16 inputs round the tile of ``p_b·r − p_a`` scaled by a power of two, as the portable kernel does; here the scale
+moves with the tile only when it must (:func:`_fp16_frame`), so fp16 outputs match the portable kernel's within
+fp16's rounding, not bitwise.
+
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
-bf16 inputs TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
-``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel
-against the portable one (bitwise) and the float64 oracle.
+bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only
+with ``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel
+against the portable one (bf16: bitwise) and the float64 oracle.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .._problem import KLInputs, KLSpec
 from .._triton_common.launch import KernelLauncher
-from .._triton_common.numerics import NEG_BIG, side_scales
+from .._triton_common.numerics import FP16_TARGET_EXPONENT, NEG_BIG, side_scales
 from .._triton_common.tiles import LaunchConfig
 from .forward import (
     _descriptor,
@@ -133,6 +137,24 @@ def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_sca
 
 
 @gluon.jit
+def _fp16_frame(d, w, s):
+    """fp16 inputs: ``(d·s, w, s)`` with ``w`` kept in units of ``1/s``, ``s`` a power of two that moves (and ``w``
+    with it, exactly) only when the tile's largest ``|d|`` would leave ``[2^6, 2^15)`` once scaled; then it brings
+    it to ``2^(FP16_TARGET_EXPONENT - 1)``. The portable kernel scales every tile
+    (:func:`streamkl._triton._helpers._as_operand`); here a tile costs one cross-warp maximum, and ``w``, which the
+    tensor cores accumulate in place, moves only with the frame."""
+    big = gl.max(gl.max(gl.abs(d), 1), 0)
+    scaled = big * s
+    if (scaled >= 32768.0) | ((scaled < 64.0) & (big > 0.0)):
+        exponent = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        k = gl.minimum(gl.maximum(FP16_TARGET_EXPONENT - 1 - exponent, -126), 126)
+        s_new = ((k + 127) << 23).to(gl.float32, bitcast=True)
+        w = w * (s_new / s)
+        s = s_new
+    return d * s, w, s
+
+
+@gluon.jit
 def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
     """``w ← α_a·w + coef·v`` and ``v ← α_b·v`` where a frame moved, else only ``w += coef·v`` (one FMA per
     element; see :func:`streamkl._triton.forward._fused_dq_fold`)."""
@@ -194,13 +216,14 @@ def _finite_copy(kb_ring, stage, scratch, BLOCK_N: gl.constexpr, D_B: gl.constex
 
 @gluon.jit
 def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr,
-                  m_a, z_a, acc, m_b, z_b, rho, v, w, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset,
-                  p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_A: gl.constexpr,
-                  D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                  SCRATCH: gl.constexpr):
+                  m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K,
+                  offset, p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  MASKED: gl.constexpr, SCRATCH: gl.constexpr):
     """Key tiles ``[lo, hi)`` of consumer ``ME``, one step each: its score products, the softmax work, the rescaling
     of ``v`` and ``w``, its two query-gradient products (from the scratch copy with ``SCRATCH``); each slot released
-    once this consumer's products are done with it."""
+    once this consumer's products are done with it. fp16 inputs keep ``w`` in units of ``1/w_scale``
+    (:func:`_fp16_frame`); bf16 ones leave ``w_scale`` at 1."""
     for t in range(lo, hi):
         stage = t % STAGES
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -209,8 +232,11 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
         m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
             x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
             not MASKED, CAUSAL)
-        p_op = gl.convert_layout(p_b.to(gl.bfloat16), p_layout)
-        d_op = gl.convert_layout(d.to(gl.bfloat16), p_layout)
+        if kb_ring.dtype == gl.float16:
+            d, w, w_scale = _fp16_frame(d, w, w_scale)
+            coef = coef * w_scale
+        p_op = gl.convert_layout(p_b.to(kb_ring.dtype), p_layout)
+        d_op = gl.convert_layout(d.to(kb_ring.dtype), p_layout)
         v, w = _rescale(v, w, coef, alpha_a, alpha_b, moved, o_row_layout)
         if SCRATCH:
             _finite_copy(kb_ring, stage, scratch, BLOCK_N, D_B)
@@ -221,7 +247,7 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
         w = warpgroup_mma(d_op, kb, w, is_async=True)
         v, w = warpgroup_mma_wait(num_outstanding=0, deps=(v, w))
         mbarrier.arrive(empty.index(stage))
-    return m_a, z_a, acc, m_b, z_b, rho, v, w
+    return m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale
 
 
 @gluon.jit
@@ -260,16 +286,19 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
     mbarrier.wait(q_bar, 0)
     qa = qa_smem.index(ME).reshape([BLOCK_M, D_A])
     qb = qb_smem.index(ME).reshape([BLOCK_M, D_B])
-    m_a, z_a, acc, m_b, z_b, rho, v, w = _ws_fwd_steps(
+    w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
+    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         0, n_full, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v, w,
-        zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES,
-        CAUSAL, False, False)
+        w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B,
+        STAGES, CAUSAL, False, False)
     # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
     # past N_K the copy engine filled with zeros).
-    m_a, z_a, acc, m_b, z_b, rho, v, w = _ws_fwd_steps(
+    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         n_full, n_tiles, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho,
-        v, w, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B,
-        STAGES, CAUSAL, True, CAUSAL)
+        v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A,
+        D_B, STAGES, CAUSAL, True, CAUSAL)
+    if kb_ring.dtype == gl.float16:
+        grad_scale_b = grad_scale_b / w_scale
     _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
                 grad_scale_b, D_B, o_layout)
 

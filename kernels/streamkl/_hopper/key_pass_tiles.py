@@ -8,7 +8,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .._triton_common.numerics import LOG2E_C
+from .._triton_common.numerics import FP16_DS_SCALE, LOG2E_C
 
 
 @gluon.jit
@@ -58,6 +58,15 @@ def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset
 
 
 @gluon.jit
+def _ds_operand(ds, dtype: gl.constexpr):
+    """``dSᵀ`` (fp32) as the tensor cores' operand of ``dtype``: fp16 tiles scaled by :data:`FP16_DS_SCALE` first
+    (:func:`_store_dk` divides it out), so small gradients keep their bits."""
+    if dtype == gl.float16:
+        ds = ds * FP16_DS_SCALE
+    return ds.to(dtype)
+
+
+@gluon.jit
 def _causal_mask(ds, keys, rows, offset):
     """``ds`` ([keys, queries]) with zeros where key ``keys[i]`` lies past query ``rows[j]``'s diagonal."""
     return gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + offset, ds, 0.0)
@@ -65,10 +74,13 @@ def _causal_mask(ds, keys, rows, offset):
 
 @gluon.jit
 def _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
-              dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+              dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr, FP16: gl.constexpr):
     """Store ``dK_b`` of keys ``k0 ..`` (fp32 ``dk``, ``dk_layout``) times side b's scale and, with
-    ``SCALAR_GRAD``, the one upstream gradient; keys past ``N_K`` are left out."""
+    ``SCALAR_GRAD``, the one upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys past
+    ``N_K`` are left out."""
     scale = grad_scale_b
+    if FP16:
+        scale = scale / FP16_DS_SCALE
     if SCALAR_GRAD:
         scale = scale * gl.load(GRAD)
     out_keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from .._triton_common.tiles import LaunchConfig
 from .forward import _longest_first, _tma_load
-from .key_pass_tiles import _causal_mask, _ds_tile, _row_state, _store_dk
+from .key_pass_tiles import _causal_mask, _ds_operand, _ds_tile, _row_state, _store_dk
 
 #: Registers per thread of each consumer warpgroup and of the producer (``setmaxnreg``); the kernel's limit is set
 #: so that one program (three warpgroups) fills the register file: 2·240 + 24 = 3·168.
@@ -106,7 +106,8 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
     dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B, GRAD,
                         b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, qk_scale_a, qk_scale_b,
                         offset, BLOCK_M, D_A, D_B, STAGES, CAUSAL, SCALAR_GRAD)
-    _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD)
+    _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
+              qb_ring.dtype == gl.float16)
 
 
 @gluon.jit
@@ -131,7 +132,7 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
     x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
     ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
                   qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
-    ds = gl.convert_layout(ds.to(qb_ring.dtype), dot_layout)
+    ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     for t in range(1, steps):
         stage = t % STAGES
         prev = (t - 1) % STAGES
@@ -147,7 +148,7 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
         mbarrier.arrive(empty.index(prev))  # both products of step t - 1 are done with its slot
         ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
                       qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
-        ds = gl.convert_layout(ds.to(qb_ring.dtype), dot_layout)
+        ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     last = (steps - 1) % STAGES
     dk = warpgroup_mma(ds, qb_ring.index(last).reshape([BLOCK_M, D_B]), dk, is_async=True)
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))

@@ -13,10 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common.numerics import LOG2E_C
-
-#: fp16 gradient tiles are scaled so that their largest entry lands in [2^14, 2^15) before the cast.
-FP16_TARGET_EXPONENT = tl.constexpr(14)
+from .._triton_common.numerics import FP16_TARGET_EXPONENT, LOG2E_C
 
 
 @triton.jit

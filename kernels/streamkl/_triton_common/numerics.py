@@ -13,6 +13,13 @@ NEG_BIG = tl.constexpr(-1.0e30)
 #: log2(e) and ln(2) as kernel constants (the values of :mod:`streamkl._constants`).
 LOG2E_C = tl.constexpr(LOG2E)
 LN2_C = tl.constexpr(1.0 / LOG2E)
+#: fp16 gradient tiles are scaled by a power of two that brings their largest magnitude to this exponent before the
+#: cast to the tensor cores' operand dtype (fp16's largest finite value is just under 2^16), so that small gradients
+#: keep their bits instead of flushing to zero.
+FP16_TARGET_EXPONENT = tl.constexpr(14)
+#: The fixed scale of the Hopper key passes' fp16 ``dS`` tiles: with one upstream gradient for every row (applied at
+#: the end), ``|dS| = |P_b - P_a| <= 1``, so ``2^FP16_TARGET_EXPONENT`` never overflows and nothing above 2^-38 flushes.
+FP16_DS_SCALE = tl.constexpr(float(2 ** 14))
 
 
 def side_scales(scale: float, softcap: float) -> tuple[float, float]:
