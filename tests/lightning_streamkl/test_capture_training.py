@@ -101,6 +101,32 @@ def test_compiled_student_gives_the_same_kl_and_gradients(checkpointing):
     assert not _PATCHES and not _TRACED
 
 
+def test_a_compiled_student_under_autocast_notes_bf16_queries_and_keys(monkeypatch):
+    """Under autocast a Llama layer's query and key leave the rotary embedding in float32; the compiled capture notes
+    them cast to the autocast dtype inside the graph (so the graph outputs bf16 tensors, not float32 ones beside the
+    layer's own), and the KL is the eager capture's."""
+    from lightning_streamkl.capture import hf
+
+    noted = []
+    settle = hf.settle_traced_calls
+
+    def spy():
+        noted.extend(x.dtype for _, call in hf._TRACED if len(call) == 4 for x in call[2][1:3])
+        settle()
+
+    monkeypatch.setattr(hf, "settle_traced_calls", spy)
+    teacher = tiny("llama", seed=0, hidden=64, dtype=torch.float32)
+    student = tiny("llama", seed=1, hidden=32, kv_heads=1, dtype=torch.float32).train()
+    batch = token_batch(2, 9, pad="none")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (eager_kl, _), = _step(teacher, student, batch, kl_only=True)
+        torch._dynamo.reset()
+        (compiled_kl, _), = _step(teacher, student, batch, forward=torch.compile(student, backend="aot_eager"),
+                                  kl_only=True)
+    assert noted and set(noted) == {torch.bfloat16}
+    torch.testing.assert_close(compiled_kl, eager_kl, rtol=1e-2, atol=0)
+
+
 def test_values_are_recorded_only_when_asked():
     model = tiny("llama", seed=0, kv_heads=2)
     batch = token_batch(2, 7, pad="none")
