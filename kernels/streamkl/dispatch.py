@@ -273,16 +273,14 @@ def without_full_masks(problem: AttentionKLProblem) -> AttentionKLProblem:
         >>> without_full_masks(prepare_problem(q, q, q, q, opts)).key_padding_mask is None  # a CPU tensor: kept
         False
     """
-    masks = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
+    present = {name: m for name in ("key_padding_mask", "query_mask") if (m := getattr(problem, name)) is not None}
     q = problem.q_t
-    if (all(m is None for m in masks.values()) or not q.is_cuda or torch.compiler.is_compiling()
+    if (not present or not q.is_cuda or torch.compiler.is_compiling()
             or q.shape[0] * q.shape[1] * q.shape[2] * problem.k_t.shape[2] < GLUON_MIN_SCORES
             or torch.cuda.is_current_stream_capturing()):
         return problem
-    present = [m for m in masks.values() if m is not None]
-    every = torch.stack([m.all() for m in present]).tolist()  # one synchronisation for both masks
-    full = iter(every)
-    dropped = {name: None for name, m in masks.items() if m is not None and next(full)}
+    every = torch.stack([m.all() for m in present.values()]).tolist()  # one synchronisation for both masks
+    dropped = {name: None for name, full in zip(present, every) if full}
     return replace(problem, **dropped) if dropped else problem
 
 

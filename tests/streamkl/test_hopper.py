@@ -396,16 +396,12 @@ KEY_PASS_CASES = [  # (case, loss): every case has a frozen teacher and a traina
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize(("case", "loss"), [pytest.param(c, loss, id=f"{c.id}-{loss}") for c, loss in KEY_PASS_CASES])
-def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monkeypatch):
-    """The training call with a frozen teacher, bf16: the student's gradients match the float64 oracle with the
-    Hopper fused forward and key pass (forced onto these small shapes), as closely as with the portable kernels; dQ_s
-    (the forward's) is bitwise the same either way."""
-    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
-    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
-    inputs = make_inputs(case, torch.bfloat16, "cuda")
+def _student_grads(case: Case, loss: str, dtype: torch.dtype, after_call=lambda label: None):
+    """``(oracle, {"hopper": ..., "portable": ...})``: the student's ``(dQ_s, dK_s)`` of the frozen-teacher training
+    call in ``dtype`` (``loss``: "mean", "sum", or "weighted", a per-row weighted sum), from the float64 reference
+    and from the Triton backend forced onto the Gluon and the portable kernels; ``after_call(label)`` runs after
+    each."""
+    inputs = make_inputs(case, dtype, "cuda")
     inputs.tensors["q_s"].requires_grad_(True)
     inputs.tensors["k_s"].requires_grad_(True)
     ref_tensors = inputs.float64_copies()
@@ -422,8 +418,25 @@ def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monk
         with forced(switch):
             out = loss_of(inputs.call(attention_kl, reduction=reduction, backend="triton", **case.kwargs()))
             grads[label] = torch.autograd.grad(out, (inputs.tensors["q_s"], inputs.tensors["k_s"]))
+        after_call(label)
+    return ref_grads, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("case", "loss"), [pytest.param(c, loss, id=f"{c.id}-{loss}") for c, loss in KEY_PASS_CASES])
+def test_hopper_key_pass_matches_the_oracle_and_runs(case: Case, loss: str, monkeypatch):
+    """The training call with a frozen teacher, bf16: the student's gradients match the float64 oracle with the
+    Hopper fused forward and key pass (forced onto these small shapes), as closely as with the portable kernels; dQ_s
+    (the forward's) is bitwise the same either way."""
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+
+    def ran_once(label):
         assert len(calls) == 1, f"the Hopper key pass ran {len(calls)} times after the {label} call, expected once"
         assert len(fused_calls) == 1, f"the fused Hopper forward ran {len(fused_calls)} times after the {label} call"
+
+    ref_grads, grads = _student_grads(case, loss, torch.bfloat16, ran_once)
     _, rtol_grad = TOLERANCES[torch.bfloat16]
     assert_close(grads["hopper"][0], ref_grads[0], rtol_grad, "dq_s")
     assert_close(grads["hopper"][1], ref_grads[1], rtol_grad, "dk_s")
@@ -444,23 +457,7 @@ def test_fp16_training_call_on_the_hopper_kernels_matches_the_oracle(case: Case,
     D_s = 128 over 2100 keys)."""
     calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
-    inputs = make_inputs(case, torch.float16, "cuda")
-    inputs.tensors["q_s"].requires_grad_(True)
-    inputs.tensors["k_s"].requires_grad_(True)
-    ref_tensors = inputs.float64_copies()
-    weights = torch.rand(case.b, case.h, case.n_q, dtype=torch.float64, device="cuda")
-
-    def loss_of(out):
-        return (out * weights.to(out.dtype)).sum() if loss == "weighted" else out
-
-    reduction = "none" if loss == "weighted" else loss
-    ref = loss_of(attention_kl(**ref_tensors, reduction=reduction, backend="reference", **case.kwargs()))
-    ref_grads = torch.autograd.grad(ref, (ref_tensors["q_s"], ref_tensors["k_s"]))
-    grads = {}
-    for label, switch in (("hopper", "gluon"), ("portable", "portable")):
-        with forced(switch):
-            out = loss_of(inputs.call(attention_kl, reduction=reduction, backend="triton", **case.kwargs()))
-            grads[label] = torch.autograd.grad(out, (inputs.tensors["q_s"], inputs.tensors["k_s"]))
+    ref_grads, grads = _student_grads(case, loss, torch.float16)
     assert len(fused_calls) == 1
     assert len(calls) == (0 if loss == "weighted" else 1)
     for i, name in enumerate(("dq_s", "dk_s")):

@@ -19,7 +19,7 @@ LN2_C = tl.constexpr(1.0 / LOG2E)
 FP16_TARGET_EXPONENT = tl.constexpr(14)
 #: The fixed scale of the Hopper key passes' fp16 ``dS`` tiles: with one upstream gradient for every row (applied at
 #: the end), ``|dS| = |P_b - P_a| <= 1``, so ``2^FP16_TARGET_EXPONENT`` never overflows and nothing above 2^-38 flushes.
-FP16_DS_SCALE = tl.constexpr(float(2 ** 14))
+FP16_DS_SCALE = tl.constexpr(2.0 ** FP16_TARGET_EXPONENT.value)
 
 
 def side_scales(scale: float, softcap: float) -> tuple[float, float]:
