@@ -273,7 +273,9 @@ def without_full_masks(problem: AttentionKLProblem) -> AttentionKLProblem:
         >>> without_full_masks(prepare_problem(q, q, q, q, opts)).key_padding_mask is None  # a CPU tensor: kept
         False
     """
-    present = {name: m for name in ("key_padding_mask", "query_mask") if (m := getattr(problem, name)) is not None}
+    # (no assignment expression here: dynamo traces this function under torch.compile(fullgraph=True))
+    masks = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
+    present = {name: m for name, m in masks.items() if m is not None}
     q = problem.q_t
     if (not present or not q.is_cuda or torch.compiler.is_compiling()
             or q.shape[0] * q.shape[1] * q.shape[2] * problem.k_t.shape[2] < GLUON_MIN_SCORES
