@@ -31,6 +31,7 @@ same command)::
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
+    python benchmarks/user_path.py --peak N16384/bf16-true/sdpa/eager/uniform   # what is live at a cell's peak
 
 Needs a CUDA GPU, ``transformers`` and the repository's packages (``PYTHONPATH=kernels:.``).
 """
@@ -56,9 +57,9 @@ ROOT = os.path.dirname(HERE)
 PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
-RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
-#: The committed run of the compiled students the docs render (the cells of the capture without graph breaks).
-COMPILED_RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
+RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
+#: An earlier run on another card, for the parts :data:`RESULT` does not hold yet (the docs say which card ran each).
+EARLIER_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 #: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
@@ -348,6 +349,10 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
 
             class Breakdown(L.Callback):
                 def on_train_end(self, trainer, pl_module):
+                    if cuda:  # the steps' peak, before the breakdown's own calls
+                        record["step_peak_bytes"] = torch.cuda.max_memory_allocated()
+                        if TRACES is not None:  # --peak: the allocation history of the steps
+                            TRACES.append(torch.cuda.memory._snapshot())
                     batch = {k: v.to(DEVICE) for k, v in data[0].items()}
                     try:
                         record.update(breakdown(distill, pl_module, batch, trainer.precision_plugin))
@@ -363,10 +368,68 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
     record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times)
     if cuda:
         resident = _bytes(teacher) if cell.pairs in ("four", "uniform", "naive") else 0
-        record["peak_gib"] = (torch.cuda.max_memory_allocated() - base + resident) / 2**30
+        peak = record.pop("step_peak_bytes", None) or torch.cuda.max_memory_allocated()
+        record["peak_gib"] = (peak - base + resident) / 2**30
     else:
         record["peak_gib"] = 1.0  # not measured on the CPU
     return record
+
+
+#: With ``--peak``, the CUDA allocation history of each cell's steps (see :func:`peak_allocations`).
+TRACES: list | None = None
+#: The frames an allocation is named by in ``--peak``'s table (the first few from these files).
+NAMED_FRAMES = ("modeling_llama", "streamkl", "user_path", "checkpoint", "adam", "lightning/pytorch")
+
+
+def peak_allocations(snapshot: dict, rows: int = 12) -> tuple[float, list[tuple[float, str]]]:
+    """``(GiB, [(MiB, where)])``: what the traced allocations hold at their peak, summed by where they were made (the
+    first three frames from :data:`NAMED_FRAMES` files; allocations made before the trace began are not in it)."""
+    events = snapshot["device_traces"][0]
+    live: dict[int, dict] = {}
+    current = peak = peak_at = 0
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+        if current > peak:
+            peak, peak_at = current, i
+    live = {}
+    for event in events[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    where: dict[str, int] = {}
+    for event in live.values():
+        frames = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in event["frames"]
+                  if any(name in f["filename"] for name in NAMED_FRAMES)][:3]
+        key = " < ".join(frames) or "(torch internals)"
+        where[key] = where.get(key, 0) + event["size"]
+    top = sorted(where.items(), key=lambda kv: -kv[1])[:rows]
+    return peak / 2**30, [(size / 2**20, key) for key, size in top]
+
+
+def peak_trace(key: str) -> None:
+    """Fit the cell ``key`` (e.g. ``N16384/bf16-true/sdpa/eager/uniform``) for two steps with the CUDA allocation
+    history on, and print what is live at the steps' peak."""
+    import torch
+
+    global TRACES
+    n, precision, attention, mode, pairs = key.split("/")
+    cell = Cell(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs)
+    teacher = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
+    TRACES = []
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    record = run_cell(cell, teacher, steps=1, warmup=1)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot = TRACES[-1] if TRACES else torch.cuda.memory._snapshot()
+    gib, top = peak_allocations(snapshot)
+    print(f"{key}: peak {record['peak_gib']:.2f} GiB with the teacher's weights; traced allocations at their peak "
+          f"{gib:.2f} GiB, of which:")
+    for mib, where in top:
+        print(f"  {mib:9.1f} MiB  {where}")
 
 
 def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | None = None) -> dict:
@@ -518,9 +581,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
 
 
-def matrix_table(data: dict, n: int) -> str:
-    """The cells of one ``N`` as a markdown table: plain step, step with the callback, ratio, memory ratio and the
-    breakdown of the extra time."""
+def matrix_table(data: dict, n: int, compiled: bool = False) -> str:
+    """The cells of one ``N`` with an eager (or ``compiled``) student as a markdown table: plain step, step with the
+    callback, ratio, memory ratio and the breakdown of the extra time."""
     cells = data["cells"]
     ordered = sorted(cells.values(), key=lambda r: (PRECISIONS.index(r["precision"]), ATTENTIONS.index(r["attention"]),
                                                     r["compiled"], r["pairs"] != "four"))
@@ -529,7 +592,7 @@ def matrix_table(data: dict, n: int) -> str:
             "peak memory ratio | without the teacher's weights |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for record in ordered:
-        if record["n"] != n or record["pairs"] in ("plain", "naive"):
+        if record["n"] != n or record["pairs"] in ("plain", "naive") or record["compiled"] != compiled:
             continue
         plain = cells.get(Cell(n, record["precision"], record["attention"], record["compiled"], "plain").key, {})
         head = (f"| {record['precision']} | {record['attention']} | {'compiled' if record['compiled'] else 'eager'} | "
@@ -596,24 +659,39 @@ def setup_line(data: dict) -> str:
             f"Lightning {data['lightning']}); median of {data['steps']} steps after {data['warmup']}.")
 
 
-def blocks(data: dict, compiled: dict | None = None) -> dict[str, dict[str, str]]:
-    """``{file: {block name: markdown}}`` rendered from a results file and, when given, the compiled students' file
-    (block ``user-path:compiled``)."""
-    ns = sorted({r["n"] for r in data["cells"].values() if r["pairs"] in ("four", "uniform")})
-    tables = {f"user-path:n{n}": matrix_table(data, n) for n in ns}
+def _eager_ns(data: dict) -> set[int]:
+    return {r["n"] for r in data["cells"].values() if r["pairs"] in ("four", "uniform") and not r["compiled"]}
+
+
+def blocks(data: dict, earlier: dict | None = None) -> dict[str, dict[str, str]]:
+    """``{file: {block name: markdown}}`` rendered from a results file: one table per ``N`` of the eager students, the
+    compiled students' cells (block ``user-path:compiled``), the KD without the op and the accuracy. What ``data``
+    does not hold comes from ``earlier`` (a run on another card), each such block opening with that run's setup."""
+    def source(has: bool) -> tuple[dict, str]:
+        if has or earlier is None:
+            return data, ""
+        return earlier, setup_line(earlier) + "\n\n"
+
+    tables = {}
+    introduced = False  # the earlier run's setup opens the first of its N tables only
+    for n in sorted(_eager_ns(data) | (_eager_ns(earlier) if earlier else set())):
+        run, prefix = source(n in _eager_ns(data))
+        tables[f"user-path:n{n}"] = ("" if introduced else prefix) + matrix_table(run, n)
+        introduced = introduced or bool(prefix)
     tables["user-path:setup"] = setup_line(data)
-    tables["user-path:naive"] = naive_table(data)
-    tables["user-path:accuracy"] = accuracy_table(data)
-    if compiled is not None:
-        tables["user-path:compiled"] = setup_line(compiled) + "\n\n" + matrix_table(compiled, 16384)
+    run, prefix = source(any(r["pairs"] == "naive" for r in data["cells"].values()))
+    tables["user-path:naive"] = prefix + naive_table(run)
+    run, prefix = source(bool(data.get("accuracy")))
+    tables["user-path:accuracy"] = prefix + accuracy_table(run)
+    tables["user-path:compiled"] = matrix_table(data, 16384, compiled=True)
     return {PRECISION_DOC: tables, README: {"user-path:readme": headline(data)}}
 
 
 def committed_blocks() -> dict[str, dict[str, str]]:
-    """:func:`blocks` of the committed results (:data:`RESULT`, :data:`COMPILED_RESULT`)."""
+    """:func:`blocks` of the committed results (:data:`RESULT`, and :data:`EARLIER_RESULT` for what it lacks)."""
     with open(RESULT) as f:
         data = json.load(f)
-    with open(COMPILED_RESULT) as f:
+    with open(EARLIER_RESULT) as f:
         return blocks(data, json.load(f))
 
 
@@ -636,6 +714,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--budget-s", type=float, help="start no cell after this many seconds (resume later)")
     parser.add_argument("--render", action="store_true", help="write the committed results' tables into the docs")
+    parser.add_argument("--peak", metavar="CELL", help="what is live at the peak of one cell's steps, e.g. "
+                        "N16384/bf16-true/sdpa/eager/uniform")
     args = parser.parse_args(argv)
     if args.render:
         render()
@@ -650,6 +730,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the user-path benchmark needs a CUDA GPU")
     tag = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
+    if args.peak:
+        peak_trace(args.peak)
+        return
     if args.smoke:
         run_part("smoke", args.out or "/tmp/user-path-smoke.json", steps=1, warmup=1, budget_s=args.budget_s)
         return

@@ -70,3 +70,19 @@ def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, 
     before = {k: r["wall_s"] for k, r in cells.items()}
     again = user_path.run_part("cpu-smoke", str(out), steps=1, warmup=1)
     assert {k: r["wall_s"] for k, r in again["cells"].items()} == before
+
+
+def test_the_peak_table_sums_what_is_live_at_the_peak(user_path):
+    """``--peak``: the allocations live at the traced peak (not at the end), summed by the frames that made them."""
+    def alloc(addr, mib, where):
+        return {"action": "alloc", "addr": addr, "size": mib << 20,
+                "frames": [{"filename": f"/x/{where}.py", "line": 1, "name": "f"}]}
+
+    def free(addr):
+        return {"action": "free_completed", "addr": addr, "size": 0, "frames": []}
+
+    events = [alloc(1, 4, "modeling_llama"), alloc(2, 2, "modeling_llama"), alloc(3, 8, "streamkl/api"), free(3),
+              free(1), alloc(4, 1, "elsewhere")]
+    gib, top = user_path.peak_allocations({"device_traces": [events]})
+    assert gib == 14 / 1024
+    assert top == [(8.0, "api.py:1 f"), (6.0, "modeling_llama.py:1 f")]
