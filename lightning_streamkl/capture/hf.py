@@ -37,7 +37,7 @@ from torch import nn
 from streamkl.precision import cast_for_autocast
 
 from .base import AttentionCapture
-from .masks import Masking, allowed_map, describe_allowed, flash_masking
+from .masks import Masking, describe_mask, flash_masking
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +444,7 @@ def call_masking(name: str, module: nn.Module, query: torch.Tensor, key: torch.T
         cached = _MASKS.get(id(mask))
         if cached is not None and cached[0] is mask and cached[1] == cache_key:
             return cached[2]
-        masking = describe_allowed(allowed_map(mask, n_q, n_k), batch, self_attention=self_attention)
+        masking = describe_mask(mask, n_q, n_k, batch, self_attention=self_attention)
         _MASKS[id(mask)] = (mask, cache_key, masking)
         return masking
     if two_d and kind in ("sdpa", "eager", "flex"):

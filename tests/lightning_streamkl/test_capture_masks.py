@@ -332,3 +332,49 @@ def test_a_block_mask_reads_as_flex_attention_applies_it(n_q, n_k):
         block_mask = create_block_mask(mod, batch, heads, n_q, n_k, device="cpu", BLOCK_SIZE=64)
         expected = create_mask(mod, batch, heads, n_q, n_k, device="cpu")
         assert torch.equal(allowed_map(block_mask, n_q, n_k), expected), name
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(256, 256), (300, 300), (200, 256)])
+def test_a_causal_block_mask_is_read_without_the_dense_map(monkeypatch, n_q, n_k):
+    """``describe_mask`` reads a causal ``BlockMask`` (one batch and head, or several) from its block lists and its
+    diagonal blocks, without building the ``N_q × N_k`` map; every other mask (padded, windowed, packed,
+    bidirectional, causal with one diagonal score removed, blocks that do not tile the call, a mask without full
+    blocks) gets the dense map, and each gets exactly what ``describe_allowed`` finds on the dense map."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lightning_streamkl.capture import masks
+
+    pad = torch.ones(2, n_k, dtype=torch.bool)
+    pad[1, :37] = False
+    docs = (torch.arange(n_k) >= 120).long()
+    shift = n_k - n_q
+    causal = lambda b, h, q, kv: q + shift >= kv
+    mods = {
+        "causal": (causal, 1, 1, True),
+        "causal, two batches and heads": (causal, 2, 2, True),
+        "padded": (lambda b, h, q, kv: (q + shift >= kv) & pad[b, kv], 2, 1, False),
+        "window": (lambda b, h, q, kv: (q + shift >= kv) & (q + shift - kv <= 50), 1, 2, False),
+        "packed": (lambda b, h, q, kv: (docs[q + shift] == docs[kv]) & (q + shift >= kv), 1, 1, False),
+        "bidirectional": (lambda b, h, q, kv: q >= 0, 1, 1, False),
+        "one diagonal score off": (lambda b, h, q, kv: (q + shift >= kv) & ~((q == 70) & (kv == 70)), 1, 1, False),
+    }
+    dense_maps = []
+    original = masks.allowed_map
+    monkeypatch.setattr(masks, "allowed_map", lambda *a, **k: dense_maps.append(1) or original(*a, **k))
+    for name, (mod, batch, heads, shortcut) in mods.items():
+        for block in (64, (64, 32)):
+            block_mask = create_block_mask(mod, batch, heads, n_q, n_k, device="cpu", BLOCK_SIZE=block)
+            dense_maps.clear()
+            got = masks.describe_mask(block_mask, n_q, n_k, batch, self_attention=True)
+            expected = describe_allowed(original(block_mask, n_q, n_k), batch, self_attention=True)
+            square = n_q == n_k and n_q % 64 == 0 and block == 64
+            assert (not dense_maps) == (shortcut and square), (name, block)
+            assert got.summary() == expected.summary() and got.causal == expected.causal, (name, block)
+            for field in ("key_padding_mask", "query_mask", "attn_mask"):
+                a, b = getattr(got, field), getattr(expected, field)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, block, field)
+    causal_mask = create_block_mask(causal, 1, 1, n_q, n_k, device="cpu", BLOCK_SIZE=64)
+    causal_mask.full_kv_num_blocks = causal_mask.full_kv_indices = None  # every block partial: not read as causal
+    dense_maps.clear()
+    masks.describe_mask(causal_mask, n_q, n_k, 1, self_attention=True)
+    assert dense_maps
