@@ -25,7 +25,7 @@ class Case:
     d_t: int = 16
     d_s: int = 16
     causal: bool = False
-    key_mask: str = "none"  # "none" | "random" | "empty_batch" (batch row 0 has no real key)
+    key_mask: str = "none"  # "none" | "random" | "empty_batch" (batch row 0 has no real key) | "padded" (see spans)
     query_mask: bool = False
     direction: str = "forward"
     temperature: float = 1.0
@@ -154,12 +154,16 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str = "cpu", generator: 
 
         extras["cu_seqlens_q"] = offsets(case.seqlens)
         extras["cu_seqlens_k"] = offsets(case.seqlens_k or case.seqlens)
-    if case.key_mask != "none":
+    if case.key_mask == "padded":  # whole tiles of padding: row 0 right-padded to 30%, row 1 left-padded to 40%
+        extras["key_padding_mask"] = padded_spans(case.b, case.n_k, ((0.0, 0.3), (0.6, 1.0))).to(device)
+    elif case.key_mask != "none":
         kpm = torch.rand(case.b, case.n_k, generator=g) > 0.3
         if case.key_mask == "empty_batch":
             kpm[0] = False
         extras["key_padding_mask"] = kpm.to(device)
-    if case.query_mask:
+    if case.query_mask and case.key_mask == "padded":  # real queries: row 0's first half, row 1 from 55% on
+        extras["query_mask"] = padded_spans(case.b, case.n_q, ((0.0, 0.5), (0.55, 1.0))).to(device)
+    elif case.query_mask:
         extras["query_mask"] = (torch.rand(case.b, case.n_q, generator=g) > 0.25).to(device)
     if case.attn_mask == "prefix":  # prefix-LM: bidirectional over a per-row prefix, causal after it
         prefix = torch.randint(0, case.n_k + 1, (case.b, 1, 1, 1), generator=g)
@@ -169,6 +173,13 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str = "cpu", generator: 
     elif case.attn_mask == "random":
         extras["attn_mask"] = (torch.rand(case.b, case.h, case.n_q, case.n_k, generator=g) > 0.4).to(device)
     return Inputs(tensors, extras)
+
+
+def padded_spans(batch: int, n: int, spans: tuple[tuple[float, float], ...]) -> torch.Tensor:
+    """``[batch, n]`` bool: row ``r`` keeps the positions of ``spans[r % len(spans)]`` (fractions of ``n``)."""
+    idx = torch.arange(n)
+    rows = [(idx >= int(a * n)) & (idx < int(b * n)) for a, b in (spans[r % len(spans)] for r in range(batch))]
+    return torch.stack(rows)
 
 
 def params(cases: list[Case]) -> list:
@@ -200,6 +211,10 @@ ORACLE_CASES: list[Case] = [
     replace(BASE, layout="bnhd", h_kt=2, causal=True, teacher_grad=True),
     replace(BASE, layout="bnhd", direction="reverse", query_mask=True, d_s=40),
     replace(BASE, b=1, h=1, h_kt=1, h_ks=1, n_q=130, n_k=257, d_t=8, d_s=8, causal=True),
+    # padded batches whose padding fills whole tiles, which the kernels skip
+    replace(BASE, n_q=150, n_k=150, key_mask="padded", query_mask=True, causal=True),
+    replace(BASE, n_q=150, n_k=150, key_mask="padded", h_ks=2, window=(30, 10)),
+    replace(BASE, n_q=150, n_k=150, key_mask="padded", query_mask=True, direction="reverse", teacher_grad=True),
 ]
 
 #: The options real teachers use (issue "real-teacher options"): sliding windows, soft-capping, sinks, packed

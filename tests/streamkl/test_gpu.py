@@ -36,6 +36,10 @@ GPU_CASES = [
     (replace(G, n_q=1000, n_k=3000, causal=True, h_kt=2, d_t=96, d_s=80), torch.float16),
     (replace(G, n_q=3001, n_k=1003, causal=True, d_t=256, d_s=256, h=2, h_kt=2, h_ks=2), torch.bfloat16),
     (replace(G, n_q=2048, n_k=2048, sharpness=8.0, temperature=2.0, causal=True), torch.bfloat16),
+    # padding that fills whole tiles, which the kernels skip: right- and left-padded rows, a trainable teacher
+    (replace(G, b=2, n_q=3000, n_k=3000, causal=True, key_mask="padded", query_mask=True), torch.bfloat16),
+    (replace(G, b=2, n_q=2500, n_k=2500, key_mask="padded", query_mask=True, teacher_grad=True,
+             direction="reverse"), torch.float16),
 ]
 
 

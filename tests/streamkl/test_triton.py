@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from streamkl import attention_kl
-from streamkl._triton._helpers import _longest_first, _to_bf16_nearest_even
+from streamkl._triton._helpers import _clip_band, _kept_span, _longest_first, _to_bf16_nearest_even
 from tests._helpers import assert_close
 from tests.streamkl.cases import BASE, ORACLE_CASES, REAL_TEACHER_CASES, Case, make_inputs, params
 from tests.streamkl.oracle import TOLERANCES, check_against_oracle
@@ -474,3 +474,88 @@ def test_causal_grids_run_longest_first_in_chunks_of_heads(monkeypatch, request,
         assert dq_scalars[-1] == (chunk if causal else 1)
         assert 1 <= dk_scalars[-1] <= (chunk if causal else 1)  # the key pass's queries weigh more than the keys
     assert {dict(p[2])["LONGEST_FIRST"] for p in plans["backward"]} == {True, False}
+
+
+@triton.jit
+def _span_kernel(X, OUT, n, FINITE: tl.constexpr, SCAN: tl.constexpr):
+    r = tl.program_id(0)
+    first, end = _kept_span(X + r * n, 1, n, FINITE, SCAN)
+    tl.store(OUT + 2 * r, first)
+    tl.store(OUT + 2 * r + 1, end)
+
+
+@pytest.mark.parametrize("n", [1, 16, 37, 100])
+@pytest.mark.parametrize("finite", [False, True])
+def test_the_kept_span_of_a_mask_or_a_row_state(n, finite):
+    """``_kept_span``: the first kept position and one past the last, over several scan steps, for masks with none,
+    all, right or left padding and holes (``(n, 0)`` when none is kept); with ``finite``, a row state's finite
+    log-sum-exps (excluded and empty rows hold +inf)."""
+    g = torch.Generator().manual_seed(n)
+    kept = torch.rand(8, n, generator=g) > 0.5
+    kept[0] = False
+    kept[1] = True
+    kept[2] = torch.arange(n) < (n * 3) // 10
+    kept[3] = torch.arange(n) >= n // 2
+    if finite:
+        x = torch.where(kept, torch.randn(8, n, generator=g), torch.tensor(float("inf")))
+    else:
+        x = kept.to(torch.uint8)
+    out = torch.empty(8, 2, dtype=torch.int32)
+    _span_kernel[(8,)](x, out, n, FINITE=finite, SCAN=16)
+    idx = torch.arange(n)
+    first = torch.where(kept, idx, n).min(1).values
+    end = torch.where(kept, idx + 1, 0).max(1).values
+    assert out[:, 0].tolist() == first.tolist() and out[:, 1].tolist() == end.tolist()
+
+
+@triton.jit
+def _clip_kernel(BANDS, OUT, K: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, K) * 6
+    lo, b, c, hi = _clip_band(tl.load(BANDS + i), tl.load(BANDS + i + 1), tl.load(BANDS + i + 2),
+                              tl.load(BANDS + i + 3), tl.load(BANDS + i + 4), tl.load(BANDS + i + 5), BLOCK)
+    o = tl.arange(0, K) * 4
+    tl.store(OUT + o, lo)
+    tl.store(OUT + o + 1, b)
+    tl.store(OUT + o + 2, c)
+    tl.store(OUT + o + 3, hi)
+
+
+def test_a_clipped_band_visits_every_kept_position_once_and_only_band_tiles():
+    """``_clip_band`` on random bands of ``_band``'s form (``[lo, b)`` and ``[c, hi)`` masked, ``[b, c)`` full tiles)
+    and random spans, empty ones included: the three loops still visit every kept position of the band, no position
+    twice, only tiles of the band, full tiles only where the band had them, each loop starting on a tile boundary;
+    and a band with no tiles below its full ones (no left bound) keeps none."""
+    block, k = 8, 256
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(k):
+        n = int(torch.randint(1, 90, (1,), generator=g))
+        lo, b, c = sorted(int(torch.randint(0, n // block + 1, (1,), generator=g)) * block for _ in range(3))
+        hi = int(torch.randint(c, n + 1, (1,), generator=g)) if c <= n else c
+        lo, b, c = min(lo, hi), min(b, hi), min(c, hi)  # as _band clamps them
+        if torch.rand(1, generator=g) < 0.3:
+            lo = b  # no tiles below the full ones
+        first = int(torch.randint(0, n + 1, (1,), generator=g))
+        end = int(torch.randint(first, n + 1, (1,), generator=g))
+        if torch.rand(1, generator=g) < 0.15:
+            first, end = n, 0  # nothing kept
+        rows.append((lo, b, c, hi, first, end))
+    bands = torch.tensor(rows, dtype=torch.int32)
+    out = torch.empty(k, 4, dtype=torch.int32)
+    _clip_kernel[(1,)](bands, out, K=k, BLOCK=block)
+
+    def tiles(start, stop):
+        return list(range(start, stop, block))
+
+    for (lo, b, c, hi, first, end), (lo2, b2, c2, hi2) in zip(rows, out.tolist()):
+        loops = [tiles(lo2, b2), tiles(b2, c2), tiles(c2, hi2)]
+        visited = [t for loop in loops for t in loop]
+        assert len(visited) == len(set(visited)), (lo, b, c, hi, first, end)
+        band_tiles = set(tiles(lo, b) + tiles(b, c) + tiles(c, hi))
+        assert set(visited) <= band_tiles and set(loops[1]) <= set(tiles(b, c))
+        for p in range(max(lo, first), min(hi, end)):
+            assert any(t <= p < t + block for t in visited), (p, lo, b, c, hi, first, end)
+        for start, loop in ((lo2, loops[0]), (b2, loops[1]), (c2, loops[2])):
+            assert not loop or start % block == 0
+        if lo == b:
+            assert not loops[0]

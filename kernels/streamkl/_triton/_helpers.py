@@ -85,6 +85,44 @@ def _band(start, last, n_self, n_other, left, right, BLOCK: tl.constexpr, HAS_LE
     return lo, b, c, hi
 
 
+#: Positions a program reads per step when it looks for the first and last kept entry of a mask or row state.
+SPAN_SCAN = tl.constexpr(1024)
+
+
+@triton.jit
+def _kept_span(ptr, stride, n, FINITE: tl.constexpr, SCAN: tl.constexpr):
+    """``(first, end)``: the first kept position of ``n`` entries at ``ptr`` (stride ``stride``) and one past the last
+    (``(n, 0)`` when none is): a uint8 mask's nonzero entries, or, with ``FINITE``, a row state's finite log-sum-exps
+    (a row with no allowed key, or excluded, has ``+inf``). Tiles outside the span hold only padding, whose terms are
+    exactly 0, so a loop may skip them (:func:`_clip_band`)."""
+    offs = tl.arange(0, SCAN)
+    first = tl.min(tl.zeros((SCAN,), tl.int32) + n, 0)
+    end = tl.max(tl.zeros((SCAN,), tl.int32), 0)
+    for s0 in range(0, n, SCAN):
+        idx = s0 + offs
+        if FINITE:
+            kept = tl.load(ptr + idx * stride, mask=idx < n, other=float("inf")) != float("inf")
+        else:
+            kept = tl.load(ptr + idx * stride, mask=idx < n, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(kept, idx, n), 0))
+        end = tl.maximum(end, tl.max(tl.where(kept, idx + 1, 0), 0))
+    return first, end
+
+
+@triton.jit
+def _clip_band(lo, b, c, hi, first, end, BLOCK: tl.constexpr):
+    """The band ``(lo, b, c, hi)`` of :func:`_band` without the tiles outside ``[first, end)`` of the other axis
+    (:func:`_kept_span`): ``[lo, b)`` and ``[c, hi)`` still start on a tile boundary, ``[b, c)`` stays inside the
+    full tiles, and what is dropped is only tiles with no kept position (the partial tiles at either end keep their
+    masking). An empty span empties the band."""
+    lo2 = tl.maximum(lo, (first // BLOCK) * BLOCK)
+    hi2 = tl.minimum(hi, end)
+    top = tl.cdiv(tl.maximum(hi2, 0), BLOCK) * BLOCK  # tiles at or past this hold no kept position
+    b2 = tl.minimum(tl.maximum(b, lo2), top)
+    c2 = tl.minimum(tl.maximum(c, b2), top)
+    return lo2, b2, c2, hi2
+
+
 @triton.jit
 def _allowed(rows, cols, key_ok, n_q, n_k, left, right, am_ptr, stride_am_q, stride_am_k, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_ATTN_MASK: tl.constexpr):

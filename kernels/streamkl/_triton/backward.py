@@ -48,11 +48,14 @@ from .._triton_common.numerics import LN2_C, LOG2E_C, side_scales
 from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
 from ._helpers import (
+    SPAN_SCAN,
     _allowed,
     _as_operand,
     _band,
+    _clip_band,
     _dot,
     _finite,
+    _kept_span,
     _longest_first,
     _longest_row_tile_first,
     _offset,
@@ -224,6 +227,11 @@ def _attention_kl_bwd_dk_keys(
     if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
         b_full = hi
         c_full = hi
+    if HAS_KEY_MASK:  # a tile of padded keys visits no query: its dK is 0
+        none_kept = tl.max(key_ok.to(tl.int32), 0) == 0
+        b_full = tl.where(none_kept, lo, b_full)
+        c_full = tl.where(none_kept, lo, c_full)
+        hi = tl.where(none_kept, lo, hi)
     if ATOMIC_DQ:  # programs start at different query tiles so their atomic dQ adds do not collide
         shift = pid_n
     else:
@@ -249,9 +257,13 @@ def _attention_kl_bwd_dk_keys(
             am_ptr = ATTN_MASK + b64 * stride_am_b + h64 * stride_am_h
         else:
             am_ptr = ATTN_MASK
+        lo_h, b_h, c_h, hi_h = lo, b_full, c_full, hi
+        if HAS_QUERY_MASK or HAS_KEY_MASK:  # only the query tiles from this head's first counted row to its last
+            q_first, q_end = _kept_span(LSE_A + row_base, 1, n_q, True, SPAN_SCAN)
+            lo_h, b_h, c_h, hi_h = _clip_band(lo, b_full, c_full, hi, q_first, q_end, BLOCK_M)
         if HAS_RIGHT or HAS_ATTN_MASK:  # rows above the full tiles exist only with a right bound (causal)
             dk_a, dk_b = _attention_kl_bwd_dk_queries(
-                lo, b_full, 0, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
+                lo_h, b_h, 0, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
                 GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, am_ptr, stride_am_q, stride_am_k, da_in, db_in,
                 dk_a, dk_b,
                 qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, n_q, n_k, left, right,
@@ -261,7 +273,7 @@ def _attention_kl_bwd_dk_keys(
                 DOT_PRECISION_A, DOT_PRECISION_B, INTERPRET, WIDE, SCALAR_GRAD,
             )
         dk_a, dk_b = _attention_kl_bwd_dk_queries(
-            b_full, c_full, shift, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
+            b_h, c_h, shift, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
             GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, am_ptr, stride_am_q, stride_am_k, da_in, db_in,
                 dk_a, dk_b,
             qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, n_q, n_k, left, right,
@@ -272,7 +284,7 @@ def _attention_kl_bwd_dk_keys(
         )
         if HAS_LEFT:  # rows below the full tiles exist only with a left window bound
             dk_a, dk_b = _attention_kl_bwd_dk_queries(
-                c_full, hi, 0, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
+                c_h, hi_h, 0, k_a, k_b, qa_base, qb_base, stride_qa_n, stride_qb_n, row_base,
                 GRAD, KL, LSE_A, LSE_B, DQ_A, DQ_B, keys, key_row, am_ptr, stride_am_q, stride_am_k, da_in, db_in,
                 dk_a, dk_b,
                 qk_scale_a, qk_scale_b, cap_scale_a, cap_scale_b, grad_scale_a, grad_scale_b, n_q, n_k, left, right,
@@ -475,6 +487,14 @@ def _attention_kl_bwd_dq_rows(
     if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
         b_full = hi
         c_full = hi
+    if HAS_KEY_MASK:  # padded keys: only the tiles from the first real key to the last (the others add exactly 0)
+        k_first, k_end = _kept_span(km_ptr, stride_km_n, n_k, False, SPAN_SCAN)
+        lo, b_full, c_full, hi = _clip_band(lo, b_full, c_full, hi, k_first, k_end, BLOCK_N)
+        # a tile with no counted row (lse = +inf: excluded, or every key padded) visits no key: its dQ is 0
+        none_kept = tl.max(row_ok.to(tl.int32), 0) == 0
+        b_full = tl.where(none_kept, lo, b_full)
+        c_full = tl.where(none_kept, lo, c_full)
+        hi = tl.where(none_kept, lo, hi)
     if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
         dq_a, dq_b = _attention_kl_bwd_dq_keys(
             lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr,

@@ -26,11 +26,14 @@ from .._triton_common.numerics import LN2_C, LOG2E_C, NEG_BIG, side_scales
 from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
 from ._helpers import (
+    SPAN_SCAN,
     _allowed,
     _as_operand,
     _band,
+    _clip_band,
     _dot,
     _finite,
+    _kept_span,
     _longest_row_tile_first,
     _offset,
     _pre_exponent,
@@ -220,6 +223,14 @@ def _attention_kl_fwd_rows(
     if HAS_ATTN_MASK:  # a general mask: every tile of the band is masked
         b_full = hi
         c_full = hi
+    if HAS_KEY_MASK:  # padded keys: only the tiles from the first real key to the last (the others add exactly 0)
+        k_first, k_end = _kept_span(km_ptr, stride_km_n, n_k, False, SPAN_SCAN)
+        lo, b_full, c_full, hi = _clip_band(lo, b_full, c_full, hi, k_first, k_end, BLOCK_N)
+    if HAS_QUERY_MASK:  # a tile of excluded rows visits no key: it writes their empty results only
+        none_kept = tl.max(tl.load(qm_ptr + offs_m * stride_qm_n, mask=row_in, other=0).to(tl.int32), 0) == 0
+        b_full = tl.where(none_kept, lo, b_full)
+        c_full = tl.where(none_kept, lo, c_full)
+        hi = tl.where(none_kept, lo, hi)
     if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
         m_a, z_a, acc, m_b, z_b, v, w, rho = _attention_kl_fwd_keys(
             lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
