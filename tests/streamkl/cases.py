@@ -212,9 +212,9 @@ ORACLE_CASES: list[Case] = [
     replace(BASE, layout="bnhd", direction="reverse", query_mask=True, d_s=40),
     replace(BASE, b=1, h=1, h_kt=1, h_ks=1, n_q=130, n_k=257, d_t=8, d_s=8, causal=True),
     # padded batches whose padding fills whole tiles, which the kernels skip
-    replace(BASE, n_q=150, n_k=150, key_mask="padded", query_mask=True, causal=True),
-    replace(BASE, n_q=150, n_k=150, key_mask="padded", h_ks=2, window=(30, 10)),
-    replace(BASE, n_q=150, n_k=150, key_mask="padded", query_mask=True, direction="reverse", teacher_grad=True),
+    replace(BASE, n_q=96, n_k=96, key_mask="padded", query_mask=True, causal=True),
+    replace(BASE, n_q=96, n_k=96, key_mask="padded", h_ks=2, window=(20, 8)),
+    replace(BASE, n_q=96, n_k=96, key_mask="padded", query_mask=True, direction="reverse", teacher_grad=True),
 ]
 
 #: The options real teachers use (issue "real-teacher options"): sliding windows, soft-capping, sinks, packed

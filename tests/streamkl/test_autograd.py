@@ -255,11 +255,10 @@ def test_a_reduced_training_loss_keeps_only_the_students_gradients(dtype, reduct
 
 def test_the_loss_with_gradients_passes_opcheck():
     """The custom op a compiled training loss takes (``streamkl::attention_kl_loss_ahead``): schema, fake tensors and
-    autograd registration agree, for the mean counted on the host and on the device."""
+    autograd registration agree (the mean counted on the device; the eager tests above cover the other reductions).
+    """
     from streamkl.autograd import attention_kl_loss_ahead_op
 
     xs = [x.detach().requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
-    for reduction, rows in (("mean", 0), ("mean", 2 * 4 * 19), ("sum", 0)):
-        torch.library.opcheck(attention_kl_loss_ahead_op, (*xs, None, None, None, None, None, None, None,
-                                                           *dataclasses.astuple(SPEC), "triton", False, True,
-                                                           reduction, rows))
+    torch.library.opcheck(attention_kl_loss_ahead_op, (*xs, None, None, None, None, None, None, None,
+                                                       *dataclasses.astuple(SPEC), "triton", False, True, "mean", 0))
