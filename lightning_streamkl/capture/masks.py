@@ -207,8 +207,7 @@ def _is_causal_block_mask(block_mask, n_q: int, n_k: int) -> bool:
     ``kv <= q`` there, for every batch and head the mask has. False (the dense map then decides) for anything else,
     including shapes whose blocks do not tile the call or a mask without full-block lists."""
     b, h, q_len, kv_len = block_mask.shape
-    q_block, kv_block = (block_mask.BLOCK_SIZE, block_mask.BLOCK_SIZE) if isinstance(block_mask.BLOCK_SIZE, int) \
-        else block_mask.BLOCK_SIZE
+    q_block, kv_block = _block_sizes(block_mask)
     if not (q_len == kv_len == n_q == n_k and q_block == kv_block and n_q % q_block == 0) \
             or block_mask.full_kv_num_blocks is None:
         return False
@@ -229,6 +228,12 @@ def _is_causal_block_mask(block_mask, n_q: int, n_k: int) -> bool:
     b_idx, h_idx = (g.repeat_interleave(per_row) for g in grid)
     q_all, kv_all = q_idx.flatten().repeat(b * h), kv_idx.flatten().repeat(b * h)
     return torch.equal(_mask_mod_values(block_mask.mask_mod, b_idx, h_idx, q_all, kv_all), kv_all <= q_all)
+
+
+def _block_sizes(block_mask) -> tuple[int, int]:
+    """``(query block, key block)`` of a ``BlockMask`` (its ``BLOCK_SIZE`` is one int or a pair)."""
+    size = block_mask.BLOCK_SIZE
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def _is_block_mask(mask: object) -> bool:
@@ -255,8 +260,7 @@ def _block_mask_map(block_mask, n_q: int, n_k: int) -> torch.Tensor:
     if (q_len, kv_len) != (n_q, n_k):
         raise ValueError(f"The BlockMask covers {q_len} x {kv_len} scores, but the call has N_q={n_q}, N_k={n_k}.")
     device = block_mask.kv_indices.device
-    q_block, kv_block = (block_mask.BLOCK_SIZE, block_mask.BLOCK_SIZE) if isinstance(block_mask.BLOCK_SIZE, int) \
-        else block_mask.BLOCK_SIZE
+    q_block, kv_block = _block_sizes(block_mask)
     n_kv_blocks = -(-kv_len // kv_block)
 
     def tokens(blocks: torch.Tensor) -> torch.Tensor:  # [B|1, H|1, Q blocks, KV blocks] -> [B, H, N_q, N_k], one copy

@@ -124,6 +124,13 @@ def _clip_band(lo, b, c, hi, first, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _empty_band_if(skip, lo, b, c, hi):
+    """The band ``(lo, b, c, hi)``, or an empty one starting at ``lo`` where ``skip`` (a tile whose rows or keys are
+    all padding or excluded: it visits nothing and writes its empty results)."""
+    return lo, tl.where(skip, lo, b), tl.where(skip, lo, c), tl.where(skip, lo, hi)
+
+
+@triton.jit
 def _allowed(rows, cols, key_ok, n_q, n_k, left, right, am_ptr, stride_am_q, stride_am_k, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_ATTN_MASK: tl.constexpr):
     """Bool mask broadcastable to the tile: key ``cols`` is allowed for query ``rows`` (local indices).

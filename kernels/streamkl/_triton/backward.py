@@ -54,6 +54,7 @@ from ._helpers import (
     _band,
     _clip_band,
     _dot,
+    _empty_band_if,
     _finite,
     _kept_span,
     _longest_first,
@@ -229,9 +230,7 @@ def _attention_kl_bwd_dk_keys(
         c_full = hi
     if HAS_KEY_MASK:  # a tile of padded keys visits no query: its dK is 0
         none_kept = tl.max(key_ok.to(tl.int32), 0) == 0
-        b_full = tl.where(none_kept, lo, b_full)
-        c_full = tl.where(none_kept, lo, c_full)
-        hi = tl.where(none_kept, lo, hi)
+        lo, b_full, c_full, hi = _empty_band_if(none_kept, lo, b_full, c_full, hi)
     if ATOMIC_DQ:  # programs start at different query tiles so their atomic dQ adds do not collide
         shift = pid_n
     else:
@@ -492,9 +491,7 @@ def _attention_kl_bwd_dq_rows(
         lo, b_full, c_full, hi = _clip_band(lo, b_full, c_full, hi, k_first, k_end, BLOCK_N)
         # a tile with no counted row (lse = +inf: excluded, or every key padded) visits no key: its dQ is 0
         none_kept = tl.max(row_ok.to(tl.int32), 0) == 0
-        b_full = tl.where(none_kept, lo, b_full)
-        c_full = tl.where(none_kept, lo, c_full)
-        hi = tl.where(none_kept, lo, hi)
+        lo, b_full, c_full, hi = _empty_band_if(none_kept, lo, b_full, c_full, hi)
     if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
         dq_a, dq_b = _attention_kl_bwd_dq_keys(
             lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr,

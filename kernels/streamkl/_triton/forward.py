@@ -32,6 +32,7 @@ from ._helpers import (
     _band,
     _clip_band,
     _dot,
+    _empty_band_if,
     _finite,
     _kept_span,
     _longest_row_tile_first,
@@ -228,9 +229,7 @@ def _attention_kl_fwd_rows(
         lo, b_full, c_full, hi = _clip_band(lo, b_full, c_full, hi, k_first, k_end, BLOCK_N)
     if HAS_QUERY_MASK:  # a tile of excluded rows visits no key: it writes their empty results only
         none_kept = tl.max(tl.load(qm_ptr + offs_m * stride_qm_n, mask=row_in, other=0).to(tl.int32), 0) == 0
-        b_full = tl.where(none_kept, lo, b_full)
-        c_full = tl.where(none_kept, lo, c_full)
-        hi = tl.where(none_kept, lo, hi)
+        lo, b_full, c_full, hi = _empty_band_if(none_kept, lo, b_full, c_full, hi)
     if HAS_LEFT or HAS_ATTN_MASK:  # keys below the full tiles exist only with a left window bound
         m_a, z_a, acc, m_b, z_b, v, w, rho = _attention_kl_fwd_keys(
             lo, b_full, q_a, q_b, ka_ptrs, kb_ptrs, km_ptr, stride_km_n, stride_ka_n, stride_kb_n, am_ptr, stride_am_q,
