@@ -13,8 +13,10 @@ Both compute ``KL(P_a ‖ P_b)`` over the canonical problem of :mod:`streamkl._p
 the per-row KL and the two log-sum-exps (nats, sinks included): three numbers per query row, all the state saved
 for the backward, except with side a frozen (:func:`streamkl.dispatch.fuses_dq_b`), where the Triton forward also
 accumulates side b's query gradient per unit upstream gradient (bf16 for bf16 inputs from ``NARROW_DQ_MIN_BYTES`` of
-fp32 up, else fp32; the size of ``q_b``) and the backward runs only its key pass. ``backend`` is ``"reference"``
-(chunked PyTorch, any device) or ``"triton"`` (fused kernels); which kernel computes each pass is
+fp32 up, else fp32; the size of ``q_b``) and the backward runs only its key pass. A fused call reduced to one number
+(:func:`streamkl.dispatch.gradients_ahead`) runs that key pass in its forward too and saves only side b's two
+gradients per unit of the loss (:func:`forward_with_gradients`): none of the four inputs is kept. ``backend`` is
+``"reference"`` (chunked PyTorch, any device) or ``"triton"`` (fused kernels); which kernel computes each pass is
 :mod:`streamkl.dispatch`'s choice. ``allow_tf32`` lets float32 products use TF32 tensor cores (Triton only);
 ``deterministic`` selects the atomic-free backward (the reference is always deterministic). The sinks'
 gradients are per-row quantities of the saved state (:func:`sink_gradients`), the same for every backend.
@@ -30,7 +32,7 @@ from . import dispatch
 from ._problem import KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
-from .dispatch import fuses_dq_b
+from .dispatch import fuses_dq_b, gradients_ahead
 from .precision import no_autocast
 
 _EMPTY_SHAPE = (0,)
@@ -50,6 +52,32 @@ def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool
     (:func:`streamkl.dispatch.saved_dq_b_dtype`)."""
     buffer = dispatch.new_dq_b_buffer(inputs)
     return (*forward_impl(inputs, spec, backend, allow_tf32, buffer), buffer)
+
+
+def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
+                           reduction: str, rows: int | None):
+    """``(loss, lse_a, lse_b, dq_b, dk_b)``: the training forward (:func:`fused_forward`), its reduction (see
+    :func:`_reduce`), and then the backward's key pass, with the gradient of the reduction as upstream gradient; so
+    ``dq_b`` and ``dk_b`` (in the dtypes of ``q_b`` and ``k_b``) are side b's gradients per unit gradient of
+    ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects."""
+    kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32)
+    loss, divisor = _reduce(kl, lse_a, reduction, rows)
+    if isinstance(divisor, torch.Tensor):  # counted on the device
+        per_row = divisor.to(torch.float32).reciprocal()
+    else:
+        per_row = torch.full((), 1.0 / (divisor or 1), dtype=torch.float32, device=kl.device)
+    # one number for every row (stride 0), as the backward of a reduced loss hands it to the kernels
+    _, _, dq_b, dk_b = backward_impl(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True, backend,
+                                     allow_tf32, deterministic, dq_unit)
+    return loss, lse_a, lse_b, dq_b, dk_b
+
+
+def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: torch.Tensor, need_k_b: bool):
+    """``(dq_b, dk_b)`` times the loss's upstream gradient (None without one, and ``dk_b`` None unless ``need_k_b``);
+    new tensors, so a second backward (``retain_graph``) finds the saved ones unchanged."""
+    if grad_loss is None:
+        return None, None
+    return dq_b * grad_loss, (dk_b * grad_loss if need_k_b else None)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
@@ -130,11 +158,12 @@ def _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, nee
 
 class AttentionKLFunction(torch.autograd.Function):
     """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask,
-    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic[, reduction, rows, fuse_dq_b]) ->
-    (kl, lse_a, lse_b)``; only ``kl`` is differentiable. With ``reduction`` "sum" or "mean" (default "none") the first
-    output is the reduced loss instead of the per-row KL (see :func:`attention_kl_per_row`). ``fuse_dq_b`` (see
-    :func:`fuses_dq_b`; decided by the caller, since grad mode is always off inside ``forward``) makes the forward
-    accumulate side b's query gradient, which is then saved for the backward.
+    cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic[, reduction, rows, fuse_dq_b,
+    ahead]) -> (kl, lse_a, lse_b)``; only ``kl`` is differentiable. With ``reduction`` "sum" or "mean" (default "none")
+    the first output is the reduced loss instead of the per-row KL (see :func:`attention_kl_per_row`). ``fuse_dq_b``
+    (see :func:`fuses_dq_b`; decided by the caller, since grad mode is always off inside ``forward``) makes the forward
+    accumulate side b's query gradient, which is then saved for the backward; ``ahead`` (see
+    :func:`streamkl.dispatch.gradients_ahead`) makes it compute both of side b's gradients and save only them.
 
     Example:
         >>> q = torch.randn(1, 2, 5, 8, requires_grad=True)
@@ -148,11 +177,19 @@ class AttentionKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None, fuse_dq_b=False):
+                attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None, fuse_dq_b=False,
+                ahead=False):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
                           cu_seqlens_k, attn_mask)
         # lse_a/lse_b never get gradients: leave theirs None instead of materialising two zero tensors per backward
         ctx.set_materialize_grads(False)
+        ctx.ahead = ahead
+        if ahead:  # the gradients are computed now; nothing else is kept
+            loss, lse_a, lse_b, dq_b, dk_b = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
+                                                                    reduction, rows)
+            ctx.save_for_backward(dq_b, dk_b)
+            ctx.mark_non_differentiable(lse_a, lse_b)
+            return loss, lse_a, lse_b
         if fuse_dq_b:
             kl, lse_a, lse_b, dq_b = fused_forward(inputs, spec, backend, allow_tf32)
         else:
@@ -167,6 +204,9 @@ class AttentionKLFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
+        if ctx.ahead:
+            dq_b, dk_b = scaled_gradients(grad_kl, *ctx.saved_tensors, ctx.needs_input_grad[3])
+            return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
         if ctx.reduction != "none" and grad_kl is not None:
             # the gradient of the reduction, as SumBackward/DivBackward would form it: one number for every row
             # (expanded, stride 0), which the kernels read in place
@@ -325,6 +365,67 @@ def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b, _grad_dq_b=None):
 attention_kl_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("streamkl::attention_kl_loss_ahead", mutates_args=())
+def attention_kl_loss_ahead_op(
+    q_a: torch.Tensor,
+    k_a: torch.Tensor,
+    q_b: torch.Tensor,
+    k_b: torch.Tensor,
+    sink_a: torch.Tensor | None,
+    sink_b: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    scale_a: float,
+    scale_b: float,
+    softcap_a: float,
+    softcap_b: float,
+    window_left: int,
+    window_right: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    backend: str,
+    allow_tf32: bool,
+    deterministic: bool,
+    reduction: str,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`forward_with_gradients` as a custom op (``rows``: 0 where the count is taken on the device): the reduced
+    loss, ``lse_a``, ``lse_b`` and side b's gradients per unit gradient of the loss, the only state its backward
+    keeps."""
+    if backend != "triton" or reduction not in ("sum", "mean"):
+        raise ValueError(f"Expected `backend='triton'` and reduction 'sum' or 'mean', but got backend={backend!r}, "
+                         f"reduction={reduction!r}.")
+    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
+                      attn_mask)
+    spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
+    return forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic, reduction, rows or None)
+
+
+@attention_kl_loss_ahead_op.register_fake
+def _attention_kl_loss_ahead_fake(q_a, k_a, q_b, k_b, *args):
+    dtype = result_dtype(q_a, k_a, q_b, k_b)
+    lse = [q_a.new_empty(q_a.shape[:3], dtype=dtype) for _ in range(2)]
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q_b, k_b)]
+    return q_a.new_empty((), dtype=dtype), *lse, *grads
+
+
+def _setup_ahead_context(ctx, inputs, output) -> None:
+    _, lse_a, lse_b, dq_b, dk_b = output
+    ctx.save_for_backward(dq_b, dk_b)
+    ctx.mark_non_differentiable(lse_a, lse_b, dq_b, dk_b)
+
+
+def _ahead_backward(ctx, grad_loss, *_unused):
+    dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3])
+    return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
+
+
+attention_kl_loss_ahead_op.register_autograd(_ahead_backward, setup_context=_setup_ahead_context)
+
+
 def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
                          reduction: str = "none", rows: int | None = None):
     """Dispatch: the custom op while ``torch.compile`` traces, the autograd Function in eager mode.
@@ -333,10 +434,18 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
     (over counted rows; ``rows`` is their number when the host knows it). In eager mode the Function reduces
     inside its forward and its backward hands the one upstream gradient straight to the kernels (no separate
     autograd nodes for the reduction); under ``torch.compile`` the reduction is traced as torch ops around the
-    custom op (the compiler fuses them), with the same value.
+    custom op (the compiler fuses them), with the same value. A call :func:`streamkl.dispatch.gradients_ahead`
+    selects computes side b's gradients in its forward, in both modes (the Function, or the custom op
+    ``streamkl::attention_kl_loss_ahead``, which reduces inside).
     """
     grad = torch.is_grad_enabled()  # (inside the Function's forward it is always off)
     fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
+    sinks_train = grad and any(s is not None and s.requires_grad for s in (inputs.sink_a, inputs.sink_b))
+    ahead = gradients_ahead(fuse, reduction, inputs.q_b.dtype, sinks_train)
+    if ahead and torch.compiler.is_compiling():
+        loss, lse_a, lse_b, _, _ = attention_kl_loss_ahead_op(*inputs, *dataclasses.astuple(spec), backend,
+                                                              allow_tf32, deterministic, reduction, rows or 0)
+        return loss, lse_a, lse_b
     if torch.compiler.is_compiling():
         kl, lse_a, lse_b, _ = attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32,
                                                   deterministic, fuse)
@@ -345,4 +454,4 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
         if reduction == "mean" and rows is not None:  # every row counts
             return _mean_of_all(kl, rows), lse_a, lse_b
         return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), reduction), lse_a, lse_b
-    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse)
+    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse, ahead)

@@ -52,6 +52,7 @@ __all__ = [
     "forced",
     "forward",
     "fuses_dq_b",
+    "gradients_ahead",
     "in_scope",
     "indexer_backward",
     "indexer_forward",
@@ -431,6 +432,24 @@ def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> 
         False
     """
     return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
+
+
+def gradients_ahead(fused: bool, reduction: str, dtype: torch.dtype, need_sinks: bool) -> bool:
+    """Whether a training call computes side b's gradients in its forward and keeps only them: a fused call
+    (:func:`fuses_dq_b`) reduced to one number (``reduction="sum"`` or ``"mean"``, whose upstream gradient is one number
+    for every row, so the gradients per unit of it are the gradients up to that factor), bf16 or fp32 inputs, and no
+    sink that trains. The forward then runs the key pass too, and saves side b's two gradients per unit upstream
+    gradient instead of the four inputs: the teacher's query and key, and the student's, are free as soon as the
+    caller drops them (the same kernels run, in the same order). fp16 keeps the inputs: its range cannot hold a
+    gradient per unit upstream gradient, which is what a gradient scaler's factor is for.
+
+    Example:
+        >>> gradients_ahead(True, "mean", torch.bfloat16, need_sinks=False)  # a frozen teacher's training loss
+        True
+        >>> gradients_ahead(True, "none", torch.bfloat16, need_sinks=False)  # one upstream gradient per row
+        False
+    """
+    return fused and reduction != "none" and dtype in (torch.bfloat16, torch.float32) and not need_sinks
 
 
 # ---------------------------------------------------------------------------------------------- running

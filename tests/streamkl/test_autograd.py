@@ -206,3 +206,59 @@ def test_the_backward_materialises_no_gradients_for_the_log_sum_exps(reduction):
         (loss if reduction == "mean" else loss.sum()).backward()
     assert (1, 2, 8) not in made, made
     assert x[2].grad is not None and torch.isfinite(x[2].grad).all()
+
+
+def _saved_by(fn):
+    """The shapes and dtypes of every tensor autograd saves while ``fn`` runs, and its result."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction, masked", [("mean", False), ("mean", True), ("sum", True)])
+def test_a_reduced_training_loss_keeps_only_the_students_gradients(dtype, reduction, masked):
+    """Memory: with a frozen teacher and ``reduction="mean"``/``"sum"``, the forward computes the student's query and
+    key gradients per unit of the loss and saves only those (in the student's dtypes): no teacher tensor and no
+    student input stays alive for the backward. fp16 keeps its inputs (its range cannot hold a gradient per unit
+    upstream gradient). The gradients, under a real upstream gradient and twice with ``retain_graph``, agree with the
+    float64 oracle; masks exclude rows, so the mean's count is taken on the device."""
+    from tests.streamkl.oracle import TOLERANCES
+
+    g = torch.Generator().manual_seed(7)
+    q_t, q_s = (torch.randn(2, 4, 29, 16, generator=g).to(DEVICE, dtype) for _ in range(2))
+    k_t, k_s = (torch.randn(2, 2, 29, 16, generator=g).to(DEVICE, dtype) for _ in range(2))
+    masks = {}
+    if masked:
+        masks = {"key_padding_mask": (torch.rand(2, 29, generator=g) > 0.3).to(DEVICE),
+                 "query_mask": (torch.rand(2, 29, generator=g) > 0.2).to(DEVICE)}
+    student = [x.clone().requires_grad_(True) for x in (q_s, k_s)]
+    saved, loss = _saved_by(lambda: attention_kl(q_t, k_t, *student, causal=True, reduction=reduction,
+                                                 backend="triton", **masks))
+    if dtype == torch.float16:
+        assert ((tuple(q_t.shape), dtype) in saved) and len(saved) > 2
+    else:
+        assert saved == [(tuple(q_s.shape), dtype), (tuple(k_s.shape), dtype)]
+    upstream = torch.tensor(3.5, device=DEVICE)
+    grads = torch.autograd.grad(loss, student, upstream, retain_graph=True)
+    again = torch.autograd.grad(loss, student, upstream)
+    exact = [x.double().requires_grad_(True) for x in (q_s, k_s)]
+    oracle = attention_kl(q_t.double(), k_t.double(), *exact, causal=True, reduction=reduction, backend="reference",
+                          **masks)
+    expected = torch.autograd.grad(oracle, exact, upstream.double())
+    assert_close(loss, oracle, TOLERANCES[dtype][0], "loss")
+    for got, repeat, want, name in zip(grads, again, expected, ("dq_s", "dk_s")):
+        assert got.dtype == dtype and torch.equal(got, repeat)
+        assert_close(got, want, TOLERANCES[dtype][1], name)
+
+
+def test_the_loss_with_gradients_passes_opcheck():
+    """The custom op a compiled training loss takes (``streamkl::attention_kl_loss_ahead``): schema, fake tensors and
+    autograd registration agree (the mean counted on the device; the eager tests above cover the other reductions).
+    """
+    from streamkl.autograd import attention_kl_loss_ahead_op
+
+    xs = [x.detach().requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
+    torch.library.opcheck(attention_kl_loss_ahead_op, (*xs, None, None, None, None, None, None, None,
+                                                       *dataclasses.astuple(SPEC), "triton", False, True, "mean", 0))

@@ -250,7 +250,8 @@ def test_query_gradient_stays_exact_when_one_key_dominates(dtype, position, boos
 def test_the_forward_accumulated_query_gradient_is_saved_like_the_queries(monkeypatch, dtype, narrow_bytes, saved):
     """Memory: with a frozen teacher the forward's dQ_s is the one extra saved tensor, bf16 for bf16 inputs once it is
     large (fp32's range), fp32 below that and for fp16 (whose range would flush it) and fp32 inputs. Gradients agree
-    with the fp64 reference either way."""
+    with the fp64 reference either way. (A per-row loss: a reduced one keeps the gradients themselves, see
+    test_autograd.py.)"""
     from streamkl._triton import forward
 
     if narrow_bytes is not None:
@@ -259,13 +260,14 @@ def test_the_forward_accumulated_query_gradient_is_saved_like_the_queries(monkey
     q_t, k_t, q_s, k_s = (torch.randn(1, 2, 20, 16, generator=g).to(DEVICE, dtype) for _ in range(4))
     q_s.requires_grad_(True)
     k_s.requires_grad_(True)
-    loss = attention_kl(q_t, k_t, q_s, k_s, backend="triton")
-    dq_b = loss.grad_fn.saved_tensors[-1]
+    kl = attention_kl(q_t, k_t, q_s, k_s, backend="triton", reduction="none")
+    dq_b = kl.grad_fn.saved_tensors[-1]
     assert dq_b.dtype == saved and dq_b.shape == q_s.shape
-    loss.backward()
+    kl.sum().backward()
     assert q_s.grad.dtype == dtype
     ref_q = q_s.detach().double().requires_grad_(True)
-    attention_kl(q_t.double(), k_t.double(), ref_q, k_s.detach().double(), backend="reference").backward()
+    attention_kl(q_t.double(), k_t.double(), ref_q, k_s.detach().double(), backend="reference",
+                 reduction="sum").backward()
     assert_close(q_s.grad, ref_q.grad, TOLERANCES[dtype][1], "dq_s")
 
 
