@@ -479,6 +479,8 @@ def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | Non
             traceback.print_exc()
             record = {"key": cell.key, **cell.__dict__, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
         record["wall_s"] = time.perf_counter() - start
+        if os.environ.get("STREAMKL_COMMIT"):  # the code a cell ran (a run may resume on a later commit)
+            record["commit"] = os.environ["STREAMKL_COMMIT"]
         cells[cell.key] = record
         if "student_params" in record:
             data["student_params"] = record.pop("student_params")

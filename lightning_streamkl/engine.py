@@ -26,7 +26,7 @@ from torch import nn
 
 from .capture import AttentionCapture, build_capture, closest
 from .config import LayerPair, StreamKLConfig, validate_config
-from .loss import AttentionDistillationLoss, LossOutput
+from .loss import AttentionDistillationLoss, LossOutput, LossStream
 from .metrics import AttentionKLDivergence
 from .teacher import (
     AdaptersOff,
@@ -182,11 +182,11 @@ def _device_of(module: nn.Module) -> torch.device:
 class AttentionDistiller:
     r"""Teacher, captures and loss of one distillation setup; no Lightning needed.
 
-    Per step: :meth:`begin_step` runs the teacher on the batch (unless it is fed the student's inputs), the
-    student's forward pass runs inside :meth:`student_recording`, and :meth:`end_step` runs the teacher if it has
-    not run yet and returns the :class:`~lightning_streamkl.loss.LossOutput` (``total`` is
-    :math:`\sum_p w_p \overline{\mathrm{KL}}_p`, differentiable; multiply it by :meth:`weight_at`). Captured
-    tensors are released at the end of every step.
+    Per step: :meth:`begin_step` releases the last step's records, the student's forward pass runs inside
+    :meth:`student_recording`, and :meth:`end_step` runs the teacher, taking each pair's terms as soon as its teacher
+    layer has recorded (and dropping both layers' captures then), and returns the
+    :class:`~lightning_streamkl.loss.LossOutput` (``total`` is :math:`\sum_p w_p \overline{\mathrm{KL}}_p`,
+    differentiable; multiply it by :meth:`weight_at`). Captured tensors are released at the end of every step.
 
     The teacher runs under ``no_grad`` in ``eval()`` mode and stops once every paired teacher layer is captured
     (``teacher_early_exit``): later layers and the output head never run. Its placement and dtype follow
@@ -415,9 +415,10 @@ class AttentionDistiller:
             raise RuntimeError("AttentionDistiller.setup(student) must run before the first step.")
         return self.student, self.teacher_capture, self.student_capture
 
-    def run_teacher(self, batch: Any) -> None:
+    def run_teacher(self, batch: Any, *, stream: LossStream | None = None) -> None:
         """Run the teacher once for this step, under ``no_grad`` with its capture recording: on the batch, or on
-        the inputs the student submodule received (then after the student's forward pass).
+        the inputs the student submodule received. Given a ``stream`` (the step's loss, :meth:`end_step`), each pair's
+        terms run as soon as its teacher layer has recorded, and both layers' captures are dropped then.
 
         Raises:
             TeacherForwardError: the teacher's forward raised (:func:`~lightning_streamkl.teacher.teacher_failed`:
@@ -427,7 +428,7 @@ class AttentionDistiller:
         student, teacher_capture, student_capture = self._ready()
         teacher = self.teacher.prepare()
         layers = [m for m in (_submodule(teacher, p) for p in teacher_capture.selected or ()) if m is not None]
-        early_exit = stop_after(layers, lambda: teacher_capture.selected <= teacher_capture.records.keys()) \
+        early_exit = stop_after(layers, lambda: teacher_capture.selected <= teacher_capture.recorded) \
             if self.config.teacher_early_exit and teacher_capture.selected else nullcontext()
         with ExitStack() as stack:
             stack.enter_context(student_capture.paused())
@@ -435,6 +436,8 @@ class AttentionDistiller:
             device = stack.enter_context(self.teacher.placed(_device_of(student)))
             stack.enter_context(teacher_capture.recording())
             stack.enter_context(early_exit)
+            if stream is not None:
+                stack.enter_context(teacher_capture.handing_over(functools.partial(self._take, stream)))
             inputs = to_device(self._inputs.take(), device) if self._inputs is not None else to_device(batch, device)
             try:
                 if self._inputs is not None:
@@ -448,11 +451,19 @@ class AttentionDistiller:
                 raise failure from (None if getattr(failure, "explained", False) else err)
         self._teacher_ran = True
 
+    def _take(self, stream: LossStream, layer: str, record: Any) -> bool:
+        """A teacher record as it is made: run its pairs' terms now, drop the student records no pair still needs,
+        and say whether the teacher record itself can go."""
+        _, _, student_capture = self._ready()
+        teacher_done, students_done = stream.add(layer, record, student_capture.records)
+        for name in students_done:
+            student_capture.discard(name)
+        return teacher_done
+
     def begin_step(self, batch: Any) -> None:
-        """Start a step: run the teacher on ``batch`` now, unless it is fed the student's inputs."""
+        """Start a step: release what the last one left. The teacher runs in :meth:`end_step`, after the student's
+        forward pass (:meth:`student_recording`)."""
         self.clear()
-        if not self.feeds_student_inputs:
-            self.run_teacher(batch)
 
     @contextmanager
     def student_recording(self) -> Iterator[None]:
@@ -502,9 +513,9 @@ class AttentionDistiller:
     def teacher_recorded(self) -> bool:
         """True when every paired teacher layer has recorded since the last :meth:`clear`."""
         capture = self.teacher_capture
-        if capture is None or not capture.records:
+        if capture is None or not capture.recorded:
             return False
-        return capture.selected is None or capture.selected <= capture.records.keys()
+        return capture.selected is None or capture.selected <= capture.recorded
 
     @property
     def student_recorded(self) -> bool:
@@ -512,18 +523,26 @@ class AttentionDistiller:
         return bool(self.student_capture is not None and self.student_capture.records)
 
     def end_step(self, batch: Any) -> LossOutput:
-        """The loss terms of this step (running the teacher first if it has not run), then release the records."""
+        """The loss terms of this step, then release the records.
+
+        Unless the teacher has run in this step (:meth:`teacher_recording`), it runs now, after the student, and
+        each pair's terms are taken as soon as its teacher layer has recorded (with ``teacher_early_exit``, the
+        default): both layers' captured queries and keys are dropped then, and with a frozen teacher the op keeps only
+        the student's gradients for its backward, so at no point of the step are every pair's captures alive at once.
+        """
         try:
-            if not self._teacher_ran:
-                self.run_teacher(batch)
-            return self.compute(batch)
+            if self._teacher_ran:
+                return self.compute(batch)
+            stream = self._stream(batch)
+            self.run_teacher(batch, stream=stream if self.config.teacher_early_exit else None)
+            return self._finish(stream)
         finally:
             self.clear()
 
     @contextmanager
     def distilling(self, batch: Any, *, step: int | None = None) -> Iterator[DistillationStep]:
-        """Distil around the student's forward pass run inside the block: the teacher runs on ``batch`` first
-        (or after the block, when it is fed the student's inputs); when the block ends, the yielded
+        """Distil around the student's forward pass run inside the block: the teacher runs on ``batch`` after
+        it; when the block ends, the yielded
         :class:`DistillationStep` holds ``loss`` (``weight_at(step) · total``, differentiable) and the terms.
 
         Args:
@@ -569,11 +588,16 @@ class AttentionDistiller:
 
     def compute(self, batch: Any) -> LossOutput:
         """The loss terms from the records of this step (both models have run), then release the records."""
+        return self._finish(self._stream(batch))
+
+    def _stream(self, batch: Any) -> LossStream:
+        mask = self.padding_mask(batch)
+        return self.loss.stream(key_padding_mask=mask, query_mask=mask if self.config.mask_queries else None)
+
+    def _finish(self, stream: LossStream) -> LossOutput:
         _, teacher_capture, student_capture = self._ready()
         try:
-            mask = self.padding_mask(batch)
-            terms = self.loss(teacher_capture.pop(), student_capture.pop(), key_padding_mask=mask,
-                              query_mask=mask if self.config.mask_queries else None)
+            terms = stream.finish(teacher_capture.pop(), student_capture.pop())
         finally:
             self.clear()
         if not self._announced:

@@ -32,12 +32,12 @@ from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
 from .capture.masks import Masking, canonical_window, dense_allowed, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
-from .terms import TermCall, run_terms
+from .terms import TermCall, TermResult, run_terms
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionDistillationLoss", "LossOutput", "explicit_pairs", "last_k_pairs", "last_to_last", "layer_count",
-           "relation_heads_split", "uniform_pairs", "weighted_sum"]
+__all__ = ["AttentionDistillationLoss", "LossOutput", "LossStream", "explicit_pairs", "last_k_pairs", "last_to_last",
+           "layer_count", "relation_heads_split", "uniform_pairs", "weighted_sum"]
 
 
 def last_to_last(*, weight: float = 1.0, name: str | None = "last", **options: object) -> list[LayerPair]:
@@ -312,36 +312,16 @@ class AttentionDistillationLoss:
                 record marked inexact; a relation whose heads do not split into the relation heads, a relation with
                 a per-head mask, or a ``"vv"`` relation on a record without values.
         """
+        return self.stream(key_padding_mask=key_padding_mask, query_mask=query_mask).finish(teacher_records,
+                                                                                             student_records)
+
+    def stream(self, *, key_padding_mask: torch.Tensor | None = None,
+               query_mask: torch.Tensor | None = None) -> LossStream:
+        """The loss of one batch, taken pair by pair as the records arrive (:class:`LossStream`); the masks are
+        those of :meth:`__call__`."""
         if self._resolved is None:
             self._resolved = [_ResolvedPair(p, p.teacher, p.student) for p in self.config.pairs]
-        calls: list[TermCall] = []
-        try:
-            for r in self._resolved:
-                t = _lookup(teacher_records, r.teacher, "teacher", r.pair.label)
-                s = _lookup(student_records, r.student, "student", r.pair.label)
-                for relation in _relations(r.pair, self.config):
-                    calls.append(self._term_call(r, t, s, key_padding_mask, query_mask, relation))
-        finally:
-            self._memo.clear()
-        self.precisions = dict(zip(self.pair_names, (call.precision() for call in calls)))
-        means: list[torch.Tensor | None] = [None] * len(calls)
-        sums: list[torch.Tensor | None] = [None] * len(calls)
-        rows: list[torch.Tensor | None] = [None] * len(calls)
-        total = None
-        for result in run_terms(calls, fuse=self.config.fuse_pairs):
-            group_means = result.kl_sums / result.rows.clamp_min(1.0)
-            weights = [self.weights[i] for i in result.indices]
-            if len(set(weights)) == 1:  # one product for the group (uniform_pairs, last_k_pairs: equal weights)
-                term = (group_means.sum() if len(weights) > 1 else group_means[0]) * weights[0]
-            else:
-                term = sum(group_means[j] * w for j, w in enumerate(weights))
-            total = term if total is None else total + term
-            detached = result.kl_sums.detach().float()
-            for j, i in enumerate(result.indices):
-                means[i], sums[i], rows[i] = group_means[j], detached[j], result.rows
-        assert total is not None
-        per_pair = dict(zip(self.pair_names, means))
-        return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))  # type: ignore[arg-type]
+        return LossStream(self, self._resolved, key_padding_mask, query_mask)
 
     # ------------------------------------------------------------------------------------------ one pair
     def _term_call(self, r: _ResolvedPair, t: CapturedAttention, s: CapturedAttention,
@@ -563,6 +543,117 @@ class AttentionDistillationLoss:
         if h_t < h_s:
             return repeat(q_t, 1), q_s, repeat(sinks_t, 0), sinks_s
         return q_t, repeat(q_s, 1), sinks_t, repeat(sinks_s, 0)
+
+
+class LossStream:
+    """One batch's :class:`AttentionDistillationLoss`, taken pair by pair: :meth:`add` runs the terms of the pairs a
+    teacher record completes as soon as it is made, so that the engine can drop both layers' captures while the
+    teacher is still running (with a frozen teacher the op then keeps only the student's gradients, see
+    :func:`streamkl.dispatch.gradients_ahead`); :meth:`finish` runs the rest and returns the
+    :class:`LossOutput`, the same as the whole loss on all the records. Terms that would fuse with others
+    (``fuse_pairs``, launch-bound sizes: :func:`~lightning_streamkl.terms.run_terms`) wait for :meth:`finish`, so they
+    still run as one call. Made by :meth:`AttentionDistillationLoss.stream`.
+
+    Example:
+        >>> from lightning_streamkl.capture import RecorderCapture
+        >>> loss_fn = AttentionDistillationLoss({"pairs": [{"teacher": "a", "student": "b"}], "causal": True,
+        ...                                      "fuse_pairs": False})
+        >>> recorder = lambda name: RecorderCapture(nn.Identity(), names=[name])
+        >>> _ = loss_fn.resolve(recorder("a"), recorder("b"))
+        >>> q = torch.randn(1, 2, 8, 16, requires_grad=True)
+        >>> stream = loss_fn.stream()
+        >>> stream.add("a", CapturedAttention(q.detach(), q.detach()), {"b": CapturedAttention(q, q)})
+        (True, ['b'])
+        >>> out = stream.finish({}, {})   # both records are released: the pair already ran
+        >>> round(float(out.total), 6), out.total.requires_grad
+        (0.0, True)
+    """
+
+    def __init__(self, loss: AttentionDistillationLoss, resolved: list[_ResolvedPair],
+                 key_padding_mask: torch.Tensor | None, query_mask: torch.Tensor | None) -> None:
+        self.loss, self.resolved = loss, resolved
+        self.key_padding_mask, self.query_mask = key_padding_mask, query_mask
+        #: The grad mode of the step: the terms :meth:`add` runs inside the teacher's ``no_grad`` pass use it.
+        self.grad = torch.is_grad_enabled()
+        # each pair's first index into the loss's terms (pair_names: a pair's relations, in order)
+        self.first_term = [sum(len(_relations(r.pair, loss.config)) for r in resolved[:i])
+                           for i in range(len(resolved))]
+        self.taken: set[int] = set()  # the pairs whose calls are made
+        self.waiting: list[tuple[int, TermCall]] = []  # (term index, call) left for finish(): they fuse
+        self.results: list[tuple[list[int], TermResult]] = []  # (term indices, result)
+        loss.precisions = {}
+
+    def _take(self, i: int, t: CapturedAttention, s: CapturedAttention) -> None:
+        with torch.set_grad_enabled(self.grad):  # (head mapping and relation heads are differentiable too)
+            self._make(i, t, s)
+
+    def _make(self, i: int, t: CapturedAttention, s: CapturedAttention) -> None:
+        r, cfg = self.resolved[i], self.loss.config
+        calls = [self.loss._term_call(r, t, s, self.key_padding_mask, self.query_mask, relation)
+                 for relation in _relations(r.pair, cfg)]
+        terms = [self.first_term[i] + j for j in range(len(calls))]
+        for term, call in zip(terms, calls):
+            self.loss.precisions[self.loss.pair_names[term]] = call.precision()
+        self.taken.add(i)
+        if cfg.fuse_pairs and any(call.fuse_key() is not None for call in calls):
+            self.waiting.extend(zip(terms, calls))
+            return
+        self._run(terms, calls, fuse=cfg.fuse_pairs)
+
+    def _run(self, terms: list[int], calls: list[TermCall], *, fuse: bool) -> None:
+        for result in run_terms(calls, fuse=fuse):
+            self.results.append(([terms[j] for j in result.indices], result))
+
+    def add(self, teacher_layer: str, record: CapturedAttention,
+            student_records: Mapping[str, CapturedAttention]) -> tuple[bool, list[str]]:
+        """Run the terms of every pair of ``teacher_layer`` whose student layer is in ``student_records``; returns
+        whether every pair of that teacher layer has now run, and the student layers whose pairs all have."""
+        for i, r in enumerate(self.resolved):
+            if r.teacher == teacher_layer and i not in self.taken and r.student in student_records:
+                self._take(i, record, student_records[r.student])
+        teacher_done = all(i in self.taken for i, r in enumerate(self.resolved) if r.teacher == teacher_layer)
+        students_done = {r.student for r in self.resolved} - {
+            r.student for i, r in enumerate(self.resolved) if i not in self.taken}
+        return teacher_done, sorted(students_done)
+
+    def finish(self, teacher_records: Mapping[str, CapturedAttention],
+               student_records: Mapping[str, CapturedAttention]) -> LossOutput:
+        """Run the pairs :meth:`add` has not run, from these records, and the terms left to fuse; return the loss.
+
+        Raises:
+            RuntimeError, ValueError: as :meth:`AttentionDistillationLoss.__call__`.
+        """
+        loss = self.loss
+        try:
+            for i, r in enumerate(self.resolved):
+                if i not in self.taken:
+                    self._take(i, _lookup(teacher_records, r.teacher, "teacher", r.pair.label),
+                               _lookup(student_records, r.student, "student", r.pair.label))
+            if self.waiting:
+                terms, calls = zip(*self.waiting)
+                self.waiting = []
+                self._run(list(terms), list(calls), fuse=loss.config.fuse_pairs)
+        finally:
+            loss._memo.clear()
+        count = len(loss.pair_names)
+        means: list[torch.Tensor | None] = [None] * count
+        sums: list[torch.Tensor | None] = [None] * count
+        rows: list[torch.Tensor | None] = [None] * count
+        total = None
+        for terms, result in self.results:
+            group_means = result.kl_sums / result.rows.clamp_min(1.0)
+            weights = [loss.weights[i] for i in terms]
+            if len(set(weights)) == 1:  # one product for the group (uniform_pairs, last_k_pairs: equal weights)
+                term = (group_means.sum() if len(weights) > 1 else group_means[0]) * weights[0]
+            else:
+                term = sum(group_means[j] * w for j, w in enumerate(weights))
+            total = term if total is None else total + term
+            detached = result.kl_sums.detach().float()
+            for j, i in enumerate(terms):
+                means[i], sums[i], rows[i] = group_means[j], detached[j], result.rows
+        assert total is not None
+        per_pair = dict(zip(loss.pair_names, means))
+        return LossOutput(total, per_pair, torch.stack(sums), torch.stack(rows))  # type: ignore[arg-type]
 
 
 def _mismatch_hint(t: Masking, s: Masking) -> str:

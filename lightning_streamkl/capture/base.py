@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -174,6 +174,8 @@ class AttentionCapture(ABC):
         self.capture_values = capture_values
         self._exclude_ids = {id(m) for m in exclude if m is not model}
         self._records: dict[str, CapturedAttention] = {}
+        self._taken: set[str] = set()
+        self._take: Callable[[str, CapturedAttention], bool] | None = None
         self.selected: set[str] | None = None
         self._depth = 0
         self._paths: dict[int, str] | None = None
@@ -204,6 +206,12 @@ class AttentionCapture(ABC):
     @records.setter
     def records(self, records: dict[str, CapturedAttention]) -> None:
         self._records = records
+
+    @property
+    def recorded(self) -> set[str]:
+        """The layers recorded since the last :meth:`pop` or :meth:`clear`: those in :attr:`records` and those whose
+        record was taken when it was made (:meth:`handing_over`)."""
+        return self.records.keys() | self._taken
 
     # ---------------------------------------------------------------- layers
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
@@ -317,9 +325,35 @@ class AttentionCapture(ABC):
             return
         with torch.enable_grad():  # (the cast of a reentrant checkpoint's leaf copies, made under no_grad, too)
             q, k, v = cast_for_autocast(q, k, v)
-        self._records[name] = CapturedAttention(
+        record = CapturedAttention(
             q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v if self.capture_values else None,
             window, softcap, sinks, attn_mask, query_mask, packed, masks_from_call)
+        if self._take is not None and self._take(name, record):
+            self._records.pop(name, None)
+            self._taken.add(name)
+            return
+        self._records[name] = record
+
+    @contextmanager
+    def handing_over(self, take: Callable[[str, CapturedAttention], bool]) -> Iterator[None]:
+        """Inside the block, offer every record to ``take(name, record)`` as it is made: a record ``take`` returns
+        True for is not kept (its tensors are free once ``take`` drops them), and :attr:`recorded` still names its
+        layer. The engine takes each pair's loss this way while the teacher runs.
+
+        Example:
+            >>> from lightning_streamkl.capture import RecorderCapture, record
+            >>> capture, seen = RecorderCapture(nn.Identity(), names=["a", "b"]), []
+            >>> with capture.recording(), capture.handing_over(lambda name, rec: seen.append(name) or name == "a"):
+            ...     record("a", torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), causal=True)
+            ...     record("b", torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), causal=True)
+            >>> seen, sorted(capture.records), sorted(capture.recorded)
+            (['a', 'b'], ['b'], ['a', 'b'])
+        """
+        previous, self._take = self._take, take
+        try:
+            yield
+        finally:
+            self._take = previous
 
     @property
     def is_recording(self) -> bool:
@@ -368,12 +402,20 @@ class AttentionCapture(ABC):
     def pop(self) -> dict[str, CapturedAttention]:
         """Hand over the records and forget them."""
         records, self._records = self.records, {}
+        self._taken = set()
         return records
 
     def clear(self) -> None:
         """Drop every record (releases the captured tensors)."""
         self._settle()
         self._records = {}
+        self._taken = set()
+
+    def discard(self, name: str) -> None:
+        """Drop layer ``name``'s record (its tensors are free once nothing else holds them); it still counts as
+        :attr:`recorded`."""
+        if self.records.pop(name, None) is not None:
+            self._taken.add(name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={type(self.model).__name__}, layers={len(self.layer_names())})"

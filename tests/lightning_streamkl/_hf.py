@@ -144,15 +144,21 @@ def packed_row(lengths: list[int], seed: int = 0) -> tuple[dict[str, torch.Tenso
 
 # ---------------------------------------------------------------------------------------------- one step
 def distil(teacher, student, batch, pairs, *, student_batch=None, **config):
-    """One engine step: the teacher on ``batch``, the student's forward (``use_cache=False``) on ``student_batch``
-    (default ``batch``) inside the recording. Returns ``(LossOutput, teacher records, student records, output)``."""
+    """One engine step: the student's forward (``use_cache=False``) on ``student_batch`` (default ``batch``) inside
+    the recording, then ``end_step``, which runs the teacher on ``batch`` and takes each pair's loss as its teacher
+    layer records. Returns ``(LossOutput, teacher records, student records, output)``; the teacher's records come
+    from a second pass of the teacher (the step's own are released as the loss is taken)."""
     distiller = AttentionDistiller(teacher, {"pairs": pairs, **config})
     distiller.setup(student)
     distiller.begin_step(batch)
     with distiller.student_recording():
         out = student(**(batch if student_batch is None else student_batch), use_cache=False)
-    records = dict(distiller.teacher_capture.records), dict(distiller.student_capture.records)
-    return distiller.end_step(batch), *records, out
+    student_records = dict(distiller.student_capture.records)
+    terms = distiller.end_step(batch)
+    distiller.run_teacher(batch)
+    teacher_records = dict(distiller.teacher_capture.records)
+    distiller.clear()
+    return terms, teacher_records, student_records, out
 
 
 # ---------------------------------------------------------------------------------------------- flash on the CPU

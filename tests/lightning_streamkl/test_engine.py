@@ -13,8 +13,9 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from lightning_streamkl import AttentionDistiller, StreamKLDistillation
+from lightning_streamkl import AttentionDistiller, StreamKLDistillation, uniform_pairs
 from lightning_streamkl import teacher as teacher_module
+from lightning_streamkl.loss import LossStream
 from streamkl import attention_kl
 
 from ._models import VOCAB, CausalLM, loader, tiny_llama, trainer
@@ -36,6 +37,56 @@ def test_plain_pytorch_step_equals_the_manual_kl():
     (task + distiller.weight_at(0) * terms.total).backward()
     assert student.model.layers[1].self_attn.q_proj.weight.grad is not None
     assert distiller.teacher_capture.records == {} and distiller.student_capture.records == {}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_each_pair_is_taken_while_the_teacher_runs(backend, monkeypatch):
+    """The teacher runs after the student's forward pass, and each pair's loss runs as soon as its teacher layer has
+    recorded: when the teacher's deepest paired layer starts, the first pair's records are gone from both captures,
+    and with the fused op (a frozen teacher, a reduced loss) nothing holds that pair's teacher queries any more (the
+    op kept only the student's gradients). The loss and the student's gradients equal the whole loss taken from every
+    record at the end."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    teacher = tiny_llama(hidden=32, heads=4, kv_heads=2, layers=4, seed=0, init=0.3)
+    student = tiny_llama(hidden=16, heads=2, kv_heads=1, layers=2, seed=1, init=0.3)
+    config = {"pairs": uniform_pairs(teacher, student, head_map="group"), "backend": backend, "fuse_pairs": False}
+    batch = {"input_ids": torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))}
+    first_t, first_s = "model.layers.1.self_attn", "model.layers.0.self_attn"
+    teacher_queries: dict[str, weakref.ref] = {}
+    add = LossStream.add
+    monkeypatch.setattr(LossStream, "add", lambda self, layer, record, students: (
+        teacher_queries.setdefault(layer, weakref.ref(record.q)), add(self, layer, record, students))[1])
+    seen = {}
+
+    def at_the_deepest_layer(*_):
+        seen["teacher records"] = set(distiller.teacher_capture.records)
+        seen["student records"] = set(distiller.student_capture.records)
+        seen["first teacher queries alive"] = teacher_queries[first_t]() is not None
+
+    teacher.model.layers[3].register_forward_pre_hook(at_the_deepest_layer)
+    distiller = AttentionDistiller(teacher, config, student=student)
+    whole_student = copy.deepcopy(student)
+    distiller.begin_step(batch)
+    with distiller.student_recording():
+        task = student(**batch).logits.square().mean()
+    terms = distiller.end_step(batch)
+    (task + terms.total).backward()
+    assert seen["teacher records"] == set() and seen["student records"] == {"model.layers.1.self_attn"}
+    assert seen["first teacher queries alive"] is (backend == "reference")  # the reference saves its inputs
+
+    whole = AttentionDistiller(teacher, config, student=whole_student)
+    whole.begin_step(batch)
+    with whole.student_recording():
+        whole_task = whole_student(**batch).logits.square().mean()
+    whole.run_teacher(batch)  # every record first, then the loss from all of them
+    assert set(whole.teacher_capture.records) == {first_t, "model.layers.3.self_attn"}
+    expected = whole.compute(batch)
+    (whole_task + expected.total).backward()
+    torch.testing.assert_close(terms.total, expected.total)
+    assert terms.per_pair.keys() == expected.per_pair.keys() and first_s in distiller.resolved[0]
+    for (name, p), q in zip(student.named_parameters(), whole_student.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def _counting(model: nn.Module, names: list[str]) -> dict[str, int]:
@@ -89,7 +140,7 @@ def test_a_stopped_teacher_leaves_no_activation_alive(monkeypatch):
                                         alive.append(weakref.ref(kwargs["hidden_states"])), with_kwargs=True)
     distiller = AttentionDistiller(teacher, {"pairs": [{"teacher": 1, "student": 0}]})
     distiller.setup(make_student(seed=1))
-    distiller.begin_step({"input_ids": torch.randint(0, VOCAB, (2, 8))})
+    distiller.run_teacher({"input_ids": torch.randint(0, VOCAB, (2, 8))})
     assert kept, "the teacher did not stop early"
     assert len(alive) == 2 and all(ref() is None for ref in alive)
     assert distiller.teacher_capture.records  # what the step needs is still there
@@ -170,12 +221,14 @@ def test_kl_of_a_bf16_teacher_on_an_fp32_student_matches_the_op():
     with distiller.student_recording():
         student(**batch)
     s = distiller.student_capture.records["model.layers.1.self_attn"]
+    got = distiller.end_step(batch).per_pair["last"]
+    distiller.run_teacher(batch)  # again, to read its record (the step's is released as its loss is taken)
     t = distiller.teacher_capture.records["model.layers.1.self_attn"]
     assert t.q.dtype == torch.bfloat16 and s.q.dtype == torch.float32
     mask = batch["attention_mask"].bool()
     expected = attention_kl(t.q, t.k, s.q, s.k, causal=True, scale_t=t.scale, scale_s=s.scale,
                             key_padding_mask=mask, query_mask=mask)
-    torch.testing.assert_close(distiller.end_step(batch).per_pair["last"], expected)
+    torch.testing.assert_close(got, expected)
 
 
 def test_a_teacher_spread_with_device_map_is_never_moved(monkeypatch):
