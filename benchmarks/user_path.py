@@ -58,8 +58,6 @@ PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
-#: An earlier run on another card, for the parts :data:`RESULT` does not hold yet (the docs say which card ran each).
-EARLIER_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 #: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
@@ -665,36 +663,21 @@ def _eager_ns(data: dict) -> set[int]:
     return {r["n"] for r in data["cells"].values() if r["pairs"] in ("four", "uniform") and not r["compiled"]}
 
 
-def blocks(data: dict, earlier: dict | None = None) -> dict[str, dict[str, str]]:
+def blocks(data: dict) -> dict[str, dict[str, str]]:
     """``{file: {block name: markdown}}`` rendered from a results file: one table per ``N`` of the eager students, the
-    compiled students' cells (block ``user-path:compiled``), the KD without the op and the accuracy. What ``data``
-    does not hold comes from ``earlier`` (a run on another card), each such block opening with that run's setup."""
-    def source(has: bool) -> tuple[dict, str]:
-        if has or earlier is None:
-            return data, ""
-        return earlier, setup_line(earlier) + "\n\n"
-
-    tables = {}
-    introduced = False  # the earlier run's setup opens the first of its N tables only
-    for n in sorted(_eager_ns(data) | (_eager_ns(earlier) if earlier else set())):
-        run, prefix = source(n in _eager_ns(data))
-        tables[f"user-path:n{n}"] = ("" if introduced else prefix) + matrix_table(run, n)
-        introduced = introduced or bool(prefix)
+    compiled students' cells (block ``user-path:compiled``), the KD without the op and the accuracy."""
+    tables = {f"user-path:n{n}": matrix_table(data, n) for n in sorted(_eager_ns(data))}
     tables["user-path:setup"] = setup_line(data)
-    run, prefix = source(any(r["pairs"] == "naive" for r in data["cells"].values()))
-    tables["user-path:naive"] = prefix + naive_table(run)
-    run, prefix = source(bool(data.get("accuracy")))
-    tables["user-path:accuracy"] = prefix + accuracy_table(run)
+    tables["user-path:naive"] = naive_table(data)
+    tables["user-path:accuracy"] = accuracy_table(data)
     tables["user-path:compiled"] = matrix_table(data, 16384, compiled=True)
     return {PRECISION_DOC: tables, README: {"user-path:readme": headline(data)}}
 
 
 def committed_blocks() -> dict[str, dict[str, str]]:
-    """:func:`blocks` of the committed results (:data:`RESULT`, and :data:`EARLIER_RESULT` for what it lacks)."""
+    """:func:`blocks` of the committed results (:data:`RESULT`)."""
     with open(RESULT) as f:
-        data = json.load(f)
-    with open(EARLIER_RESULT) as f:
-        return blocks(data, json.load(f))
+        return blocks(json.load(f))
 
 
 def render() -> None:
