@@ -299,7 +299,9 @@ class StreamKLConfig(AttentionKLOptions):
             ``AutoModel.from_pretrained`` (``dtype``, ``revision``, ``attn_implementation``, ``trust_remote_code``,
             ``device_map``, ...); ``attn_implementation`` defaults to ``"sdpa"``. Default: ``None``.
         teacher_early_exit: stop the teacher's forward pass once every paired teacher layer has been captured:
-            later layers and the output head (logits) never run. Default: ``True``.
+            later layers and the output head (logits) never run; and take each pair's loss as soon as its teacher
+            layer has recorded, so its captures go then (with the full pass, a layer that runs twice keeps its last
+            call, and every loss is taken at the end). Default: ``True``.
         teacher_sharding: how the teacher is laid out over the processes of a distributed run: ``"shard"`` shards
             it with FSDP2 over the data-parallel processes (each holds ``1/W`` of its weights; its blocks are
             gathered one at a time during its forward pass and freed after); ``"replicate"`` keeps a whole copy on
