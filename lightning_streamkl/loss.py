@@ -606,8 +606,9 @@ class LossStream:
 
     def add(self, teacher_layer: str, record: CapturedAttention,
             student_records: Mapping[str, CapturedAttention]) -> tuple[bool, list[str]]:
-        """Run the terms of every pair of ``teacher_layer`` whose student layer is in ``student_records``; returns
-        whether every pair of that teacher layer has now run, and the student layers whose pairs all have."""
+        """Take every pair of ``teacher_layer`` whose student layer is in ``student_records``: run its terms now, or
+        make them and leave them to :meth:`finish` when they fuse. Returns whether every pair of that teacher layer is
+        taken, and the student layers whose pairs all are (their records are no longer needed)."""
         for i, r in enumerate(self.resolved):
             if r.teacher == teacher_layer and i not in self.taken and r.student in student_records:
                 self._take(i, record, student_records[r.student])
