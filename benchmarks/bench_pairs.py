@@ -172,8 +172,8 @@ def step_times(profile: bool = False) -> dict:
         def run_pass():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if captured:  # the engine's teacher pass: placement check, capture, early exit after layer 12
-                    distiller.begin_step(batch)
-                    distiller.teacher_capture.pop()
+                    distiller.run_teacher(batch)
+                    distiller.clear()
                 else:
                     with torch.no_grad():
                         teacher(**batch)

@@ -422,6 +422,7 @@ def kl_terms(distiller: Any, batch: dict[str, torch.Tensor], rows: str = "all") 
     if rows != "queries":
         raise ValueError(f"kl_rows must be 'all' or 'queries', got {rows!r}.")
     try:
+        distiller.run_teacher(batch)  # (end_step would run it too, with the batch's own masks)
         return distiller.loss(distiller.teacher_capture.pop(), distiller.student_capture.pop(),
                               query_mask=batch["labels"] != IGNORE)
     finally:
