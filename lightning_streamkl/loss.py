@@ -20,7 +20,7 @@ is computed over the same keys as the layer's attention (its mask, not its scale
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -579,6 +579,7 @@ class LossStream:
         self.first_term = [sum(len(_relations(r.pair, loss.config)) for r in resolved[:i])
                            for i in range(len(resolved))]
         self.taken: set[int] = set()  # the pairs whose calls are made
+        self.seen: dict[str, set[str]] = {"teacher": set(), "student": set()}  # layers add() was handed
         self.waiting: list[tuple[int, TermCall]] = []  # (term index, call) left for finish(): they fuse
         self.results: list[tuple[list[int], TermResult]] = []  # (term indices, result)
         loss.precisions = {}
@@ -609,6 +610,8 @@ class LossStream:
         """Take every pair of ``teacher_layer`` whose student layer is in ``student_records``: run its terms now, or
         make them and leave them to :meth:`finish` when they fuse. Returns whether every pair of that teacher layer is
         taken, and the student layers whose pairs all are (their records are no longer needed)."""
+        self.seen["teacher"].add(teacher_layer)
+        self.seen["student"].update(student_records)
         for i, r in enumerate(self.resolved):
             if r.teacher == teacher_layer and i not in self.taken and r.student in student_records:
                 self._take(i, record, student_records[r.student])
@@ -628,8 +631,8 @@ class LossStream:
         try:
             for i, r in enumerate(self.resolved):
                 if i not in self.taken:
-                    self._take(i, _lookup(teacher_records, r.teacher, "teacher", r.pair.label),
-                               _lookup(student_records, r.student, "student", r.pair.label))
+                    self._take(i, _lookup(teacher_records, r.teacher, "teacher", r.pair.label, self.seen["teacher"]),
+                               _lookup(student_records, r.student, "student", r.pair.label, self.seen["student"]))
             if self.waiting:
                 terms, calls = zip(*self.waiting)
                 self.waiting = []
@@ -668,14 +671,17 @@ def _mismatch_hint(t: Masking, s: Masking) -> str:
     return ""
 
 
-def _lookup(records: Mapping[str, CapturedAttention], name: str, side: str, label: str) -> CapturedAttention:
+def _lookup(records: Mapping[str, CapturedAttention], name: str, side: str, label: str,
+            taken: Iterable[str] = ()) -> CapturedAttention:
+    """``records[name]``, or the error naming what was recorded (``taken``: layers recorded and already used)."""
     if name in records:
         return records[name]
-    near = closest(name, records)
+    recorded = sorted(set(records) | taken)
+    near = closest(name, recorded)
     hint = f" Closest: {near}." if near else ""
     raise RuntimeError(
         f"StreamKL pair {label!r}: the {side} layer {name!r} was not recorded during the {side}'s forward pass "
-        f"(recorded: {sorted(records)}).{hint} Check the layer path, that the layer runs on this batch, and for "
+        f"(recorded: {recorded}).{hint} Check the layer path, that the layer runs on this batch, and for "
         "custom modules that they call lightning_streamkl.capture.record()."
     )
 

@@ -96,6 +96,22 @@ def _counting(model: nn.Module, names: list[str]) -> dict[str, int]:
     return calls
 
 
+def test_a_teacher_layer_that_never_runs_is_named_with_the_layers_that_did():
+    """A paired teacher layer that does not run on the batch: the error lists the layers that did record, also those
+    whose pairs were already taken during the teacher's pass (their records are gone by then)."""
+    teacher, student = make_teacher(), make_student().model
+    distiller = AttentionDistiller(teacher, {"pairs": [[0, 0], [1, 1]]}, student=student)
+    teacher.model.layers[1].forward = lambda hidden_states, *args, **kwargs: hidden_states  # skips its attention
+    batch = next(iter(loader(4, 4)))
+    distiller.begin_step(batch)
+    with distiller.student_recording():
+        student(**batch)
+    with pytest.raises(RuntimeError, match=r"teacher layer 'model.layers.1.self_attn' was not recorded .*recorded: "
+                                           r"\['model.layers.0.self_attn'\]\)"):
+        distiller.end_step(batch)
+    assert distiller.teacher_capture.records == {} and distiller.student_capture.records == {}
+
+
 @pytest.mark.parametrize("pair", [{"teacher": 1, "student": -1, "name": "mid"}, {"teacher": 0, "student": 0}])
 def test_the_teacher_stops_after_the_deepest_paired_layer(pair):
     """The teacher ran every layer and its LM head on every batch (at 16k tokens and a 128k vocabulary the logits
