@@ -585,21 +585,18 @@ class LossStream:
         loss.precisions = {}
 
     def _take(self, i: int, t: CapturedAttention, s: CapturedAttention) -> None:
-        with torch.set_grad_enabled(self.grad):  # (head mapping and relation heads are differentiable too)
-            self._make(i, t, s)
-
-    def _make(self, i: int, t: CapturedAttention, s: CapturedAttention) -> None:
         r, cfg = self.resolved[i], self.loss.config
-        calls = [self.loss._term_call(r, t, s, self.key_padding_mask, self.query_mask, relation)
-                 for relation in _relations(r.pair, cfg)]
-        terms = [self.first_term[i] + j for j in range(len(calls))]
-        for term, call in zip(terms, calls):
-            self.loss.precisions[self.loss.pair_names[term]] = call.precision()
-        self.taken.add(i)
-        if cfg.fuse_pairs and any(call.fuse_key() is not None for call in calls):
-            self.waiting.extend(zip(terms, calls))
-            return
-        self._run(terms, calls, fuse=cfg.fuse_pairs)
+        with torch.set_grad_enabled(self.grad):  # (head mapping and relation heads are differentiable too)
+            calls = [self.loss._term_call(r, t, s, self.key_padding_mask, self.query_mask, relation)
+                     for relation in _relations(r.pair, cfg)]
+            terms = [self.first_term[i] + j for j in range(len(calls))]
+            for term, call in zip(terms, calls):
+                self.loss.precisions[self.loss.pair_names[term]] = call.precision()
+            self.taken.add(i)
+            if cfg.fuse_pairs and any(call.fuse_key() is not None for call in calls):
+                self.waiting.extend(zip(terms, calls))
+            else:
+                self._run(terms, calls, fuse=cfg.fuse_pairs)
 
     def _run(self, terms: list[int], calls: list[TermCall], *, fuse: bool) -> None:
         for result in run_terms(calls, fuse=fuse):

@@ -205,8 +205,7 @@ class AttentionKLFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b):
         if ctx.ahead:
-            dq_b, dk_b = scaled_gradients(grad_kl, *ctx.saved_tensors, ctx.needs_input_grad[3])
-            return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
+            return _ahead_backward(ctx, grad_kl)
         if ctx.reduction != "none" and grad_kl is not None:
             # the gradient of the reduction, as SumBackward/DivBackward would form it: one number for every row
             # (expanded, stride 0), which the kernels read in place
@@ -419,6 +418,7 @@ def _setup_ahead_context(ctx, inputs, output) -> None:
 
 
 def _ahead_backward(ctx, grad_loss, *_unused):
+    """The backward of a call that computed side b's gradients ahead (the Function's and the custom op's)."""
     dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3])
     return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
 
