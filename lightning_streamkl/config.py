@@ -45,7 +45,7 @@ __all__ = ["AttentionKLOptions", "LayerPair", "StreamKLConfig", "load_config", "
 HEAD_MAPS = ("error", "group")
 TEACHER_DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 #: The named values of ``teacher_device`` (any other value is a torch device, e.g. ``"cuda:1"``).
-TEACHER_DEVICES = ("student", "keep")
+TEACHER_DEVICES = ("student", "keep", "offload")
 #: The named values of ``teacher_inputs`` (any other value is a module path in the student).
 TEACHER_INPUTS = ("auto", "batch")
 #: The values of ``teacher_sharding``.
@@ -155,7 +155,7 @@ def _short(layer: Any) -> str:
 
 
 class _TeacherDevice(Check):
-    """``"student"``, ``"keep"`` or a torch device name."""
+    """``"student"``, ``"keep"``, ``"offload"`` or a torch device name."""
 
     @property
     def expected(self) -> str:
@@ -287,8 +287,12 @@ class StreamKLConfig(AttentionKLOptions):
             dtype); ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"float64"`` (or the ``torch.dtype`` itself,
             ``torch.bfloat16``) casts it once; ``None`` is the same as ``"auto"``. Default: ``"auto"``.
         teacher_device: where the teacher runs: ``"student"`` moves it to the student's device; ``"keep"``
-            leaves it where it is (a model spread with ``device_map`` is always kept); a device such as
-            ``"cuda:1"`` or ``"cpu"`` moves it there. The batch goes to the teacher's device and the captured
+            leaves it where it is (a model spread with ``device_map`` is always kept); ``"offload"`` keeps the teacher
+            in host memory (pinned when CUDA is available) and streams it to the student's device one block at a time
+            (its layers; what lies outside them, such as the embeddings, is copied for the whole pass): each pass
+            copies the weights of the blocks that run, on CUDA while the previous block computes, and the device holds
+            at most two blocks plus the weights outside them (:func:`~lightning_streamkl.teacher.streamed`); a device
+            such as ``"cuda:1"`` or ``"cpu"`` moves it there. The batch goes to the teacher's device and the captured
             queries and keys come back to the student's. Default: ``"student"``.
         teacher_inputs: what the teacher is run on: ``"batch"``, the batch (through ``teacher_forward``); a
             module path in the student (e.g. ``"encoder"``), exactly the inputs that submodule receives in the

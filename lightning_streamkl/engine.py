@@ -216,7 +216,6 @@ class AttentionDistiller:
             :func:`default_student_forward` (mapping batches keep ``labels``, so a Hugging Face model returns its
             loss).
         padding_mask: ``fn(batch) -> [B, N] bool mask or None``; default: ``batch[config.mask_key]``.
-        offload: keep the teacher in host memory and borrow device copies of its weights for each pass.
 
     Example:
         ``loss = distiller(batch)`` in a plain PyTorch loop:
@@ -261,19 +260,21 @@ class AttentionDistiller:
     def __init__(self, teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig | Mapping[str, Any], *,
                  student: nn.Module | None = None, teacher_forward: TeacherForward | None = None,
                  student_forward: TeacherForward | None = None,
-                 padding_mask: Callable[[Any], torch.Tensor | None] | None = None, offload: bool = False) -> None:
+                 padding_mask: Callable[[Any], torch.Tensor | None] | None = None) -> None:
         for arg, fn in (("teacher_forward", teacher_forward), ("student_forward", student_forward)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"Expected `{arg}` to be callable, but got {type(fn).__name__}.")
         self.config = config = validate_config(config)
         self.teacher: FrozenTeacher | SelfTeacher
         if isinstance(teacher, AdaptersOff):
-            if offload:
-                raise ValueError("Expected `offload=False` with AdaptersOff: the teacher is the student itself.")
+            if config.teacher_device == "offload":
+                raise ValueError("Expected a `teacher_device` other than 'offload' with AdaptersOff, but got "
+                                 "teacher_device='offload': the teacher is the student itself, which is never "
+                                 "offloaded.")
             self.teacher = SelfTeacher(teacher)
         else:
             self.teacher = FrozenTeacher(teacher, dtype=config.teacher_dtype, device=config.teacher_device,
-                                         from_pretrained=config.teacher_from_pretrained, offload=offload)
+                                         from_pretrained=config.teacher_from_pretrained)
         self.custom_forward = teacher_forward is not None
         self.teacher_forward = teacher_forward or default_teacher_forward
         self.student_forward = student_forward or default_student_forward
@@ -402,8 +403,10 @@ class AttentionDistiller:
         pairs = ", ".join(f"{p.label} ({t} -> {s}{products(p)})" for p, (t, s) in zip(self.config.pairs, self.resolved))
         fed = f"; the teacher is fed the inputs of the student's {self.inputs_from!r}" if self.inputs_from else ""
         shards = self.teacher.shards
-        sharded = f"; the teacher is sharded over {shards} processes" if shards > 1 else ""
-        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}{sharded}"
+        placed = f"; the teacher is sharded over {shards} processes" if shards > 1 else ""
+        if self.config.teacher_device == "offload" and not self.is_self_teacher:
+            placed += "; the teacher is streamed from host memory one block at a time"
+        return f"StreamKL {self.config.name!r}: distilling {len(self.resolved)} layer pair(s): {pairs}{fed}{placed}"
 
     def metrics(self) -> DistillationMetrics:
         """A fresh :class:`DistillationMetrics` for this setup's pairs."""
@@ -428,12 +431,13 @@ class AttentionDistiller:
         student, teacher_capture, student_capture = self._ready()
         teacher = self.teacher.prepare()
         layers = [m for m in (_submodule(teacher, p) for p in teacher_capture.selected or ()) if m is not None]
+        stops = bool(self.config.teacher_early_exit and teacher_capture.selected)
         early_exit = stop_after(layers, lambda: teacher_capture.selected <= teacher_capture.recorded) \
-            if self.config.teacher_early_exit and teacher_capture.selected else nullcontext()
+            if stops else nullcontext()
         with ExitStack() as stack:
             stack.enter_context(student_capture.paused())
             stack.enter_context(torch.no_grad())
-            device = stack.enter_context(self.teacher.placed(_device_of(student)))
+            device = stack.enter_context(self.teacher.placed(_device_of(student), up_to=layers if stops else None))
             stack.enter_context(teacher_capture.recording())
             stack.enter_context(early_exit)
             if stream is not None:
@@ -485,6 +489,9 @@ class AttentionDistiller:
         as run, and :meth:`end_step` does not run it a second time (it still does when a paired layer did not run in
         the block). Call :meth:`clear` before the step, as :meth:`begin_step` does.
 
+        Raises:
+            ValueError: ``teacher_device="offload"``: only the engine's own pass streams the teacher to the device.
+
         Example:
             >>> encoder = lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 1,
             ...                                         enable_nested_tensor=False)
@@ -503,6 +510,13 @@ class AttentionDistiller:
             (['t0_s0'], True)
         """
         _, teacher_capture, _ = self._ready()
+        if self.config.teacher_device == "offload":  # before prepare() moves it to the host
+            raise ValueError(
+                "Expected the engine to run a teacher with teacher_device='offload' (it streams the teacher's blocks "
+                "to the device during its own pass), but the caller runs it (teacher_recording(), e.g. a trainer's "
+                "own teacher_model): that pass would find the teacher in host memory. Use teacher_device='student', "
+                "or let the engine run the teacher."
+            )
         self.teacher.prepare()
         with teacher_capture.recording():
             yield

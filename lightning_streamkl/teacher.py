@@ -4,11 +4,12 @@ Frozen teacher
 
 Everything about running the teacher of a distillation, and nothing else: loading it by name
 (:func:`load_teacher`), freezing it, placing it (:class:`FrozenTeacher`: its own dtype unless told otherwise, on
-the student's device, where it is, on another device, or kept in host memory and borrowed onto the device for
-each pass, or sharded over the processes of a data-parallel group with FSDP2: :func:`shard_module`), the student
-itself with its adapters switched off as the teacher (:class:`AdaptersOff`, :class:`SelfTeacher`: no second copy in
-memory), stopping its forward pass once the paired layers have been captured (:func:`stop_after`), and feeding it the
-inputs a student submodule received (:class:`InputRecorder`, :func:`find_copy`).
+the student's device, where it is, on another device, or kept in host memory and streamed onto the device one block
+at a time for each pass (:func:`streamed`), or sharded over the processes of a data-parallel group with FSDP2:
+:func:`shard_module`), the student itself with its adapters switched off as the teacher (:class:`AdaptersOff`,
+:class:`SelfTeacher`: no second copy in memory), stopping its forward pass once the paired layers have been captured
+(:func:`stop_after`), and feeding it the inputs a student submodule received (:class:`InputRecorder`,
+:func:`find_copy`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 __all__ = ["AdaptersOff", "FrozenTeacher", "InputRecorder", "SelfTeacher", "TeacherForwardError", "adapters_disabled",
            "borrowed", "check_separate", "check_teacher_path", "find_adapter_module", "find_copy", "is_sharded",
            "load_teacher", "looks_like_path", "reshard", "shard_count", "shard_module", "shard_units",
-           "shared_parameters", "stop_after", "teacher_failed", "to_device"]
+           "shared_parameters", "stop_after", "streamed", "teacher_failed", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -136,6 +137,11 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.buffers()
 
 
+def _target(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is borrowed in: ``dtype`` for a floating-point tensor (when given), else its own."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
 @contextmanager
 def borrowed(module: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> Iterator[None]:
     """Run ``module`` (kept in host memory) on ``device``: inside the block its tensors' data are device copies.
@@ -152,15 +158,181 @@ def borrowed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
         torch.float32
     """
 
-    def target(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-    saved = [(t, t.data) for t in _tensors(module) if t.device != device or t.dtype != target(t)]
+    saved = [(t, t.data) for t in _tensors(module) if t.device != device or t.dtype != _target(t, dtype)]
     try:
         for t, host in saved:
-            t.data = host.to(device=device, dtype=target(t), non_blocking=True)
+            t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
         yield
     finally:
+        for t, host in saved:
+            t.data = host
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """:func:`shard_units` without those inside another one."""
+    units = shard_units(module)
+    inner = {id(m) for u in units for m in u.modules() if m is not u}
+    return [u for u in units if id(u) not in inner]
+
+
+class _BlockStream:
+    """The blocks of one streamed pass (:func:`streamed`): which are on the device, which are running, and the
+    copies still in flight. Blocks are numbered in the order of their list.
+
+    Why the CUDA copy ahead is safe with the caching allocator. A block's device copies are allocated on the compute
+    stream (the current one), so when they are freed their memory goes back to that stream's pool, and whatever is
+    allocated there next is used by work queued after everything before the free. Two orders remain. (1) The memory
+    handed out may have been freed by compute work that is still queued (the last block's activations, read by kernels
+    not yet run): the copy stream waits for an event recorded on the compute stream after the allocation, so it writes
+    only once that work is done. (2) The copy stream writes memory the compute stream owns: the compute stream waits
+    for the copy's done-event before the block runs, and before a copy that never ran (a wrong guess, or the end of
+    the pass) is given back, so no work queued after the free can touch the memory while the copy still writes it.
+    The host tensors are the module's own and outlive the pass. No ``record_stream`` is needed.
+    """
+
+    def __init__(self, blocks: list[list[torch.Tensor]], ahead: int, device: torch.device,
+                 dtype: torch.dtype | None) -> None:
+        self.blocks, self.ahead, self.device, self.dtype = blocks, ahead, device, dtype
+        self.copier = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # block -> (tensor, its host data)
+        self.pending: dict[int, Any] = {}  # block -> the done-event of a copy the compute stream has not waited for
+        self.running: dict[int, int] = {}  # block -> the depth of its forward calls now running
+
+    def take(self, i: int, *, early: bool = False) -> None:
+        """Borrow block ``i``: now, on the compute stream, or (``early``, on CUDA) copied on the side stream."""
+        held = [(t, t.data) for t in self.blocks[i]]
+        self.held[i] = held
+        if not early or self.copier is None:
+            for t, host in held:
+                t.data = host.to(device=self.device, dtype=_target(t, self.dtype), non_blocking=True)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        copies = [torch.empty_like(host, device=self.device, dtype=_target(t, self.dtype)) for t, host in held]
+        allocated = compute.record_event()
+        with torch.cuda.stream(self.copier):
+            self.copier.wait_event(allocated)
+            for copy, (_, host) in zip(copies, held):
+                copy.copy_(host, non_blocking=True)
+            self.pending[i] = self.copier.record_event()
+        for copy, (t, _) in zip(copies, held):
+            t.data = copy
+
+    def ready(self, i: int) -> None:
+        """Make the compute stream wait for block ``i``'s copy, if it is still in flight."""
+        event = self.pending.pop(i, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def give_back(self, i: int) -> None:
+        self.ready(i)  # (2): a copy that never ran is waited for before its memory can be handed out again
+        for t, host in self.held.pop(i):
+            t.data = host
+
+    def copy_ahead(self, i: int) -> None:
+        """Copy block ``i`` ahead, if there is one, it may run (``<= ahead``) and at most one other is held."""
+        if i < len(self.blocks) and i <= self.ahead and i not in self.held and len(self.held) < 2:
+            self.take(i, early=True)
+
+    def enter(self, i: int) -> None:
+        """Block ``i`` starts (its forward pre-hook)."""
+        if i in self.running:  # called again from inside itself
+            self.running[i] += 1
+            return
+        if i not in self.held:  # not the block copied ahead: give that one back, borrow this one now
+            for j in [j for j in self.held if j not in self.running]:
+                self.give_back(j)
+            self.take(i)
+        self.ready(i)
+        self.running[i] = 1
+        self.copy_ahead(i + 1)
+
+    def leave(self, i: int) -> None:
+        """Block ``i`` ends, also by an exception (its forward hook, ``always_call``)."""
+        depth = self.running.pop(i, 1) - 1
+        if depth > 0:
+            self.running[i] = depth
+        elif i in self.held:
+            self.give_back(i)
+
+    def close(self) -> None:
+        self.running.clear()
+        for i in list(self.held):
+            self.give_back(i)
+
+
+@contextmanager
+def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None = None, *,
+             up_to: Iterable[nn.Module] | None = None) -> Iterator[None]:
+    """Run ``module`` (kept in host memory) on ``device`` one block at a time: as :func:`borrowed`, but each block's
+    tensors (:func:`shard_units`: a Hugging Face model's layers, else its module lists' entries) are on the device
+    only while the block runs, and the next block's while they are copied ahead: at most two blocks at once.
+
+    The tensors outside the blocks (embeddings, a final norm, rotary buffers, heads) are borrowed for the whole
+    ``with`` block. A block is borrowed by a forward pre-hook and given back by a forward hook, also when its forward
+    raises; when the ``with`` block ends, however the pass ended (an early exit, an error), every tensor holds its host
+    data again. On CUDA the next block in list order is copied from (pinned) host memory on a side stream while the
+    current one computes; a block that runs out of that order, or twice, is borrowed at once instead (the one copied
+    ahead is given back). On other devices every copy is made when its block starts. A module without blocks is
+    borrowed whole (:func:`borrowed`).
+
+    Args:
+        module: the module, its tensors in host memory.
+        device: where it runs.
+        dtype: also cast the floating-point tensors to this dtype. Default: ``None`` (keep).
+        up_to: the modules the pass stops after (an early exit): no block past the last one holding one of them is
+            copied ahead. Default: ``None`` (any block may run).
+
+    Example:
+        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 3,
+        ...                                 enable_nested_tensor=False)
+        >>> held = []  # the number of borrowed (float64) blocks as each block finishes
+        >>> for layer in encoder.layers:
+        ...     _ = layer.register_forward_hook(lambda *_: held.append(
+        ...         sum(layer.linear1.weight.dtype == torch.float64 for layer in encoder.layers)))
+        >>> with torch.no_grad(), streamed(encoder, torch.device("cpu"), torch.float64):
+        ...     _ = encoder(torch.randn(1, 4, 8, dtype=torch.float64))
+        >>> held, encoder.layers[0].linear1.weight.dtype
+        ([2, 2, 1], torch.float32)
+    """
+    units = _blocks(module)
+    inside: dict[int, int] = {}  # module -> the block holding it (-1: several)
+    for i, unit in enumerate(units):
+        for m in unit.modules():
+            inside[id(m)] = i if inside.get(id(m), i) == i else -1
+    owner: dict[int, int] = {}  # tensor -> the one block whose modules hold it (-1: several, or a module outside)
+    tensors: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        where = inside.get(id(m), -1)
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+            owner[id(t)] = where if owner.get(id(t), where) == where else -1
+            tensors[id(t)] = t
+    moving = [t for t in tensors.values() if t.device != device or t.dtype != _target(t, dtype)]
+    blocks = [[t for t in moving if owner[id(t)] == i] for i in range(len(units))]
+    kept = [i for i, held in enumerate(blocks) if held]
+    if not kept:
+        with borrowed(module, device, dtype):
+            yield
+        return
+    ahead = len(kept) - 1
+    if up_to is not None:
+        last = [inside.get(id(m), -1) for m in up_to]
+        if last and -1 not in last:  # (a module outside the blocks, or in several: any block may run)
+            ahead = max((n for n, i in enumerate(kept) if i <= max(last)), default=-1)
+    stream = _BlockStream([blocks[i] for i in kept], ahead, device, dtype)
+    saved = [(t, t.data) for t in moving if owner[id(t)] == -1]
+    handles = []
+    try:
+        for t, host in saved:
+            t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
+        for n, i in enumerate(kept):
+            handles.append(units[i].register_forward_pre_hook(lambda *_, n=n: stream.enter(n), prepend=True))
+            handles.append(units[i].register_forward_hook(lambda *_, n=n: stream.leave(n), always_call=True))
+        stream.copy_ahead(0)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        stream.close()
         for t, host in saved:
             t.data = host
 
@@ -583,11 +755,11 @@ class FrozenTeacher:
         source: the module, or a Hugging Face model name/path (loaded by :func:`load_teacher` in :meth:`prepare`).
         dtype: ``"auto"`` or ``None`` keeps the teacher's own dtype; ``"float32"``, ``"float16"``,
             ``"bfloat16"``, ``"float64"`` casts it (every floating-point tensor, checked each pass).
-        device: ``"student"`` (moved to the device each pass asks for), ``"keep"`` (left where it is) or a
-            device name (moved there). A model spread with ``device_map`` (``hf_device_map``) is always kept.
+        device: ``"student"`` (moved to the device each pass asks for), ``"keep"`` (left where it is),
+            ``"offload"`` (kept in host memory, pinned when CUDA is available, and streamed to the device each pass
+            asks for one block at a time: :func:`streamed`) or a device name (moved there). A model spread with
+            ``device_map`` (``hf_device_map``) is always kept.
         from_pretrained: keyword arguments for loading by name.
-        offload: keep the teacher in host memory (pinned when CUDA is available) and borrow device copies of its
-            tensors for each pass (:func:`borrowed`); overrides ``device``.
 
     :meth:`shard` shards it instead over the processes of a data-parallel group (FSDP2), in place.
 
@@ -601,14 +773,13 @@ class FrozenTeacher:
     """
 
     def __init__(self, source: nn.Module | str, *, dtype: str | None = "auto", device: str = "student",
-                 from_pretrained: Mapping[str, Any] | None = None, offload: bool = False) -> None:
+                 from_pretrained: Mapping[str, Any] | None = None) -> None:
         if not isinstance(source, (nn.Module, str)):
             load_teacher(source)  # raises the TypeError
         self.source = source
         self.dtype = None if dtype in (None, "auto") else DTYPES[dtype]
         self.device = device
         self.from_pretrained = dict(from_pretrained or {})
-        self.offload = offload
         self.module: nn.Module | None = None
         #: The number of processes the teacher is sharded over (1: whole), by :meth:`shard` or by the user.
         self.shards = 1
@@ -664,8 +835,8 @@ class FrozenTeacher:
         ``fully_shard`` already is left as it is (:meth:`sharded`).
 
         Raises:
-            ValueError: with ``offload``, a named ``device`` or a model spread with ``device_map`` (a sharded teacher
-                lives on each process's own device), or a mesh that is not 1-D.
+            ValueError: with ``device="offload"`` or a named device, or a model spread with ``device_map`` (a sharded
+                teacher lives on each process's own device), or a mesh that is not 1-D.
         """
         module = self.prepare()
         if self.sharded():
@@ -688,7 +859,7 @@ class FrozenTeacher:
         block at a time, and frees what it gathered also when it stops early (:meth:`placed`).
 
         Raises:
-            ValueError: a teacher sharded by the user, with ``offload``, a named ``device`` or a ``device_map``.
+            ValueError: a teacher sharded by the user, with ``device="offload"``, a named device or a ``device_map``.
 
         Example:
             >>> FrozenTeacher(nn.Linear(2, 2)).sharded()
@@ -704,8 +875,8 @@ class FrozenTeacher:
         return self._fsdp
 
     def _check_placement(self, alternative: str) -> None:
-        if self.offload or self.spread or self.device not in ("student", "keep"):
-            what = "offload=True" if self.offload else "a device_map" if self.spread else f"device={self.device!r}"
+        if self.spread or self.device not in ("student", "keep"):
+            what = "a device_map" if self.spread and not self.offload else f"teacher_device={self.device!r}"
             raise ValueError(
                 f"A sharded teacher lives on each process's own device, which {what} contradicts; use "
                 f"teacher_device='student' (the default), or {alternative}."
@@ -720,15 +891,21 @@ class FrozenTeacher:
         return self._tensor_list[1]
 
     @property
+    def offload(self) -> bool:
+        """True for ``device="offload"``: kept in host memory, streamed to the device one block at a time."""
+        return self.device == "offload"
+
+    @property
     def spread(self) -> bool:
         """True for a model dispatched over devices with ``device_map`` (never moved)."""
         return bool(getattr(self.module, "hf_device_map", None))
 
     @contextmanager
-    def placed(self, device: torch.device) -> Iterator[torch.device]:
+    def placed(self, device: torch.device, *, up_to: Iterable[nn.Module] | None = None) -> Iterator[torch.device]:
         """Place the teacher for one forward pass toward ``device`` (the student's); yields the device its inputs
         go to. Cheap when it is already in place: every tensor is checked, so a teacher partly elsewhere (or
-        partly cast) is moved whole."""
+        partly cast) is moved whole. An offloaded teacher is streamed (:func:`streamed`); ``up_to``, the modules the
+        pass stops after (an early exit), keeps it from copying ahead blocks that will not run."""
         module = self.prepare()
         if self.sharded():  # each process's shards already live on its device
             try:
@@ -737,7 +914,7 @@ class FrozenTeacher:
                 reshard(module)
             return
         if self.offload:
-            with borrowed(module, device, self.dtype):
+            with streamed(module, device, self.dtype, up_to=up_to):
                 yield device
             return
         target = None if self.device == "keep" or self.spread else device if self.device == "student" \
@@ -945,8 +1122,9 @@ class SelfTeacher:
         return True
 
     @contextmanager
-    def placed(self, device: torch.device) -> Iterator[torch.device]:
-        """Adapters off and ``eval()`` inside the block; yields the device of the module's first tensor."""
+    def placed(self, device: torch.device, *, up_to: Iterable[nn.Module] | None = None) -> Iterator[torch.device]:
+        """Adapters off and ``eval()`` inside the block; yields the device of the module's first tensor (``up_to``
+        is :meth:`FrozenTeacher.placed`'s, unused: the student is never moved)."""
         module = self.prepare()
         modes = [(m, m.training) for m in module.modules()]
         module.eval()

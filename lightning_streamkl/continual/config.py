@@ -77,8 +77,9 @@ class ContinualConfig(AttentionKLOptions):
         snapshot_weights: with several snapshots, the weight of each, newest first (``len == keep``); ``None``
             weighs the kept snapshots equally (their mean). Default: ``None``.
         snapshot_device: ``"same"`` keeps the snapshots on the model's device; ``"cpu"`` keeps them in host
-            memory (pinned when CUDA is available) and copies the weights to the device for the snapshot's
-            forward pass of every step, releasing the copy afterwards. Default: ``"same"``.
+            memory (pinned when CUDA is available) and streams them to the device for the snapshot's forward pass of
+            every step one block at a time, as :class:`~lightning_streamkl.StreamKLConfig`'s
+            ``teacher_device="offload"`` does a teacher. Default: ``"same"``.
         layers: the attention layers to regularise: indices into the model's attention layers (negative from
             the end) or module paths (relative to the LightningModule or to ``module``); ``None``: every
             attention layer. Each layer is paired with the same layer of the snapshot. Default: ``None``.

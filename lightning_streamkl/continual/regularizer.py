@@ -402,9 +402,11 @@ class ContinualAttentionRegularizer(LossTermCallback):
         if snap.distiller is None:
             assert (snap.module is not None or snap is self._base) and self._attention is not None
             base = snap is self._base  # the model itself, adapters off: never offloaded
-            snap.distiller = AttentionDistiller(AdaptersOff(self._root) if base else snap.module, self._attention,
-                                                teacher_forward=self._forward, padding_mask=self.padding_mask,
-                                                offload=self.config.snapshot_device == "cpu" and not base)
+            config = self._attention
+            if self.config.snapshot_device == "cpu" and not base:  # streamed from host memory for each pass
+                config = dataclasses.replace(config, teacher_device="offload")
+            snap.distiller = AttentionDistiller(AdaptersOff(self._root) if base else snap.module, config,
+                                                teacher_forward=self._forward, padding_mask=self.padding_mask)
             snap.distiller.setup(pl_module)
         return snap.distiller
 

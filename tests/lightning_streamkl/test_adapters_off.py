@@ -134,8 +134,9 @@ def test_adapters_off_without_adapters_fails_naming_what_is_missing():
     student, _ = lora_llama()
     with pytest.raises(ValueError, match=r"AdaptersOff\(module='base_model.model.lm_head'\) to be a module whose "):
         AttentionDistiller(AdaptersOff("base_model.model.lm_head"), {"pairs": [[-1, -1]]}, student=student)
-    with pytest.raises(ValueError, match=r"Expected `offload=False` with AdaptersOff"):
-        AttentionDistiller(AdaptersOff(), {"pairs": [[-1, -1]]}, offload=True)
+    with pytest.raises(ValueError, match=r"Expected a `teacher_device` other than 'offload' with AdaptersOff, but "
+                                         r"got teacher_device='offload': the teacher is the student itself"):
+        AttentionDistiller(AdaptersOff(), {"pairs": [[-1, -1]], "teacher_device": "offload"})
 
 
 def test_importing_the_package_never_imports_peft():

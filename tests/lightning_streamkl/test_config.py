@@ -72,6 +72,9 @@ BAD = [
     ({"pairs": [[1, 0]], "causal": "yes"}, TypeError, "Expected `causal` to be a bool or None, but got 'yes'."),
     ({"pairs": [[1, 0]], "teacher_capture": "hooks"}, ValueError, "Expected `teacher_capture` to be one of"),
     ({"pairs": [[1, 0]], "name": "my kd"}, ValueError, "Expected `name` to be a non-empty string without spaces"),
+    ({"pairs": [[1, 0]], "teacher_device": "offlaod"}, ValueError,
+     r"Expected `teacher_device` to be one of \('student', 'keep', 'offload'\) or a torch device such as 'cpu' or "
+     r"'cuda:1', but got 'offlaod'."),
 ]
 
 

@@ -299,7 +299,7 @@ def _user_sharded_worker(rank: int, out: str) -> None:
     # as on a machine with a GPU, where offloading pins the host copies: a DTensor cannot be pinned (NotImplementedError
     # from aten.is_pinned); the refusal must come before any move
     torch.cuda.is_available = lambda: True
-    for name, kwargs in (("offload", {"offload": True}), ("device", {"device": "cpu"})):
+    for name, kwargs in (("offload", {"device": "offload"}), ("device", {"device": "cpu"})):
         with pytest.raises(ValueError) as info:
             FrozenTeacher(module, **kwargs).sharded()
         result[name] = str(info.value)
@@ -311,12 +311,13 @@ def _user_sharded_worker(rank: int, out: str) -> None:
 
 def test_a_teacher_the_user_sharded_is_kept_and_refuses_another_placement():
     """A teacher sharded with ``fully_shard`` before it is passed is not sharded again (its process count read from
-    its parameters), and refuses ``offload`` and a named device, which contradict its shards' placement."""
+    its parameters), and refuses ``teacher_device="offload"`` and a named device, which contradict its shards'
+    placement."""
     for record in run_and_collect(_user_sharded_worker, WORLD):
         assert record["same"] and record["shards"] == WORLD
-        assert "offload=True contradicts; use teacher_device='student' (the default), or pass the teacher " \
-               "unsharded" in record["offload"]
-        assert "device='cpu' contradicts" in record["device"]
+        assert "teacher_device='offload' contradicts; use teacher_device='student' (the default), or pass the " \
+               "teacher unsharded" in record["offload"]
+        assert "teacher_device='cpu' contradicts" in record["device"]
 
 
 # ---------------------------------------------------------------------------------------------- refusals
