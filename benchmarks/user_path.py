@@ -11,6 +11,9 @@ few steps and reports the median step time and the peak CUDA memory of the fit:
 - ``naive``: the KD a user writes without the op, eager attention with ``output_attentions=True`` and the KL of the
   maps, as far as it fits in memory.
 
+A distilled cell's teacher is resident on the GPU (``teacher_device="student"``) unless the cell says otherwise: with
+``teacher_device="offload"`` it stays in pinned host memory and is streamed to the GPU one layer at a time.
+
 over ``Trainer(precision=...)`` ``bf16-mixed``, ``bf16-true``, ``16-mixed`` and ``32-true`` (with
 ``torch.set_float32_matmul_precision("high")``), attention implementations ``sdpa`` and ``flex_attention``, and the
 student with and without ``torch.compile``. For a distilled cell the run also times its irreducible parts alone: the
@@ -19,7 +22,9 @@ forward+backward replayed on the tensors the loss handed the op in a step (their
 rest of the extra time is the pipeline around the op. Ratios compare cells measured in the same run.
 
 Peak memory is the fit's: the most allocated during it, less what was allocated before the student was built, plus
-the teacher's weights for a distilled cell (the teacher stays resident between cells of one run).
+the teacher's weights for a distilled cell with a resident teacher (the teacher is put on the GPU, or in host memory
+for an offloaded one, before the cell's memory is read; it stays there between cells). An offloaded teacher's device
+copies are made during the fit, so the fit's peak holds them.
 
 Parts (each resumes: cells already in ``--out`` are skipped, so a run stopped by a time limit is continued by the
 same command)::
@@ -28,10 +33,13 @@ same command)::
     python benchmarks/user_path.py --part n16384-compile    # the same cells with a compiled student
     python benchmarks/user_path.py --part ends              # N = 4096 and 32768: bf16-mixed and bf16-true, sdpa, four
     python benchmarks/user_path.py --part naive             # the KD without the op at N = 4096 and 8192
+    python benchmarks/user_path.py --part offload           # N = 16384 and 32768: bf16-mixed, sdpa, four, the teacher
+                                                            # resident and offloaded
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
     python benchmarks/user_path.py --peak N16384/bf16-true/sdpa/eager/uniform   # what is live at a cell's peak
+                                                            # (a cell key; offloaded: .../four/teacher-offload)
 
 Needs a CUDA GPU, ``transformers`` and the repository's packages (``PYTHONPATH=kernels:.``).
 """
@@ -78,19 +86,35 @@ MEMORY_TARGET = 1.15  # peak memory <= 1.15 x the plain step's
 HEADLINE_TARGET = 2.6  # bf16-mixed, N = 32768, four pairs: step <= 2.6 x the plain step
 
 
+#: The placement of a distilled cell's teacher unless the cell names another (the callback's default).
+RESIDENT = "student"
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One fit: sequence length, precision, attention implementation, compiled or not, and what is distilled."""
+    """One fit: sequence length, precision, attention implementation, compiled or not, what is distilled, and where
+    the teacher is (the callback's ``teacher_device``)."""
 
     n: int
     precision: str
     attention: str
     compiled: bool
     pairs: str  # "plain" | "four" | "uniform" | "naive"
+    teacher_device: str = RESIDENT  # "student" (resident) | "offload"
 
     @property
     def key(self) -> str:
-        return f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
+        """``N<n>/<precision>/<attention>/<eager|compiled>/<pairs>``, then ``/teacher-<device>`` when the teacher is
+        not resident (the keys of the runs before the field are unchanged)."""
+        key = f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
+        return key if self.teacher_device == RESIDENT else f"{key}/teacher-{self.teacher_device}"
+
+    @classmethod
+    def from_key(cls, key: str) -> Cell:
+        """The cell of a :attr:`key`."""
+        n, precision, attention, mode, pairs, *teacher = key.split("/")
+        device = teacher[0].removeprefix("teacher-") if teacher else RESIDENT
+        return cls(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs, device)
 
     @property
     def baseline(self) -> Cell:
@@ -100,7 +124,7 @@ class Cell:
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
-    if part not in ("n16384", "n16384-compile", "ends", "naive", "smoke", "cpu-smoke"):
+    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "smoke", "cpu-smoke"):
         raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
@@ -110,9 +134,10 @@ def part_cells(part: str) -> list[Cell]:
     if part == "n16384-compile":  # the setups people compile first: the rest as far as time allows
         cells.sort(key=lambda c: (c.precision not in ("bf16-mixed", "bf16-true"), c.attention != "sdpa"))
     if part == "ends":
-        for n in (4096, 32768):
-            for precision in ("bf16-mixed", "bf16-true"):
-                cells += [Cell(n, precision, "sdpa", False, p) for p in ("plain", "four")]
+        cells += [c for n in (4096, 32768) for precision in ("bf16-mixed", "bf16-true")
+                  for c in _sdpa_four(n, precision)]
+    if part == "offload":  # the teacher's weights off the GPU: resident and offloaded side by side
+        cells += [c for n in (16384, 32768) for c in _sdpa_four(n, "bf16-mixed", ("student", "offload"))]
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
@@ -120,12 +145,20 @@ def part_cells(part: str) -> list[Cell]:
         cells += [Cell(64, precision, "sdpa", False, p) for precision in ("bf16-mixed", "32-true")
                   for p in ("plain", "four")]
         cells += [Cell(64, "bf16-true", "sdpa", False, "uniform"), Cell(64, "bf16-mixed", "sdpa", False, "naive")]
+        cells.append(Cell(64, "bf16-mixed", "sdpa", False, "four", "offload"))
     if part == "smoke":  # every kind of cell once
         cells += [Cell(512, precision, "sdpa", False, p) for precision in PRECISIONS for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "flex_attention", False, p) for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "sdpa", False, "uniform"), Cell(512, "bf16-mixed", "sdpa", False, "naive")]
         cells += [Cell(512, "bf16-mixed", "sdpa", True, p) for p in ("plain", "four")]
+        cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", "offload"))
     return cells
+
+
+def _sdpa_four(n: int, precision: str, teachers: tuple[str, ...] = (RESIDENT,)) -> list[Cell]:
+    """The plain cell and the four-pair cells (one per teacher placement) of an eager sdpa student."""
+    return [Cell(n, precision, "sdpa", False, "plain")] + [Cell(n, precision, "sdpa", False, "four", t)
+                                                          for t in teachers]
 
 
 # ---------------------------------------------------------------------------------------------- models and the fit
@@ -323,6 +356,8 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
     StudentLM, NaiveKD, StepTimer = _module_classes()
     teacher.config._attn_implementation = "eager" if cell.pairs == "naive" else cell.attention
     record: dict[str, Any] = {"key": cell.key, **cell.__dict__}
+    offloaded = cell.pairs != "plain" and cell.teacher_device == "offload"
+    teacher.to("cpu" if offloaded else DEVICE)  # where the cell's callback keeps it, before memory is read
     gc.collect()
     cuda = DEVICE == "cuda"
     if cuda:
@@ -343,7 +378,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         if cell.pairs in ("four", "uniform"):
             pairs = explicit_pairs(FOUR_PAIRS, head_map="group") if cell.pairs == "four" else \
                 uniform_pairs(teacher, hf, head_map="group")
-            distill = StreamKLDistillation(teacher, pairs=pairs)
+            distill = StreamKLDistillation(teacher, pairs=pairs, teacher_device=cell.teacher_device)
 
             class Breakdown(L.Callback):
                 def on_train_end(self, trainer, pl_module):
@@ -365,7 +400,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
     record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times)
     if cuda:
-        resident = _bytes(teacher) if cell.pairs in ("four", "uniform", "naive") else 0
+        resident = _bytes(teacher) if cell.pairs in ("four", "uniform", "naive") and not offloaded else 0
         peak = record.pop("step_peak_bytes", None) or torch.cuda.max_memory_allocated()
         record["peak_gib"] = (peak - base + resident) / 2**30
     else:
@@ -415,8 +450,7 @@ def peak_trace(key: str) -> None:
     import torch
 
     global TRACES
-    n, precision, attention, mode, pairs = key.split("/")
-    cell = Cell(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs)
+    cell = Cell.from_key(key)
     teacher = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
     TRACES = []
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -592,7 +626,8 @@ def matrix_table(data: dict, n: int, compiled: bool = False) -> str:
             "peak memory ratio | without the teacher's weights |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for record in ordered:
-        if record["n"] != n or record["pairs"] in ("plain", "naive") or record["compiled"] != compiled:
+        if record["n"] != n or record["pairs"] in ("plain", "naive") or record["compiled"] != compiled \
+                or not _resident(record):
             continue
         plain = cells.get(Cell(n, record["precision"], record["attention"], record["compiled"], "plain").key, {})
         head = (f"| {record['precision']} | {record['attention']} | {'compiled' if record['compiled'] else 'eager'} | "
@@ -632,7 +667,7 @@ def headline(data: dict) -> str:
     """One sentence for the README: the documented setup at the longest measured N."""
     cells = data["cells"]
     four = [r for r in cells.values() if r["pairs"] == "four" and r["precision"] == "bf16-mixed"
-            and r["attention"] == "sdpa" and not r["compiled"] and "error" not in r]
+            and r["attention"] == "sdpa" and not r["compiled"] and "error" not in r and _resident(r)]
     if not four:
         return "(no run)"
     record = max(four, key=lambda r: r["n"])
@@ -659,8 +694,14 @@ def setup_line(data: dict) -> str:
             f"Lightning {data['lightning']}); median of {data['steps']} steps after {data['warmup']}.")
 
 
+def _resident(record: dict) -> bool:
+    """True for a cell whose teacher is resident (every cell of the runs before ``teacher_device`` was recorded)."""
+    return record.get("teacher_device", RESIDENT) == RESIDENT
+
+
 def _eager_ns(data: dict) -> set[int]:
-    return {r["n"] for r in data["cells"].values() if r["pairs"] in ("four", "uniform") and not r["compiled"]}
+    return {r["n"] for r in data["cells"].values()
+            if r["pairs"] in ("four", "uniform") and not r["compiled"] and _resident(r)}
 
 
 def blocks(data: dict) -> dict[str, dict[str, str]]:
@@ -691,7 +732,7 @@ def render() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "accuracy"))
+    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "offload", "accuracy"))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
     parser.add_argument("--cpu-smoke", action="store_true", help="the script's logic on tiny models, on the CPU")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")

@@ -45,6 +45,22 @@ def test_the_parts_cover_the_matrix(user_path):
     assert ends == {(n, p, pairs) for n in (4096, 32768) for p in ("bf16-mixed", "bf16-true")
                     for pairs in ("plain", "four")}
     assert {c.pairs for c in user_path.part_cells("naive")} == {"plain", "naive"}
+    offload = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_device)
+               for c in user_path.part_cells("offload")}
+    assert offload == {(n, "bf16-mixed", "sdpa", False, pairs, device) for n in (16384, 32768)
+                       for pairs, device in (("plain", "student"), ("four", "student"), ("four", "offload"))}
+
+
+def test_a_cell_key_names_the_teacher_only_when_it_is_not_resident(user_path):
+    """The keys of the runs before ``teacher_device`` are unchanged; an offloaded teacher's cell has a key of its own,
+    read back by ``--peak``."""
+    resident = user_path.Cell(16384, "bf16-mixed", "sdpa", False, "four")
+    offloaded = user_path.Cell(16384, "bf16-mixed", "sdpa", False, "four", "offload")
+    assert resident.key == "N16384/bf16-mixed/sdpa/eager/four"
+    assert offloaded.key == "N16384/bf16-mixed/sdpa/eager/four/teacher-offload"
+    assert offloaded.baseline == resident.baseline == user_path.Cell(16384, "bf16-mixed", "sdpa", False, "plain")
+    for cell in (resident, offloaded):
+        assert user_path.Cell.from_key(cell.key) == cell
 
 
 @pytest.mark.slow
@@ -64,6 +80,10 @@ def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, 
     mixed = cells["N64/32-true/sdpa/eager/four"]["kl_calls"][0]["dtypes"]
     assert mixed == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2  # the bf16 teacher beside the fp32 student
     assert sum(call["shapes"][0][1] for call in cells["N64/bf16-true/sdpa/eager/uniform"]["kl_calls"]) == 16 * 8
+    offloaded = cells["N64/bf16-mixed/sdpa/eager/four/teacher-offload"]  # the option reached the callback's engine
+    assert offloaded["teacher_device"] == "offload" and offloaded["teacher_s"] > 0
+    assert "the teacher is streamed from host memory one block at a time" in offloaded["pairing"]
+    assert "streamed" not in four["pairing"]
     derived = user_path.derived(four, cells)  # (on tiny models a distilled step may time below the plain one)
     assert derived["ratio"] > 0 and math.isfinite(derived["pipeline"]) and derived["irreducible_s"] > 0
     # a second run of the same part finds every cell done and runs none
