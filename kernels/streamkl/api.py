@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
+from ._padded import padded_attention_kl
 from ._validation import prepare_problem
 from .autograd import attention_kl_per_row
-from .dispatch import select_backend, without_full_masks
+from .dispatch import read_masks, select_backend
 from .options import BATCH, EXECUTION, PROBLEM, AttentionKLOptions, KLWithCount, keyword_signature
 from .precision import cast_for_autocast, resolve_allow_tf32
 
@@ -169,7 +170,7 @@ def attention_kl(
     """
     opts = AttentionKLOptions.of("attention_kl", options, kwargs)
     q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)
-    problem = without_full_masks(prepare_problem(q_t, k_t, q_s, k_s, opts))
+    problem, pieces = read_masks(prepare_problem(q_t, k_t, q_s, k_s, opts))
     if opts.check_finite:
         named = (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s), ("sinks_t", opts.sinks_t),
                  ("sinks_s", opts.sinks_s))
@@ -187,6 +188,14 @@ def attention_kl(
         (problem.q_t.dtype, problem.q_s.dtype),
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
+    if pieces is not None:  # a right-padded batch: each batch row as the dense problem it is
+        def run(inputs, spec, reduction):
+            return attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, reduction)
+
+        result, counted = padded_attention_kl(problem, pieces, run)
+        if not opts.return_count:
+            return result
+        return KLWithCount(result, torch.full((), float(counted), dtype=torch.float32, device=result.device))
     inputs, spec = problem.kernel_problem()
     every_row_counts = problem.every_row_counts()
     all_rows = inputs.q_a.shape[0] * inputs.q_a.shape[1] * inputs.q_a.shape[2]

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import indexer_reference, reference
+from ._padded import padded_pieces
 from ._problem import AttentionKLProblem, KLInputs, KLSpec, key_head_split
 from ._triton_common.interpreter import triton_interpreter_enabled
 
@@ -57,12 +58,12 @@ __all__ = [
     "indexer_backward",
     "indexer_forward",
     "new_dq_b_buffer",
+    "read_masks",
     "saved_dq_b_dtype",
     "select",
     "select_backend",
     "table_markdown",
     "triton_interpreter_enabled",
-    "without_full_masks",
 ]
 
 #: Problems with fewer score elements per distribution (``B·H·N_q·N_k``) stay on the portable kernels: below it the
@@ -259,32 +260,57 @@ for _route in TABLE:
 
 
 # ---------------------------------------------------------------------------------------------- masks that mask nothing
-def without_full_masks(problem: AttentionKLProblem) -> AttentionKLProblem:
-    """``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every key and row, on CUDA
-    problems of at least :data:`GLUON_MIN_SCORES` score elements: a mask sends the call to the portable kernels and
-    costs a load per tile, and the Hugging Face batch of equal-length sequences carries an all-True one. Reading a
-    mask costs one device synchronisation (as transformers' own check before sdpa), so smaller problems, whose
-    host time is their cost, keep the mask; so do calls under ``torch.compile`` tracing and CUDA-graph capture.
+def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[tuple[int, int], ...] | None]:
+    """``(problem, pieces)``: ``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every
+    key and row, and, where every mask left keeps a prefix of each batch row (a right-padded batch), the dense
+    problem each batch row is (:func:`streamkl._padded.padded_pieces`; else None). A mask sends the call to the
+    portable kernels and costs a load per tile; the Hugging Face batch of equal-length sequences carries an all-True
+    one, and a padded batch a prefix per row.
+
+    Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading the masks costs one device
+    synchronisation (as transformers' own check before sdpa), so smaller problems, whose host time is their cost,
+    keep them; so do calls under ``torch.compile`` tracing and CUDA-graph capture.
 
     Example:
         >>> from streamkl._validation import prepare_problem
         >>> from streamkl.options import AttentionKLOptions
         >>> q = torch.randn(1, 2, 8, 64)
         >>> opts = AttentionKLOptions.of("attention_kl", None, {"key_padding_mask": torch.ones(1, 8, dtype=torch.bool)})
-        >>> without_full_masks(prepare_problem(q, q, q, q, opts)).key_padding_mask is None  # a CPU tensor: kept
-        False
+        >>> problem, pieces = read_masks(prepare_problem(q, q, q, q, opts))
+        >>> problem.key_padding_mask is None, pieces  # a CPU tensor: kept
+        (False, None)
     """
+    if not _reads_masks(problem):
+        return problem, None
+    present = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
+    present = {name: m for name, m in present.items() if m is not None}
+    # per mask and batch row: the number of kept entries, and whether they are the first ones (a prefix)
+    stats = []
+    for m in present.values():
+        kept = m.sum(1)
+        prefix = (m == (torch.arange(m.shape[1], device=m.device) < kept[:, None])).all(1)
+        stats.append(torch.stack([kept, prefix.to(kept.dtype)]))
+    read = torch.stack(stats).tolist()  # one synchronisation for both masks
+    lengths = {name: r[0] for name, r in zip(present, read)}
+    full = {name: all(n == present[name].shape[1] for n in kept) for name, kept in lengths.items()}
+    problem = replace(problem, **{name: None for name in present if full[name]})
+    if all(full.values()) or not all(all(r[1]) for r in read):
+        return problem, None
+    pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))
+    if pieces is None:
+        return problem, None
+    return replace(problem, key_padding_mask=None, query_mask=None), pieces
+
+
+def _reads_masks(problem: AttentionKLProblem) -> bool:
+    """Whether :func:`read_masks` reads the masks of ``problem`` (see there)."""
     # (no assignment expression here: dynamo traces this function under torch.compile(fullgraph=True))
-    masks = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
-    present = {name: m for name, m in masks.items() if m is not None}
     q = problem.q_t
-    if (not present or not q.is_cuda or torch.compiler.is_compiling()
-            or q.shape[0] * q.shape[1] * q.shape[2] * problem.k_t.shape[2] < GLUON_MIN_SCORES
-            or torch.cuda.is_current_stream_capturing()):
-        return problem
-    every = torch.stack([m.all() for m in present.values()]).tolist()  # one synchronisation for both masks
-    dropped = {name: None for name, full in zip(present, every) if full}
-    return replace(problem, **dropped) if dropped else problem
+    if problem.key_padding_mask is None and problem.query_mask is None:
+        return False
+    return not (not q.is_cuda or torch.compiler.is_compiling()
+                or q.shape[0] * q.shape[1] * q.shape[2] * problem.k_t.shape[2] < GLUON_MIN_SCORES
+                or torch.cuda.is_current_stream_capturing())
 
 
 # ---------------------------------------------------------------------------------------------- the override

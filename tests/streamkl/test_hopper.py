@@ -659,7 +659,7 @@ def test_the_one_warpgroup_key_pass_gives_the_same_gradient_pipelined_or_one_ste
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 def test_masks_that_mask_nothing_leave_the_call_on_the_gluon_kernels(monkeypatch):
     """On a problem where the Gluon rows pay, an all-True ``key_padding_mask`` and ``query_mask`` are dropped
-    (:func:`streamkl.dispatch.without_full_masks`): the fused Gluon forward runs, with the maskless call's KL and
+    (:func:`streamkl.dispatch.read_masks`): the fused Gluon forward runs, with the maskless call's KL and
     gradients; a mask with one False key keeps the call on the portable kernels."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     q_t, k_t = (torch.randn(1, 16, 4096, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -681,3 +681,34 @@ def test_masks_that_mask_nothing_leave_the_call_on_the_gluon_kernels(monkeypatch
     one_padded[0, -1] = False
     run(key_padding_mask=one_padded)
     assert len(fused_calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeypatch):
+    """A right-padded batch (the same prefix kept by ``key_padding_mask`` and ``query_mask`` in each batch row) runs
+    one dense call per batch row (:mod:`streamkl._padded`), each on the fused Gluon forward where it is large enough;
+    its loss and gradients are the masked call's (the masks read as they are, on the portable kernels), within the
+    tolerance of two kernels that sum in different orders."""
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    lengths = (8192, 6000)
+    q_t, k_t = (torch.randn(2, 16, 8192, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_s, k_s = (torch.randn(2, 16, 8192, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+    mask = torch.arange(8192, device="cuda") < torch.tensor(lengths, device="cuda")[:, None]
+
+    def run():
+        kl = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=mask, query_mask=mask)
+        return (kl, *torch.autograd.grad(kl, (q_s, k_s)))
+
+    split = run()
+    assert len(fused_calls) == 2
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
+    masked = run()
+    assert len(fused_calls) == 2
+    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(split[0], masked[0], rtol_fwd, "kl")
+    for got, want, name in zip(split[1:], masked[1:], ("dq_s", "dk_s")):
+        assert_close(got, want, rtol_grad, name)
+        assert not got[1, :, lengths[1]:].any()

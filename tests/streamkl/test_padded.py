@@ -1,0 +1,170 @@
+"""A right-padded batch as one dense call per batch row (:mod:`streamkl._padded`), against the same call with its
+masks read by the kernels. On a GPU the masks of a large call are read on the host (:func:`streamkl.dispatch.read_masks`);
+here the gate is opened for small CPU problems, and the calls run on the reference backend and, through the
+interpreter, on the portable Triton kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamkl.api
+from streamkl import attention_kl, dispatch
+from tests._helpers import assert_close
+from tests.streamkl.oracle import TOLERANCES
+
+
+@pytest.fixture
+def reads_every_mask(monkeypatch):
+    """Read the masks of every call (the GPU reads those of large CUDA calls), and count the split calls."""
+    monkeypatch.setattr(dispatch, "_reads_masks",
+                        lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
+    splits = []
+    whole = streamkl.api.padded_attention_kl
+
+    def counted(problem, pieces, run):
+        splits.append(pieces)
+        return whole(problem, pieces, run)
+
+    monkeypatch.setattr(streamkl.api, "padded_attention_kl", counted)
+    return splits
+
+
+def prefix(lengths, n):
+    return torch.arange(n) < torch.tensor(lengths)[:, None]
+
+
+def call(inputs, grads, **kw):
+    """The op's result (and count, with ``return_count``) and the gradients of ``inputs[i]`` for ``i`` in ``grads``,
+    under a real upstream gradient (a random one per row for ``reduction="none"``)."""
+    out = attention_kl(*inputs, **kw)
+    kl = out[0] if kw.get("return_count") else out
+    upstream = torch.randn(kl.shape, generator=torch.Generator().manual_seed(1), dtype=kl.dtype)
+    got = torch.autograd.grad(kl, [inputs[i] for i in grads], upstream)
+    return (*(out if kw.get("return_count") else (out,)), *got)
+
+
+def make(batch=3, heads=4, key_heads=2, n_q=12, n_k=12, d_t=16, d_s=8, dtype=torch.float64, teacher_grad=False,
+         seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q_t = torch.randn(batch, heads, n_q, d_t, generator=g, dtype=dtype)
+    k_t = torch.randn(batch, key_heads, n_k, d_t, generator=g, dtype=dtype)
+    q_s = torch.randn(batch, heads, n_q, d_s, generator=g, dtype=dtype)
+    k_s = torch.randn(batch, 1, n_k, d_s, generator=g, dtype=dtype)
+    for x in (q_s, k_s, *((q_t, k_t) if teacher_grad else ())):
+        x.requires_grad_(True)
+    return q_t, k_t, q_s, k_s
+
+
+def compare(monkeypatch, splits, inputs, grads, expect_split: bool, rtol=1e-10, **kw):
+    split = call(inputs, grads, **kw)
+    assert len(splits) == int(expect_split)
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
+    masked = call(inputs, grads, **kw)
+    assert len(splits) == int(expect_split)
+    for i, (got, want) in enumerate(zip(split, masked)):
+        assert_close(got, want, rtol, f"output {i}")
+    return split
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_same_prefix_of_queries_and_keys_gives_the_masked_call(reads_every_mask, monkeypatch, reduction, causal):
+    """The Hugging Face batch: one mask for queries and keys, a full row, a short one and an empty one; loss,
+    gradients of both sides (a teacher that trains too) and the count of rows are the masked call's, and the padded
+    rows and keys get exactly zero gradient."""
+    inputs = make(teacher_grad=True)
+    mask = prefix([12, 5, 0], 12)
+    out = compare(monkeypatch, reads_every_mask, inputs, (0, 1, 2, 3), True, causal=causal, reduction=reduction,
+                  key_padding_mask=mask, query_mask=mask, return_count=True)
+    assert reads_every_mask[0] == ((12, 12), (5, 5), (0, 0))
+    assert float(out[1]) == 4 * (12 + 5)
+    for grad in out[2:]:
+        assert not grad[1, :, 5:].any() and not grad[2].any()
+
+
+def test_keys_padded_without_a_query_mask_split_only_without_a_causal_mask(reads_every_mask, monkeypatch):
+    """Without a query mask the padded rows are rows: with all keys visible they see the real keys, and the call
+    splits (every query, the real keys); causal, a padded row sees the real keys before it, and the call keeps its
+    mask."""
+    inputs = make()
+    mask = prefix([12, 7, 3], 12)
+    compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, key_padding_mask=mask)
+    assert reads_every_mask[0] == ((12, 12), (12, 7), (12, 3))
+    reads_every_mask.clear()
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: True)
+    compare(monkeypatch, reads_every_mask, inputs, (2, 3), False, causal=True, key_padding_mask=mask)
+
+
+def test_different_prefixes_for_queries_and_keys(reads_every_mask, monkeypatch):
+    """Not causal, each side its own prefix (a query mask that keeps fewer rows than the keys it sees)."""
+    inputs = make(n_q=10, n_k=14)
+    compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, reduction="mean",
+            key_padding_mask=prefix([14, 9, 4], 14), query_mask=prefix([10, 3, 6], 10))
+    assert reads_every_mask[0] == ((10, 14), (3, 9), (6, 4))
+
+
+def test_causal_with_more_keys_than_queries_keeps_the_alignment(reads_every_mask, monkeypatch):
+    """Queries aligned to the last key (a cache of 4 keys before 8 queries): each piece keeps the keys its rows see,
+    and the alignment, so the call is the masked one."""
+    inputs = make(n_q=8, n_k=12)
+    compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, causal=True, reduction="sum",
+            key_padding_mask=prefix([12, 9, 12], 12), query_mask=prefix([8, 5, 2], 8))
+    assert reads_every_mask[0] == ((8, 12), (5, 9), (2, 6))
+
+
+def test_options_that_change_the_distributions(reads_every_mask, monkeypatch):
+    """Reverse direction, a temperature, soft-caps, sinks that train and a sliding window: the same as masked."""
+    inputs = make()
+    sinks_t, sinks_s = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64, requires_grad=True)
+    mask = prefix([12, 8, 6], 12)
+    compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, causal=True, window=(3, 0),
+            direction="reverse", temperature=2.0, softcap_t=5.0, sinks_t=sinks_t, sinks_s=sinks_s,
+            key_padding_mask=mask, query_mask=mask)
+    split = torch.autograd.grad(attention_kl(*inputs, sinks_t=sinks_t, sinks_s=sinks_s, key_padding_mask=mask,
+                                             query_mask=mask), sinks_s)[0]
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
+    masked = torch.autograd.grad(attention_kl(*inputs, sinks_t=sinks_t, sinks_s=sinks_s, key_padding_mask=mask,
+                                              query_mask=mask), sinks_s)[0]
+    assert_close(split, masked, 1e-10, "dsinks_s")
+
+
+@pytest.mark.parametrize("mask", [
+    prefix([12, 7, 3], 12).flip(1),                     # left padding
+    torch.tensor([[True] * 6 + [False, True] * 3] * 3),  # holes
+])
+def test_masks_that_keep_no_prefix_are_read_by_the_kernels(reads_every_mask, monkeypatch, mask):
+    inputs = make()
+    compare(monkeypatch, reads_every_mask, inputs, (2, 3), False, key_padding_mask=mask, query_mask=mask)
+
+
+def test_masks_that_keep_everything_are_dropped_and_nothing_splits(reads_every_mask, monkeypatch):
+    everything = torch.ones(3, 12, dtype=torch.bool)
+    problem, pieces = dispatch.read_masks(_problem(make(), key_padding_mask=everything, query_mask=everything))
+    assert problem.key_padding_mask is None and problem.query_mask is None and pieces is None
+
+
+def test_a_batch_with_no_counted_row_keeps_its_masks(reads_every_mask):
+    mask = prefix([0, 0, 0], 12)
+    problem, pieces = dispatch.read_masks(_problem(make(), key_padding_mask=mask, query_mask=mask))
+    assert pieces is None and problem.key_padding_mask is not None
+
+
+def _problem(inputs, **kw):
+    from streamkl._validation import prepare_problem
+    from streamkl.options import AttentionKLOptions
+
+    return prepare_problem(*inputs, AttentionKLOptions(**kw))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_on_the_portable_kernels_under_autocast(reads_every_mask, monkeypatch, reduction):
+    """The way a mixed-precision training step calls it: fp32 tensors under bf16 autocast, the Triton backend (the
+    interpreter here), a real upstream gradient; bf16 gradients, rounded after a different scaling, within the
+    suite's bf16 tolerance."""
+    inputs = make(dtype=torch.float32, n_q=20, n_k=20)
+    mask = prefix([20, 13, 1], 20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, rtol=TOLERANCES[torch.bfloat16][1],
+                backend="triton", causal=True,
+                reduction=reduction, key_padding_mask=mask, query_mask=mask)
