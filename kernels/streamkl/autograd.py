@@ -65,48 +65,19 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     if isinstance(divisor, torch.Tensor):  # counted on the device
         per_row = divisor.to(torch.float32).reciprocal()
     else:
-        per_row = host_constant(1.0 / (divisor or 1), kl.device)
+        per_row = torch.full((), 1.0 / (divisor or 1), dtype=torch.float32, device=kl.device)
     # one number for every row (stride 0), as the backward of a reduced loss hands it to the kernels
     _, _, dq_b, dk_b = backward_impl(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True, backend,
                                      allow_tf32, deterministic, dq_unit)
     return loss, lse_a, lse_b, dq_b, dk_b
 
 
-#: The host constants of :func:`host_constant`, by (value, device); a few values in any run (one per row count).
-_CONSTANTS: dict[tuple[float, torch.device], torch.Tensor] = {}
-
-
-def host_constant(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-d float32 tensor holding ``value`` on ``device``, made once and then reused (read only: the upstream
-    gradient a reduced loss hands the key pass, saving a fill kernel per call). Not kept while a CUDA graph is
-    captured: a tensor made then lives in the graph's memory pool, filled only when the graph replays.
-
-    Example:
-        >>> host_constant(0.25, torch.device("cpu")) is host_constant(0.25, torch.device("cpu"))
-        True
-    """
-    key = (value, device)
-    made = _CONSTANTS.get(key)
-    if made is not None:
-        return made
-    made = torch.full((), value, dtype=torch.float32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        if len(_CONSTANTS) >= 256:  # row counts that change every call: stay bounded
-            _CONSTANTS.clear()
-        _CONSTANTS[key] = made
-    return made
-
-
 def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: torch.Tensor, need_k_b: bool):
     """``(dq_b, dk_b)`` times the loss's upstream gradient (None without one, and ``dk_b`` None unless ``need_k_b``);
-    new tensors, so a second backward (``retain_graph``) finds the saved ones unchanged. Both in one ``_foreach_mul``
-    (one kernel on CUDA for the two)."""
+    new tensors, so a second backward (``retain_graph``) finds the saved ones unchanged."""
     if grad_loss is None:
         return None, None
-    if not need_k_b:
-        return dq_b * grad_loss, None
-    dq, dk = torch._foreach_mul([dq_b, dk_b], grad_loss)
-    return dq, dk
+    return dq_b * grad_loss, (dk_b * grad_loss if need_k_b else None)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
