@@ -4,8 +4,9 @@ A Hugging Face batch of unequal sequences is padded at the end of each row and c
 dense tensors (the Gluon ones: :mod:`streamkl.dispatch`) take no mask. When every mask of a call keeps a prefix of
 each batch row (its real tokens), row ``b`` of the batch is exactly the dense problem on its first ``n_q[b]``
 queries and ``n_k[b]`` keys: strided views of the inputs, no copy. :func:`padded_pieces` finds those prefixes where
-they say the same thing as the masks, and :func:`padded_attention_kl` runs one call per batch row and puts the
-results together as the masked call returns them (excluded rows 0; the sum and the mean over the counted rows).
+they say the same thing as the masks, :func:`piece_problems` makes each row's problem, and
+:func:`streamkl.autograd.attention_kl_padded` runs them and puts the results together as the masked call returns them
+(excluded rows 0; the sum and the mean over the counted rows).
 
 The masks are read on the host by :func:`streamkl.dispatch.read_masks` (one synchronisation, which it already takes
 to drop masks that keep everything).
@@ -18,9 +19,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ._problem import AttentionKLProblem
+from ._problem import AttentionKLProblem, KLInputs, KLSpec
 
-__all__ = ["padded_attention_kl", "padded_pieces"]
+__all__ = ["padded_pieces", "per_row_result", "piece_problems"]
 
 
 def padded_pieces(problem: AttentionKLProblem, query_lengths: list[int] | None,
@@ -75,37 +76,37 @@ def _piece(problem: AttentionKLProblem, b: int, rows: int, keys: int) -> Attenti
                    query_mask=None, max_seqlen_q=rows, max_seqlen_k=keys)
 
 
-def padded_attention_kl(problem: AttentionKLProblem, pieces: tuple[tuple[int, int], ...], run) -> tuple:
-    """``(result, rows)``: what :func:`streamkl.attention_kl` returns for ``problem`` (the per-row KL ``[B, H, N_q]``,
-    its sum or its mean, as ``problem.reduction`` says) and the number of counted rows (a host int), from one call
-    of ``run(inputs, spec, reduction)`` (the op's autograd, returning ``(result, lse_a, lse_b)``) per piece of
-    :func:`padded_pieces`. Rows outside every piece are 0, as the masked call makes them.
+def piece_problems(problem: AttentionKLProblem,
+                   pieces: tuple[tuple[int, int], ...]) -> list[tuple[int, KLInputs, KLSpec]]:
+    """``(b, inputs, spec)``: the direction-free problem (:meth:`AttentionKLProblem.kernel_problem`) of each batch
+    row ``b`` of :func:`padded_pieces` that has rows, on views of its real tokens.
 
     Example:
         >>> from streamkl._validation import prepare_problem
-        >>> from streamkl.autograd import attention_kl_per_row
         >>> from streamkl.options import AttentionKLOptions
         >>> q = torch.randn(2, 2, 6, 8)
-        >>> problem = prepare_problem(q, q, q, q + 1, AttentionKLOptions(reduction="none"))
-        >>> run = lambda inputs, spec, reduction: attention_kl_per_row(inputs, spec, "reference", False, True,
-        ...                                                            reduction)
-        >>> kl, rows = padded_attention_kl(problem, ((6, 6), (4, 4)), run)
-        >>> tuple(kl.shape), rows, float(kl[1, :, 4:].abs().sum())
-        ((2, 2, 6), 20, 0.0)
+        >>> [(b, tuple(i.q_b.shape)) for b, i, _ in piece_problems(prepare_problem(q, q, q, q, AttentionKLOptions()),
+        ...                                                        ((0, 0), (4, 6)))]
+        [(1, (1, 2, 4, 8))]
     """
-    each = "none" if problem.reduction == "none" else "sum"
-    results, rows = [], 0
-    for b, (n_q, n_k) in enumerate(pieces):
-        if not n_q:
-            results.append(None)
-            continue
-        inputs, spec = _piece(problem, b, n_q, n_k).kernel_problem()
-        results.append(run(inputs, spec, each)[0])
-        rows += problem.heads * n_q
-    if each == "sum":
-        total = sum(r for r in results if r is not None)
-        return (total / rows if problem.reduction == "mean" else total), rows
-    made = next(r for r in results if r is not None)
-    shape = (1, problem.heads, problem.n_q)
-    per_row = [made.new_zeros(shape) if r is None else F.pad(r, (0, problem.n_q - r.shape[-1])) for r in results]
-    return torch.cat(per_row), rows
+    return [(b, *_piece(problem, b, n_q, n_k).kernel_problem()) for b, (n_q, n_k) in enumerate(pieces) if n_q]
+
+
+def per_row_result(problem: AttentionKLProblem, parts: list[tuple[int, KLInputs, KLSpec]],
+                   results: list[torch.Tensor]) -> torch.Tensor:
+    """The per-row KL ``[B, H, N_q]`` of ``problem`` from each piece's (``parts``, :func:`piece_problems`): 0 in the
+    rows outside every piece, as the masked call makes them.
+
+    Example:
+        >>> from streamkl._validation import prepare_problem
+        >>> from streamkl.options import AttentionKLOptions
+        >>> q = torch.randn(2, 2, 6, 8)
+        >>> problem = prepare_problem(q, q, q, q, AttentionKLOptions(reduction="none"))
+        >>> parts = piece_problems(problem, ((0, 0), (4, 6)))
+        >>> per_row_result(problem, parts, [torch.ones(1, 2, 4)])[:, 0].tolist()
+        [[0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]]
+    """
+    by_row = {b: r for (b, _, _), r in zip(parts, results)}
+    made = results[0]
+    return torch.cat([F.pad(by_row[b], (0, problem.n_q - by_row[b].shape[-1])) if b in by_row
+                      else made.new_zeros((1, problem.heads, problem.n_q)) for b in range(problem.batch)])

@@ -6,9 +6,8 @@ from typing import Any
 
 import torch
 
-from ._padded import padded_attention_kl
 from ._validation import prepare_problem
-from .autograd import attention_kl_per_row
+from .autograd import attention_kl_padded, attention_kl_per_row
 from .dispatch import read_masks, select_backend
 from .options import BATCH, EXECUTION, PROBLEM, AttentionKLOptions, KLWithCount, keyword_signature
 from .precision import cast_for_autocast, resolve_allow_tf32
@@ -189,10 +188,7 @@ def attention_kl(
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
     if pieces is not None:  # a right-padded batch: each batch row as the dense problem it is
-        def run(inputs, spec, reduction):
-            return attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, reduction)
-
-        result, counted = padded_attention_kl(problem, pieces, run)
+        result, counted = attention_kl_padded(problem, pieces, impl, allow_tf32, deterministic)
         if not opts.return_count:
             return result
         return KLWithCount(result, torch.full((), float(counted), dtype=torch.float32, device=result.device))

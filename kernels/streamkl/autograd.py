@@ -29,7 +29,8 @@ import dataclasses
 import torch
 
 from . import dispatch
-from ._problem import KLInputs, KLSpec
+from ._padded import per_row_result, piece_problems
+from ._problem import AttentionKLProblem, KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
 from .dispatch import fuses_dq_b, gradients_ahead
@@ -455,3 +456,71 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
             return _mean_of_all(kl, rows), lse_a, lse_b
         return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), reduction), lse_a, lse_b
     return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse, ahead)
+
+
+# ------------------------------------------------------------------------------ a right-padded batch
+class _PaddedAhead(torch.autograd.Function):
+    """The reduced loss of a right-padded batch (:mod:`streamkl._padded`) whose pieces compute side b's gradients
+    ahead (:func:`forward_with_gradients`), as one autograd node: ``apply(q_b, k_b, parts, backend, allow_tf32,
+    deterministic, reduction, rows)``, ``q_b``/``k_b`` the whole batch's side-b tensors and ``parts`` the pieces
+    (:func:`streamkl._padded.piece_problems`, views of them). Each piece's gradients are written into one buffer per
+    tensor (zero outside the pieces), so the backward returns them without a slice's backward per piece.
+    """
+
+    @staticmethod
+    def forward(ctx, q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows):
+        dq = torch.zeros(q_b.shape, dtype=q_b.dtype, device=q_b.device)
+        dk = torch.zeros(k_b.shape, dtype=k_b.dtype, device=k_b.device)
+        total = None
+        for b, inputs, spec in parts:
+            loss, _, _, dq_piece, dk_piece = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
+                                                                    "sum", None)
+            dq[b:b + 1, :, :dq_piece.shape[2]] = dq_piece
+            dk[b:b + 1, :, :dk_piece.shape[2]] = dk_piece
+            total = loss if total is None else total + loss
+        ctx.save_for_backward(dq, dk)
+        ctx.divisor = rows if reduction == "mean" else None
+        return total if ctx.divisor is None else total / rows
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if ctx.divisor is not None and grad_loss is not None:
+            grad_loss = grad_loss / ctx.divisor
+        return (*scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[1]), *(None,) * 6)
+
+
+def attention_kl_padded(problem: AttentionKLProblem, pieces: tuple[tuple[int, int], ...], backend: str,
+                        allow_tf32: bool, deterministic: bool) -> tuple[torch.Tensor, int]:
+    """``(result, rows)``: what :func:`streamkl.attention_kl` returns for the right-padded ``problem`` (its per-row KL,
+    sum or mean, as ``problem.reduction`` says) from one call per piece of :func:`streamkl._padded.padded_pieces`, and
+    the number of counted rows (every row of every piece). A reduced call that computes its gradients ahead
+    (:func:`streamkl.dispatch.gradients_ahead`) is one autograd node (:class:`_PaddedAhead`); any other runs
+    each piece through :func:`attention_kl_per_row`.
+
+    Example:
+        >>> from streamkl._validation import prepare_problem
+        >>> from streamkl.options import AttentionKLOptions
+        >>> q = torch.randn(2, 2, 6, 8)
+        >>> problem = prepare_problem(q, q, q, q + 1, AttentionKLOptions(reduction="none"))
+        >>> kl, rows = attention_kl_padded(problem, ((6, 6), (4, 4)), "reference", False, True)
+        >>> tuple(kl.shape), rows, float(kl[1, :, 4:].abs().sum())
+        ((2, 2, 6), 20, 0.0)
+    """
+    parts = piece_problems(problem, pieces)
+    rows = problem.heads * sum(n_q for n_q, _ in pieces)
+    reduction = problem.reduction
+    first = parts[0][1]
+    grad = torch.is_grad_enabled()
+    fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (first.q_a, first.k_a, first.q_b)))
+    sinks_train = grad and any(s is not None and s.requires_grad for s in (first.sink_a, first.sink_b))
+    if gradients_ahead(fuse, reduction, first.q_b.dtype, sinks_train):
+        q_b, k_b = (problem.q_t, problem.k_t) if problem.reverse else (problem.q_s, problem.k_s)
+        return _PaddedAhead.apply(q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows), rows
+    each = "none" if reduction == "none" else "sum"
+    results = [attention_kl_per_row(inputs, spec, backend, allow_tf32, deterministic, each)[0]
+               for _, inputs, spec in parts]
+    if each == "none":
+        return per_row_result(problem, parts, results), rows
+    total = sum(results[1:], results[0])
+    return (total / rows if reduction == "mean" else total), rows

@@ -20,13 +20,13 @@ def reads_every_mask(monkeypatch):
     monkeypatch.setattr(dispatch, "_reads_masks",
                         lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
     splits = []
-    whole = streamkl.api.padded_attention_kl
+    whole = streamkl.api.attention_kl_padded
 
-    def counted(problem, pieces, run):
+    def counted(problem, pieces, *args):
         splits.append(pieces)
-        return whole(problem, pieces, run)
+        return whole(problem, pieces, *args)
 
-    monkeypatch.setattr(streamkl.api, "padded_attention_kl", counted)
+    monkeypatch.setattr(streamkl.api, "attention_kl_padded", counted)
     return splits
 
 
@@ -161,10 +161,15 @@ def _problem(inputs, **kw):
 def test_on_the_portable_kernels_under_autocast(reads_every_mask, monkeypatch, reduction):
     """The way a mixed-precision training step calls it: fp32 tensors under bf16 autocast, the Triton backend (the
     interpreter here), a real upstream gradient; bf16 gradients, rounded after a different scaling, within the
-    suite's bf16 tolerance."""
+    suite's bf16 tolerance. The reduced loss computes its gradients ahead, all pieces in one autograd node."""
     inputs = make(dtype=torch.float32, n_q=20, n_k=20)
     mask = prefix([20, 13, 1], 20)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = attention_kl(*inputs, backend="triton", causal=True, reduction=reduction, key_padding_mask=mask,
+                            query_mask=mask)
+        node = type(loss.grad_fn).__name__
+        assert (node == "_PaddedAheadBackward") == (reduction == "mean"), node
+        reads_every_mask.clear()
         compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, rtol=TOLERANCES[torch.bfloat16][1],
                 backend="triton", causal=True,
                 reduction=reduction, key_padding_mask=mask, query_mask=mask)
