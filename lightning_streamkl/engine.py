@@ -170,6 +170,28 @@ class DistillationStep:
     output: Any = field(default=None, repr=False)
 
 
+def _teacher_of(teacher: nn.Module | str | AdaptersOff, config: StreamKLConfig) -> FrozenTeacher | SelfTeacher:
+    """The engine's teacher: the student with its adapters off, or a frozen module placed as ``config`` says."""
+    if not isinstance(teacher, AdaptersOff):
+        return FrozenTeacher(teacher, dtype=config.teacher_dtype, device=config.teacher_device,
+                             from_pretrained=config.teacher_from_pretrained)
+    if config.teacher_device == "offload":
+        raise ValueError("Expected a `teacher_device` other than 'offload' with AdaptersOff, but got "
+                         "teacher_device='offload': the teacher is the student itself, which is never offloaded.")
+    return SelfTeacher(teacher)
+
+
+def _check_caller_pass(config: StreamKLConfig) -> None:
+    """Refuse a teacher pass run by the caller (``teacher_recording``) for an offloaded teacher."""
+    if config.teacher_device == "offload":
+        raise ValueError(
+            "Expected the engine to run a teacher with teacher_device='offload' (it streams the teacher's blocks to "
+            "the device during its own pass), but the caller runs it (teacher_recording(), e.g. a trainer's own "
+            "teacher_model): that pass would find the teacher in host memory. Use teacher_device='student', or let "
+            "the engine run the teacher."
+        )
+
+
 def _device_of(module: nn.Module) -> torch.device:
     device = getattr(module, "device", None)
     if isinstance(device, torch.device):
@@ -265,16 +287,7 @@ class AttentionDistiller:
             if fn is not None and not callable(fn):
                 raise TypeError(f"Expected `{arg}` to be callable, but got {type(fn).__name__}.")
         self.config = config = validate_config(config)
-        self.teacher: FrozenTeacher | SelfTeacher
-        if isinstance(teacher, AdaptersOff):
-            if config.teacher_device == "offload":
-                raise ValueError("Expected a `teacher_device` other than 'offload' with AdaptersOff, but got "
-                                 "teacher_device='offload': the teacher is the student itself, which is never "
-                                 "offloaded.")
-            self.teacher = SelfTeacher(teacher)
-        else:
-            self.teacher = FrozenTeacher(teacher, dtype=config.teacher_dtype, device=config.teacher_device,
-                                         from_pretrained=config.teacher_from_pretrained)
+        self.teacher = _teacher_of(teacher, config)
         self.custom_forward = teacher_forward is not None
         self.teacher_forward = teacher_forward or default_teacher_forward
         self.student_forward = student_forward or default_student_forward
@@ -510,13 +523,7 @@ class AttentionDistiller:
             (['t0_s0'], True)
         """
         _, teacher_capture, _ = self._ready()
-        if self.config.teacher_device == "offload":  # before prepare() moves it to the host
-            raise ValueError(
-                "Expected the engine to run a teacher with teacher_device='offload' (it streams the teacher's blocks "
-                "to the device during its own pass), but the caller runs it (teacher_recording(), e.g. a trainer's "
-                "own teacher_model): that pass would find the teacher in host memory. Use teacher_device='student', "
-                "or let the engine run the teacher."
-            )
+        _check_caller_pass(self.config)  # before prepare() moves an offloaded teacher to the host
         self.teacher.prepare()
         with teacher_capture.recording():
             yield
