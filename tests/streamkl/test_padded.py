@@ -19,6 +19,7 @@ def reads_every_mask(monkeypatch):
     """Read the masks of every call (the GPU reads those of large CUDA calls), and count the split calls."""
     monkeypatch.setattr(dispatch, "_reads_masks",
                         lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
+    monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
     splits = []
     whole = streamkl.api.attention_kl_padded
 
@@ -173,3 +174,13 @@ def test_on_the_portable_kernels_under_autocast(reads_every_mask, monkeypatch, r
         compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, rtol=TOLERANCES[torch.bfloat16][1],
                 backend="triton", causal=True,
                 reduction=reduction, key_padding_mask=mask, query_mask=mask)
+
+
+def test_pieces_split_only_where_they_are_large_on_average(monkeypatch):
+    """Each piece is a call with its own host time: a batch of many short rows keeps its masks."""
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: True)
+    monkeypatch.setattr(dispatch, "GLUON_MIN_SCORES", 4 * 10 * 10)  # heads · rows · keys
+    mask = prefix([12, 12, 11], 12)
+    assert dispatch.read_masks(_problem(make(), key_padding_mask=mask, query_mask=mask))[1] is not None
+    mask = prefix([12, 2, 2], 12)
+    assert dispatch.read_masks(_problem(make(), key_padding_mask=mask, query_mask=mask))[1] is None
