@@ -305,8 +305,7 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[t
 def _pieces_pay(heads: int, pieces: tuple[tuple[int, int], ...]) -> bool:
     """Whether running a padded batch as its pieces measured faster than reading its masks in the kernels: where the
     pieces (those with rows) are :data:`GLUON_MIN_SCORES` score elements on average. Each piece is a call of its own,
-    whose host time smaller pieces do not hide (an H200 spent about 0.9 ms of host time per piece, forward and
-    backward).
+    whose host time (a call's validation, autograd and launches) smaller pieces do not hide.
 
     Example:
         >>> _pieces_pay(16, ((8192, 8192), (2458, 2458))), _pieces_pay(16, ((2048, 2048),) * 32)
