@@ -307,7 +307,10 @@ def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
             owner[id(t)] = where if owner.get(id(t), where) == where else -1
             tensors[id(t)] = t
     moving = [t for t in tensors.values() if t.device != device or t.dtype != _target(t, dtype)]
-    blocks = [[t for t in moving if owner[id(t)] == i] for i in range(len(units))]
+    blocks: list[list[torch.Tensor]] = [[] for _ in units]
+    for t in moving:
+        if owner[id(t)] >= 0:
+            blocks[owner[id(t)]].append(t)
     kept = [i for i, held in enumerate(blocks) if held]
     if not kept:
         with borrowed(module, device, dtype):
