@@ -47,8 +47,8 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 from common import Shape, make_inputs  # noqa: E402
 
-#: The run the docs render (one H100), its page and block.
-RESULT = os.path.join(common.RESULTS, "nvidia-h100-80gb-hbm3-real-batches.json")
+#: The run the docs render (one H200), its page and block.
+RESULT = os.path.join(common.RESULTS, "nvidia-h200-real-batches.json")
 DOC = os.path.join(common.ROOT, "docs", "concepts", "kernels.md")
 BLOCK = "real-batches:table"
 COMMAND = "PYTHONPATH=kernels:. python benchmarks/real_batches.py"
@@ -56,7 +56,7 @@ COMMAND = "PYTHONPATH=kernels:. python benchmarks/real_batches.py"
 #: padded rows / a dense batch of the same work; an all-True mask costs what no mask costs (read: within 5%); the
 #: BERT shape, one pair, / SDPA.
 CUDNN_TARGET, SEPARATE_TARGET, SAME_WORK_TARGET, ALL_TRUE_TARGET, BERT_TARGET = 1.25, 1.25, 1.15, 1.05, 2.0
-#: ``do_bench`` window (ms): about 0.2 s per timed call, for the whole run to take a few minutes on an H100.
+#: ``do_bench`` window (ms): about 0.2 s per timed call, for the whole run to take a few minutes on an H100 or H200.
 REP_MS, WARMUP_MS = 100, 25
 
 
@@ -255,7 +255,8 @@ def sdpa_fwd_bwd(calls: list[tuple], device: str) -> tuple[Callable[[], None], s
 
 @contextlib.contextmanager
 def chosen_kernels() -> Iterator[dict[str, str]]:
-    """Inside the block, the kernel that the dispatch table selects for each stage (stage -> kernel), read by wrapping
+    """Inside the block, the kernels that the dispatch table selects for each stage (stage -> kernel, or kernels
+    joined by " + " in the order first selected: a right-padded batch runs one call per batch row), read by wrapping
     ``streamkl.dispatch.select``."""
     from streamkl import dispatch
 
@@ -264,7 +265,8 @@ def chosen_kernels() -> Iterator[dict[str, str]]:
 
     def spy(stage: str, query: Any):
         route = select(stage, query)
-        seen[stage] = route.kernel
+        kernels = seen[stage].split(" + ") if stage in seen else []
+        seen[stage] = " + ".join(kernels if route.kernel in kernels else [*kernels, route.kernel])
         return route
 
     dispatch.select = spy
@@ -450,9 +452,10 @@ def table(data: dict[str, Any]) -> str:
 
 def not_run() -> str:
     """The block while no GPU has run this section: the command, and the rows it will measure."""
-    lines = [f"This section has not been run on a GPU yet: no numbers. `{COMMAND}` on one H100 writes "
+    lines = [f"This section has not been run on a GPU yet: no numbers. `{COMMAND}` on one GPU writes "
              "`benchmarks/results/<gpu>-real-batches.json`, and `python benchmarks/real_batches.py --render` (the "
-             "H100's file, or the one given) puts its table here. The rows it measures, with the issue's targets:",
+             "rendered run's file, or the one given) puts its table here. The rows it measures, with the issue's "
+             "targets:",
              "", "| batch | target |", "|---|---|"]
     lines += [f"| {r.name} | {_targets(dict(r.targets), r.group)} |" for r in rows()]
     return "\n".join(lines)
@@ -473,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-real-batches.json)")
     parser.add_argument("--cpu-smoke", action="store_true", help="the same rows on tiny shapes, on the CPU")
-    parser.add_argument("--render", nargs="?", const="", help="write a results file's table (default: the H100's "
+    parser.add_argument("--render", nargs="?", const="", help="write a results file's table (default: the rendered "
                         "committed run, or what to run while there is none) into docs/concepts/kernels.md")
     args = parser.parse_args(argv)
     if args.render is not None:

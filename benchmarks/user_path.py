@@ -66,6 +66,8 @@ PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
+#: The run of part ``offload`` the docs render (its own card: one H200).
+OFFLOAD_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 #: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
@@ -694,6 +696,25 @@ def setup_line(data: dict) -> str:
             f"Lightning {data['lightning']}); median of {data['steps']} steps after {data['warmup']}.")
 
 
+def offload_table(data: dict) -> str:
+    """The distilled cells of part ``offload`` with the teacher resident and streamed from host memory, each against
+    the plain cell of its ``N``: step, the teacher's pass, peak memory (the resident teacher's weights counted)."""
+    cells = data["cells"]
+    rows = ["| N | teacher | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair (ms) | "
+            "KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) | peak memory ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for record in sorted(cells.values(), key=lambda r: (r["n"], not _resident(r))):
+        if record["pairs"] != "four" or "error" in record:
+            continue
+        plain = cells[Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain").key]
+        d = derived(record, cells)
+        where = "resident" if _resident(record) else "`teacher_device=\"offload\"`"
+        rows.append(f"| {record['n']} | {where} | {_ms(plain['step_s'])} | {_ms(record['step_s'])} | "
+                    f"{d['ratio']:.2f}× | {_ms(record['teacher_s'])} | {_ms(sum(record['kl_s']))} | "
+                    f"{plain['peak_gib']:.2f} | {record['peak_gib']:.2f} | {d['memory']:.2f}× |")
+    return "\n".join(rows)
+
+
 def _resident(record: dict) -> bool:
     """True for a cell whose teacher is resident (every cell of the runs before ``teacher_device`` was recorded)."""
     return record.get("teacher_device", RESIDENT) == RESIDENT
@@ -716,9 +737,16 @@ def blocks(data: dict) -> dict[str, dict[str, str]]:
 
 
 def committed_blocks() -> dict[str, dict[str, str]]:
-    """:func:`blocks` of the committed results (:data:`RESULT`)."""
+    """:func:`blocks` of the committed results (:data:`RESULT`), and the offload table (block ``user-path:offload``)
+    of :data:`OFFLOAD_RESULT`."""
     with open(RESULT) as f:
-        return blocks(json.load(f))
+        rendered = blocks(json.load(f))
+    with open(OFFLOAD_RESULT) as f:
+        offload = json.load(f)
+    rendered[PRECISION_DOC]["user-path:offload"] = (f"{offload['device']}, bf16-mixed, sdpa, four pairs, eager "
+                                                    f"student; median of {offload['steps']} steps.\n\n"
+                                                    + offload_table(offload))
+    return rendered
 
 
 def render() -> None:
