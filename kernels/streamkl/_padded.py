@@ -8,8 +8,8 @@ they say the same thing as the masks, :func:`piece_problems` makes each row's pr
 :func:`streamkl.autograd.attention_kl_padded` runs them and puts the results together as the masked call returns them
 (excluded rows 0; the sum and the mean over the counted rows).
 
-The masks are read on the host by :func:`streamkl.dispatch.read_masks` (one synchronisation, which it already takes
-to drop masks that keep everything).
+The masks are read on the host by :func:`streamkl.dispatch.read_masks`: the lengths in the synchronisation it
+already takes to drop masks that keep everything, the prefixes in a second one for a batch that would split.
 """
 
 from __future__ import annotations

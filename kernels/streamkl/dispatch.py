@@ -268,7 +268,8 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[t
     one, and a padded batch a prefix per row.
 
     Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading the masks costs one device
-    synchronisation (as transformers' own check before sdpa), so smaller problems, whose host time is their cost,
+    synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a batch that would
+    split), so smaller problems, whose host time is their cost,
     keep them; so do calls under ``torch.compile`` tracing and CUDA-graph capture.
 
     Example:
@@ -284,20 +285,20 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[t
         return problem, None
     present = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
     present = {name: m for name, m in present.items() if m is not None}
-    # per mask and batch row: the number of kept entries, and whether they are the first ones (a prefix)
-    stats = []
-    for m in present.values():
-        kept = m.sum(1)
-        prefix = (m == (torch.arange(m.shape[1], device=m.device) < kept[:, None])).all(1)
-        stats.append(torch.stack([kept, prefix.to(kept.dtype)]))
-    read = torch.stack(stats).tolist()  # one synchronisation for both masks
-    lengths = {name: r[0] for name, r in zip(present, read)}
-    full = {name: all(n == present[name].shape[1] for n in kept) for name, kept in lengths.items()}
+    kept = {name: m.sum(1) for name, m in present.items()}  # per mask and batch row: the entries it keeps
+    lengths = dict(zip(kept, torch.stack(list(kept.values())).tolist()))  # one synchronisation for both masks
+    full = {name: all(n == present[name].shape[1] for n in row) for name, row in lengths.items()}
     problem = replace(problem, **{name: None for name in present if full[name]})
-    if all(full.values()) or not all(all(r[1]) for r in read):
+    if all(full.values()):
         return problem, None
     pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))
     if pieces is None or not _pieces_pay(problem.heads, pieces):
+        return problem, None
+    # the lengths hold for a right-padded batch only where each mask keeps the first entries of every row (a second
+    # synchronisation, taken only for a batch that would split)
+    prefixes = [(m == (torch.arange(m.shape[1], device=m.device) < kept[name][:, None])).all()
+                for name, m in present.items() if not full[name]]
+    if not bool(torch.stack(prefixes).all()):
         return problem, None
     return replace(problem, key_padding_mask=None, query_mask=None), pieces
 
