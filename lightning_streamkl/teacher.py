@@ -260,6 +260,22 @@ class _BlockStream:
             self.give_back(i)
 
 
+def _output_head(module: nn.Module, outside: list[torch.Tensor]) -> tuple[nn.Module | None, dict[int, torch.Tensor]]:
+    """``(head, tensors)``: a Hugging Face model's output head (``get_output_embeddings()``, e.g. ``lm_head``) and
+    those of ``outside`` (the tensors outside the blocks) that only it holds: a teacher stopped after its deepest
+    paired layer never runs it, so :func:`streamed` borrows them when it starts, not for the whole pass. A head that
+    shares its weight with another module (tied embeddings) holds none of its own."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return None, {}
+    inner = {id(m) for m in head.modules()}
+    own = {id(t) for m in head.modules() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
+    elsewhere = {id(t) for m in module.modules() if id(m) not in inner
+                 for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
+    return head, {id(t): t for t in outside if id(t) in own - elsewhere}
+
+
 @contextmanager
 def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None = None, *,
              up_to: Iterable[nn.Module] | None = None) -> Iterator[None]:
@@ -267,13 +283,14 @@ def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
     tensors (:func:`shard_units`: a Hugging Face model's layers, else its module lists' entries) are on the device
     only while the block runs, and the next block's while they are copied ahead: at most two blocks at once.
 
-    The tensors outside the blocks (embeddings, a final norm, rotary buffers, heads) are borrowed for the whole
-    ``with`` block. A block is borrowed by a forward pre-hook and given back by a forward hook, also when its forward
-    raises; when the ``with`` block ends, however the pass ended (an early exit, an error), every tensor holds its host
-    data again. On CUDA the next block in list order is copied from (pinned) host memory on a side stream while the
-    current one computes; a block that runs out of that order, or twice, is borrowed at once instead (the one copied
-    ahead is given back). On other devices every copy is made when its block starts. A module without blocks is
-    borrowed whole (:func:`borrowed`).
+    The tensors outside the blocks (embeddings, a final norm, rotary buffers) are borrowed for the whole ``with``
+    block, except a Hugging Face model's output head (``get_output_embeddings()``, untied), borrowed when it starts:
+    a pass that stops after its deepest paired layer never copies it. A block is borrowed by a forward pre-hook and
+    given back by a forward hook, also when its forward raises; when the ``with`` block ends, however the pass ended
+    (an early exit, an error), every tensor holds its host data again. On CUDA the next block in list order is copied
+    from (pinned) host memory on a side stream while the current one computes; a block that runs out of that order, or
+    twice, is borrowed at once instead (the one copied ahead is given back). On other devices every copy is made when
+    its block starts. A module without blocks is borrowed whole (:func:`borrowed`).
 
     Args:
         module: the module, its tensors in host memory.
@@ -322,11 +339,21 @@ def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
         if last and -1 not in last:  # (a module outside the blocks, or in several: any block may run)
             ahead = max((n for n, i in enumerate(kept) if i <= max(last)), default=-1)
     stream = _BlockStream([blocks[i] for i in kept], ahead, device, dtype)
-    saved = [(t, t.data) for t in moving if owner[id(t)] == -1]
+    head = _output_head(module, [t for t in moving if owner[id(t)] == -1])
+    saved = [(t, t.data) for t in moving if owner[id(t)] == -1 and id(t) not in head[1]]
     handles = []
+
+    def borrow_head(*_) -> None:  # the output head, when it runs: once per pass
+        for t in head[1].values():
+            saved.append((t, t.data))
+            t.data = t.data.to(device=device, dtype=_target(t, dtype), non_blocking=True)
+        head[1].clear()
+
     try:
         for t, host in saved:
             t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
+        if head[1]:
+            handles.append(head[0].register_forward_pre_hook(borrow_head, prepend=True))
         for n, i in enumerate(kept):
             handles.append(units[i].register_forward_pre_hook(lambda *_, n=n: stream.enter(n), prepend=True))
             handles.append(units[i].register_forward_hook(lambda *_, n=n: stream.leave(n), always_call=True))

@@ -117,6 +117,30 @@ def test_what_lies_outside_the_blocks_is_borrowed_for_the_whole_pass():
     assert {t.dtype for t in outside} == {torch.float32}
 
 
+def test_the_output_head_is_borrowed_only_when_it_runs():
+    """The untied ``lm_head`` is not borrowed with the rest of what lies outside the blocks: while the layers run it is
+    on the host; it is borrowed when it starts (its output is float64), and a pass that never reaches it (an early
+    exit; here the base model alone) never copies it."""
+    frozen = FrozenTeacher(_models()[0], dtype="float64", device="offload")
+    module = frozen.prepare()
+    assert module.lm_head.weight is not module.model.embed_tokens.weight
+    during, outputs = [], []
+    handles = [layer.register_forward_pre_hook(lambda *_: during.append(module.lm_head.weight.dtype))
+               for layer in module.model.layers]
+    handles.append(module.lm_head.register_forward_hook(lambda m, args, out: outputs.append(out.dtype)))
+    ids = _batch()["input_ids"]
+    with torch.no_grad(), frozen.placed(torch.device("cpu")):
+        logits = module(input_ids=ids, use_cache=False).logits
+    assert during == [torch.float32] * LAYERS and outputs == [F64] and logits.dtype == F64
+    during.clear()
+    with torch.no_grad(), frozen.placed(torch.device("cpu")):
+        module.model(input_ids=ids, use_cache=False)
+    assert during == [torch.float32] * LAYERS and outputs == [F64]
+    for handle in handles:
+        handle.remove()
+    assert module.lm_head.weight.dtype == torch.float32
+
+
 def test_an_error_in_the_teachers_forward_leaves_every_tensor_on_the_host():
     """A layer raising while its block runs and the next one is copied ahead: the step fails with the teacher's error,
     every teacher tensor is its host tensor again, and the next step runs normally."""
