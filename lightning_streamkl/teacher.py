@@ -260,20 +260,13 @@ class _BlockStream:
             self.give_back(i)
 
 
-def _output_head(module: nn.Module, outside: list[torch.Tensor]) -> tuple[nn.Module | None, dict[int, torch.Tensor]]:
-    """``(head, tensors)``: a Hugging Face model's output head (``get_output_embeddings()``, e.g. ``lm_head``) and
-    those of ``outside`` (the tensors outside the blocks) that only it holds: a teacher stopped after its deepest
-    paired layer never runs it, so :func:`streamed` borrows them when it starts, not for the whole pass. A head that
-    shares its weight with another module (tied embeddings) holds none of its own."""
+def _output_head(module: nn.Module) -> nn.Module | None:
+    """A Hugging Face model's output head (``get_output_embeddings()``, e.g. ``lm_head``), or None: a teacher stopped
+    after its deepest paired layer never runs it, so :func:`streamed` borrows what only it holds when it starts, not
+    for the whole pass (a head tied to the input embeddings holds nothing of its own)."""
     get = getattr(module, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if not isinstance(head, nn.Module):
-        return None, {}
-    inner = {id(m) for m in head.modules()}
-    own = {id(t) for m in head.modules() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
-    elsewhere = {id(t) for m in module.modules() if id(m) not in inner
-                 for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
-    return head, {id(t): t for t in outside if id(t) in own - elsewhere}
+    return head if isinstance(head, nn.Module) else None
 
 
 @contextmanager
@@ -316,12 +309,16 @@ def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
     for i, unit in enumerate(units):
         for m in unit.modules():
             inside[id(m)] = i if inside.get(id(m), i) == i else -1
+    head = _output_head(module)
+    in_head = set() if head is None else {id(m) for m in head.modules()}
     owner: dict[int, int] = {}  # tensor -> the one block whose modules hold it (-1: several, or a module outside)
+    head_only: dict[int, bool] = {}  # tensor -> whether only the output head's modules hold it
     tensors: dict[int, torch.Tensor] = {}
     for m in module.modules():
         where = inside.get(id(m), -1)
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
             owner[id(t)] = where if owner.get(id(t), where) == where else -1
+            head_only[id(t)] = head_only.get(id(t), True) and id(m) in in_head
             tensors[id(t)] = t
     moving = [t for t in tensors.values() if t.device != device or t.dtype != _target(t, dtype)]
     blocks: list[list[torch.Tensor]] = [[] for _ in units]
@@ -339,21 +336,22 @@ def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
         if last and -1 not in last:  # (a module outside the blocks, or in several: any block may run)
             ahead = max((n for n, i in enumerate(kept) if i <= max(last)), default=-1)
     stream = _BlockStream([blocks[i] for i in kept], ahead, device, dtype)
-    head = _output_head(module, [t for t in moving if owner[id(t)] == -1])
-    saved = [(t, t.data) for t in moving if owner[id(t)] == -1 and id(t) not in head[1]]
+    outside = [t for t in moving if owner[id(t)] == -1]
+    lazy = [t for t in outside if head_only[id(t)]]
+    saved = [(t, t.data) for t in outside if not head_only[id(t)]]
     handles = []
 
     def borrow_head(*_) -> None:  # the output head, when it runs: once per pass
-        for t in head[1].values():
+        for t in lazy:
             saved.append((t, t.data))
             t.data = t.data.to(device=device, dtype=_target(t, dtype), non_blocking=True)
-        head[1].clear()
+        lazy.clear()
 
     try:
         for t, host in saved:
             t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
-        if head[1]:
-            handles.append(head[0].register_forward_pre_hook(borrow_head, prepend=True))
+        if lazy:
+            handles.append(head.register_forward_pre_hook(borrow_head, prepend=True))
         for n, i in enumerate(kept):
             handles.append(units[i].register_forward_pre_hook(lambda *_, n=n: stream.enter(n), prepend=True))
             handles.append(units[i].register_forward_hook(lambda *_, n=n: stream.leave(n), always_call=True))

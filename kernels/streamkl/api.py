@@ -187,28 +187,27 @@ def attention_kl(
         (problem.q_t.dtype, problem.q_s.dtype),
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
-    if pieces is not None:  # a right-padded batch: each batch row as the dense problem it is
+    if pieces is not None:  # a right-padded batch: each batch row as the dense problem it is; every row counts
         result, counted = attention_kl_padded(problem, pieces, impl, allow_tf32, deterministic)
-        if not opts.return_count:
-            return result
-        return KLWithCount(result, torch.full((), float(counted), dtype=torch.float32, device=result.device))
-    inputs, spec = problem.kernel_problem()
-    every_row_counts = problem.every_row_counts()
-    all_rows = inputs.q_a.shape[0] * inputs.q_a.shape[1] * inputs.q_a.shape[2]
-    # no row can be empty: the count is known on the host (saves four small kernels per call)
-    rows = max(all_rows, 1) if problem.reduction == "mean" and every_row_counts else None
-    # "sum"/"mean" are reduced inside the op (one autograd node, the upstream gradient read without a copy)
-    result, lse_a, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, problem.reduction, rows)
-    if problem.reduction == "none" and problem.packed:
-        result = result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
+        lse_a = None
+    else:
+        inputs, spec = problem.kernel_problem()
+        all_rows = inputs.q_a.shape[0] * inputs.q_a.shape[1] * inputs.q_a.shape[2]
+        # no row can be empty: the count is known on the host (saves four small kernels per call)
+        counted = all_rows if problem.every_row_counts() else None
+        rows = max(all_rows, 1) if problem.reduction == "mean" and counted is not None else None
+        # "sum"/"mean" are reduced inside the op (one autograd node, the upstream gradient read without a copy)
+        result, lse_a, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, problem.reduction,
+                                                rows)
+        if problem.reduction == "none" and problem.packed:
+            result = result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
     if not opts.return_count:
         return result
-    if every_row_counts:
-        count = torch.full((), float(all_rows), dtype=torch.float32, device=lse_a.device)
+    if counted is not None:
+        count = torch.full((), float(counted), dtype=torch.float32, device=result.device)
     else:  # a row counts when it has an allowed key that the query mask keeps: its lse is finite (or NaN)
         count = (~torch.isposinf(lse_a)).sum().to(torch.float32)
     return KLWithCount(result, count)
-
 
 attention_kl.__signature__ = keyword_signature(attention_kl, (PROBLEM, BATCH, EXECUTION))
 

@@ -427,6 +427,16 @@ def _ahead_backward(ctx, grad_loss, *_unused):
 attention_kl_loss_ahead_op.register_autograd(_ahead_backward, setup_context=_setup_ahead_context)
 
 
+def _training_path(inputs: KLInputs, backend: str, reduction: str) -> tuple[bool, bool]:
+    """``(fuse, ahead)`` of a call on ``inputs`` in the current grad mode: whether its forward accumulates side b's
+    query gradient (:func:`streamkl.dispatch.fuses_dq_b`) and whether it computes side b's gradients ahead
+    (:func:`streamkl.dispatch.gradients_ahead`)."""
+    grad = torch.is_grad_enabled()  # (inside a Function's forward it is always off: decided before)
+    fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
+    sinks_train = grad and any(s is not None and s.requires_grad for s in (inputs.sink_a, inputs.sink_b))
+    return fuse, gradients_ahead(fuse, reduction, inputs.q_b.dtype, sinks_train)
+
+
 def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
                          reduction: str = "none", rows: int | None = None):
     """Dispatch: the custom op while ``torch.compile`` traces, the autograd Function in eager mode.
@@ -439,10 +449,7 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
     selects computes side b's gradients in its forward, in both modes (the Function, or the custom op
     ``streamkl::attention_kl_loss_ahead``, which reduces inside).
     """
-    grad = torch.is_grad_enabled()  # (inside the Function's forward it is always off)
-    fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
-    sinks_train = grad and any(s is not None and s.requires_grad for s in (inputs.sink_a, inputs.sink_b))
-    ahead = gradients_ahead(fuse, reduction, inputs.q_b.dtype, sinks_train)
+    fuse, ahead = _training_path(inputs, backend, reduction)
     if ahead and torch.compiler.is_compiling():
         loss, lse_a, lse_b, _, _ = attention_kl_loss_ahead_op(*inputs, *dataclasses.astuple(spec), backend,
                                                               allow_tf32, deterministic, reduction, rows or 0)
@@ -511,10 +518,7 @@ def attention_kl_padded(problem: AttentionKLProblem, pieces: tuple[tuple[int, in
     rows = problem.heads * sum(n_q for n_q, _ in pieces)
     reduction = problem.reduction
     first = parts[0][1]
-    grad = torch.is_grad_enabled()
-    fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (first.q_a, first.k_a, first.q_b)))
-    sinks_train = grad and any(s is not None and s.requires_grad for s in (first.sink_a, first.sink_b))
-    if gradients_ahead(fuse, reduction, first.q_b.dtype, sinks_train):
+    if _training_path(first, backend, reduction)[1]:
         q_b, k_b = (problem.q_t, problem.k_t) if problem.reverse else (problem.q_s, problem.k_s)
         return _PaddedAhead.apply(q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows), rows
     each = "none" if reduction == "none" else "sum"
