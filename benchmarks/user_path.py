@@ -66,8 +66,8 @@ PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
-#: The run of part ``offload`` the docs render (its own card: one H200).
-OFFLOAD_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
+#: The run of parts ``offload`` and ``n16384-compile`` the docs render (their own card: one H200).
+H200_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 #: The device the cells run on ("cuda"; "cpu" for ``--cpu-smoke``, which checks the script itself on tiny models).
@@ -704,8 +704,9 @@ def offload_table(data: dict) -> str:
     rows = ["| N | pairs | teacher | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair "
             "(ms) | KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) | peak memory ratio |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    distilled = {c.key for c in part_cells("offload") if c.pairs != "plain"}
     for record in sorted(cells.values(), key=lambda r: (r["n"], r["pairs"] != "four", not _resident(r))):
-        if record["pairs"] not in ("four", "uniform") or "error" in record:
+        if record["key"] not in distilled or "error" in record:
             continue
         plain = cells[Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain").key]
         d = derived(record, cells)
@@ -739,15 +740,16 @@ def blocks(data: dict) -> dict[str, dict[str, str]]:
 
 
 def committed_blocks() -> dict[str, dict[str, str]]:
-    """:func:`blocks` of the committed results (:data:`RESULT`), and the offload table (block ``user-path:offload``)
-    of :data:`OFFLOAD_RESULT`."""
+    """:func:`blocks` of the committed results (:data:`RESULT`), with the compiled students' table (block
+    ``user-path:compiled``) and the offload table (block ``user-path:offload``) of :data:`H200_RESULT`."""
     with open(RESULT) as f:
         rendered = blocks(json.load(f))
-    with open(OFFLOAD_RESULT) as f:
-        offload = json.load(f)
-    rendered[PRECISION_DOC]["user-path:offload"] = (f"{offload['device']}, bf16-mixed, sdpa, eager student; median "
-                                                    f"of {offload['steps']} steps.\n\n"
-                                                    + offload_table(offload))
+    with open(H200_RESULT) as f:
+        h200 = json.load(f)
+    card = f"{h200['device']}; median of {h200['steps']} steps after {h200['warmup']}."
+    rendered[PRECISION_DOC]["user-path:compiled"] = f"{card}\n\n" + matrix_table(h200, 16384, compiled=True)
+    rendered[PRECISION_DOC]["user-path:offload"] = (f"{h200['device']}, bf16-mixed, sdpa, eager student; median "
+                                                    f"of {h200['steps']} steps.\n\n" + offload_table(h200))
     return rendered
 
 
