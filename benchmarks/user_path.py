@@ -35,6 +35,8 @@ same command)::
     python benchmarks/user_path.py --part naive             # the KD without the op at N = 4096 and 8192
     python benchmarks/user_path.py --part offload           # N = 16384 and 32768: bf16-mixed, sdpa, four, the teacher
                                                             # resident and offloaded
+    python benchmarks/user_path.py --part fp16              # N = 16384: 16-mixed, sdpa, four and uniform, the
+                                                            # teacher resident, and offloaded for uniform
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
@@ -66,7 +68,7 @@ PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
-#: The run of parts ``offload`` and ``n16384-compile`` the docs render (their own card: one H200).
+#: The run of parts ``offload``, ``fp16`` and ``n16384-compile`` the docs render (their own card: one H200).
 H200_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
@@ -126,7 +128,7 @@ class Cell:
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
-    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "smoke", "cpu-smoke"):
+    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "smoke", "cpu-smoke"):
         raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
@@ -141,6 +143,9 @@ def part_cells(part: str) -> list[Cell]:
     if part == "offload":  # the teacher's weights off the GPU: resident and offloaded side by side
         cells += [c for n in (16384, 32768) for c in _sdpa_four(n, "bf16-mixed", ("student", "offload"))]
         cells += [Cell(16384, "bf16-mixed", "sdpa", False, "uniform", t) for t in ("student", "offload")]
+    if part == "fp16":  # 16-mixed, whose op keeps fp32 gradients: resident, and offloaded with the most pairs
+        cells += _sdpa_four(16384, "16-mixed")
+        cells += [Cell(16384, "16-mixed", "sdpa", False, "uniform", t) for t in ("student", "offload")]
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
@@ -697,14 +702,15 @@ def setup_line(data: dict) -> str:
             f"Lightning {data['lightning']}); median of {data['steps']} steps after {data['warmup']}.")
 
 
-def offload_table(data: dict) -> str:
-    """The distilled cells of part ``offload`` with the teacher resident and streamed from host memory, each against
-    the plain cell of its ``N``: step, the teacher's pass, peak memory (the resident teacher's weights counted)."""
+def offload_table(data: dict, part: str) -> str:
+    """The distilled cells of ``part`` (``offload``, ``fp16``) with the teacher resident and streamed from host memory,
+    each against the plain cell of its ``N``: step, the teacher's pass, peak memory (the resident teacher's weights
+    counted)."""
     cells = data["cells"]
     rows = ["| N | pairs | teacher | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair "
             "(ms) | KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) | peak memory ratio |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    distilled = {c.key for c in part_cells("offload") if c.pairs != "plain"}
+    distilled = {c.key for c in part_cells(part) if c.pairs != "plain"}
     for record in sorted(cells.values(), key=lambda r: (r["n"], r["pairs"] != "four", not _resident(r))):
         if record["key"] not in distilled or "error" in record:
             continue
@@ -741,15 +747,17 @@ def blocks(data: dict) -> dict[str, dict[str, str]]:
 
 def committed_blocks() -> dict[str, dict[str, str]]:
     """:func:`blocks` of the committed results (:data:`RESULT`), with the compiled students' table (block
-    ``user-path:compiled``) and the offload table (block ``user-path:offload``) of :data:`H200_RESULT`."""
+    ``user-path:compiled``) and the tables of parts ``offload`` and ``fp16`` (blocks ``user-path:offload``,
+    ``user-path:fp16``) of :data:`H200_RESULT`."""
     with open(RESULT) as f:
         rendered = blocks(json.load(f))
     with open(H200_RESULT) as f:
         h200 = json.load(f)
     card = f"{h200['device']}; median of {h200['steps']} steps after {h200['warmup']}."
     rendered[PRECISION_DOC]["user-path:compiled"] = f"{card}\n\n" + matrix_table(h200, 16384, compiled=True)
-    rendered[PRECISION_DOC]["user-path:offload"] = (f"{h200['device']}, bf16-mixed, sdpa, eager student; median "
-                                                    f"of {h200['steps']} steps.\n\n" + offload_table(h200))
+    for part, precision in (("offload", "bf16-mixed"), ("fp16", "16-mixed")):
+        rendered[PRECISION_DOC][f"user-path:{part}"] = (f"{h200['device']}, {precision}, sdpa, eager student; median "
+                                                        f"of {h200['steps']} steps.\n\n" + offload_table(h200, part))
     return rendered
 
 
@@ -764,7 +772,8 @@ def render() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "offload", "accuracy"))
+    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "offload", "fp16",
+                                           "accuracy"))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
     parser.add_argument("--cpu-smoke", action="store_true", help="the script's logic on tiny models, on the CPU")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")

@@ -50,6 +50,9 @@ def test_the_parts_cover_the_matrix(user_path):
     assert offload == {(n, "bf16-mixed", "sdpa", False, pairs, device) for n in (16384, 32768)
                        for pairs, device in (("plain", "student"), ("four", "student"), ("four", "offload"))} | {
         (16384, "bf16-mixed", "sdpa", False, "uniform", device) for device in ("student", "offload")}
+    fp16 = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_device) for c in user_path.part_cells("fp16")}
+    assert fp16 == {(16384, "16-mixed", "sdpa", False, pairs, device) for pairs, device in (
+        ("plain", "student"), ("four", "student"), ("uniform", "student"), ("uniform", "offload"))}
 
 
 def test_a_cell_key_names_the_teacher_only_when_it_is_not_resident(user_path):

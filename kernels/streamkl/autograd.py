@@ -59,8 +59,8 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
                            reduction: str, rows: int | None):
     """``(loss, lse_a, lse_b, dq_b, dk_b)``: the training forward (:func:`fused_forward`), its reduction (see
     :func:`_reduce`), and then the backward's key pass, with the gradient of the reduction as upstream gradient; so
-    ``dq_b`` and ``dk_b`` (in the dtypes of ``q_b`` and ``k_b``) are side b's gradients per unit gradient of
-    ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects."""
+    ``dq_b`` and ``dk_b`` (in :func:`streamkl.dispatch.ahead_gradient_dtype` of their inputs' dtype) are side b's
+    gradients per unit gradient of ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects."""
     kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32)
     loss, divisor = _reduce(kl, lse_a, reduction, rows)
     if isinstance(divisor, torch.Tensor):  # counted on the device
@@ -68,17 +68,21 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     else:
         per_row = torch.full((), 1.0 / (divisor or 1), dtype=torch.float32, device=kl.device)
     # one number for every row (stride 0), as the backward of a reduced loss hands it to the kernels
-    _, _, dq_b, dk_b = backward_impl(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True, backend,
-                                     allow_tf32, deterministic, dq_unit)
+    with no_autocast(inputs.q_a.device):
+        _, _, dq_b, dk_b = dispatch.backward(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True,
+                                             backend, allow_tf32, deterministic, dq_unit,
+                                             dispatch.ahead_gradient_dtype(inputs.q_b.dtype))
     return loss, lse_a, lse_b, dq_b, dk_b
 
 
-def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: torch.Tensor, need_k_b: bool):
-    """``(dq_b, dk_b)`` times the loss's upstream gradient (None without one, and ``dk_b`` None unless ``need_k_b``);
-    new tensors, so a second backward (``retain_graph``) finds the saved ones unchanged."""
+def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: torch.Tensor, need_k_b: bool,
+                     dtype: torch.dtype):
+    """``(dq_b, dk_b)`` times the loss's upstream gradient, in side b's input ``dtype`` (None without one, and
+    ``dk_b`` None unless ``need_k_b``); new tensors, so a second backward (``retain_graph``) finds the saved ones
+    unchanged."""
     if grad_loss is None:
         return None, None
-    return dq_b * grad_loss, (dk_b * grad_loss if need_k_b else None)
+    return (dq_b * grad_loss).to(dtype), ((dk_b * grad_loss).to(dtype) if need_k_b else None)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
@@ -189,6 +193,7 @@ class AttentionKLFunction(torch.autograd.Function):
             loss, lse_a, lse_b, dq_b, dk_b = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
                                                                     reduction, rows)
             ctx.save_for_backward(dq_b, dk_b)
+            ctx.input_dtype = q_b.dtype
             ctx.mark_non_differentiable(lse_a, lse_b)
             return loss, lse_a, lse_b
         if fuse_dq_b:
@@ -408,19 +413,21 @@ def attention_kl_loss_ahead_op(
 def _attention_kl_loss_ahead_fake(q_a, k_a, q_b, k_b, *args):
     dtype = result_dtype(q_a, k_a, q_b, k_b)
     lse = [q_a.new_empty(q_a.shape[:3], dtype=dtype) for _ in range(2)]
-    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q_b, k_b)]
+    saved = dispatch.ahead_gradient_dtype(q_b.dtype)
+    grads = [torch.empty_like(x, dtype=saved, memory_format=torch.contiguous_format) for x in (q_b, k_b)]
     return q_a.new_empty((), dtype=dtype), *lse, *grads
 
 
 def _setup_ahead_context(ctx, inputs, output) -> None:
     _, lse_a, lse_b, dq_b, dk_b = output
     ctx.save_for_backward(dq_b, dk_b)
+    ctx.input_dtype = inputs[2].dtype
     ctx.mark_non_differentiable(lse_a, lse_b, dq_b, dk_b)
 
 
 def _ahead_backward(ctx, grad_loss, *_unused):
     """The backward of a call that computed side b's gradients ahead (the Function's and the custom op's)."""
-    dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3])
+    dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3], ctx.input_dtype)
     return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
 
 
@@ -434,7 +441,7 @@ def _training_path(inputs: KLInputs, backend: str, reduction: str) -> tuple[bool
     grad = torch.is_grad_enabled()  # (inside a Function's forward it is always off: decided before)
     fuse = fuses_dq_b(backend, *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
     sinks_train = grad and any(s is not None and s.requires_grad for s in (inputs.sink_a, inputs.sink_b))
-    return fuse, gradients_ahead(fuse, reduction, inputs.q_b.dtype, sinks_train)
+    return fuse, gradients_ahead(fuse, reduction, sinks_train)
 
 
 def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
@@ -476,8 +483,9 @@ class _PaddedAhead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows):
-        dq = torch.zeros(q_b.shape, dtype=q_b.dtype, device=q_b.device)
-        dk = torch.zeros(k_b.shape, dtype=k_b.dtype, device=k_b.device)
+        saved = dispatch.ahead_gradient_dtype(q_b.dtype)
+        dq = torch.zeros(q_b.shape, dtype=saved, device=q_b.device)
+        dk = torch.zeros(k_b.shape, dtype=saved, device=k_b.device)
         total = None
         for b, inputs, spec in parts:
             loss, _, _, dq_piece, dk_piece = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
@@ -486,6 +494,7 @@ class _PaddedAhead(torch.autograd.Function):
             dk[b:b + 1, :, :dk_piece.shape[2]] = dk_piece
             total = loss if total is None else total + loss
         ctx.save_for_backward(dq, dk)
+        ctx.input_dtype = q_b.dtype
         ctx.divisor = rows if reduction == "mean" else None
         return total if ctx.divisor is None else total / rows
 
@@ -494,7 +503,8 @@ class _PaddedAhead(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.divisor is not None and grad_loss is not None:
             grad_loss = grad_loss / ctx.divisor
-        return (*scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[1]), *(None,) * 6)
+        return (*scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[1], ctx.input_dtype),
+                *(None,) * 6)
 
 
 def attention_kl_padded(problem: AttentionKLProblem, pieces: tuple[tuple[int, int], ...], backend: str,

@@ -49,6 +49,7 @@ __all__ = [
     "BackendQuery",
     "Problem",
     "Route",
+    "ahead_gradient_dtype",
     "backward",
     "forced",
     "forward",
@@ -474,22 +475,35 @@ def fuses_dq_b(backend: str, need_q_a: bool, need_k_a: bool, need_q_b: bool) -> 
     return backend == "triton" and need_q_b and not (need_q_a or need_k_a)
 
 
-def gradients_ahead(fused: bool, reduction: str, dtype: torch.dtype, need_sinks: bool) -> bool:
+def gradients_ahead(fused: bool, reduction: str, need_sinks: bool) -> bool:
     """Whether a training call computes side b's gradients in its forward and keeps only them: a fused call
     (:func:`fuses_dq_b`) reduced to one number (``reduction="sum"`` or ``"mean"``, whose upstream gradient is one number
-    for every row, so the gradients per unit of it are the gradients up to that factor), bf16 or fp32 inputs, and no
-    sink that trains. The forward then runs the key pass too, and saves side b's two gradients per unit upstream
-    gradient instead of the four inputs: the teacher's query and key, and the student's, are free as soon as the
-    caller drops them (the same kernels run, in the same order). fp16 keeps the inputs: its range cannot hold a
-    gradient per unit upstream gradient, which is what a gradient scaler's factor is for.
+    for every row, so the gradients per unit of it are the gradients up to that factor), and no sink that trains. The
+    forward then runs the key pass too, and saves side b's two gradients per unit upstream gradient (in
+    :func:`ahead_gradient_dtype`) instead of the four inputs: the teacher's query and key, and the student's, are free
+    as soon as the caller drops them (the same kernels run, in the same order).
 
     Example:
-        >>> gradients_ahead(True, "mean", torch.bfloat16, need_sinks=False)  # a frozen teacher's training loss
+        >>> gradients_ahead(True, "mean", need_sinks=False)  # a frozen teacher's training loss
         True
-        >>> gradients_ahead(True, "none", torch.bfloat16, need_sinks=False)  # one upstream gradient per row
+        >>> gradients_ahead(True, "none", need_sinks=False)  # one upstream gradient per row
         False
     """
-    return fused and reduction != "none" and dtype in (torch.bfloat16, torch.float32) and not need_sinks
+    return fused and reduction != "none" and not need_sinks
+
+
+def ahead_gradient_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype side b's gradients computed ahead (:func:`gradients_ahead`) are saved in for inputs of ``dtype``: the
+    input dtype, except fp32 for fp16. A gradient per unit gradient of a mean over many rows is small, and a student
+    close to its teacher makes it smaller still: fp16 would flush it to zero before a gradient scaler's factor (the
+    upstream gradient) reaches it. fp32 keeps it; the backward multiplies by that factor and rounds to fp16 once, as
+    the two-pass backward does. bf16 has fp32's range.
+
+    Example:
+        >>> ahead_gradient_dtype(torch.float16), ahead_gradient_dtype(torch.bfloat16)
+        (torch.float32, torch.bfloat16)
+    """
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -514,9 +528,11 @@ def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b
 
 def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Tensor, lse_a: torch.Tensor,
              lse_b: torch.Tensor, need_a: bool, need_b: bool, backend: str, allow_tf32: bool, deterministic: bool,
-             dq_b: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+             dq_b: torch.Tensor | None = None, grad_b_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor | None, ...]:
     """``(dq_a, dk_a, dq_b, dk_b)`` of ``Σ grad_kl · KL`` (None where not requested) on ``backend``, the key pass and
-    the query gradients by the rows :data:`TABLE` selects; ``dq_b``: the training forward's buffer, or None."""
+    the query gradients by the rows :data:`TABLE` selects; ``dq_b``: the training forward's buffer, or None.
+    ``grad_b_dtype`` (Triton, with ``dq_b``): the dtype of side b's gradients (default: its inputs')."""
     if backend == "reference":
         return reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b)
     problem = Problem(inputs, spec, need_a, need_b, deterministic, dq_b is not None, not any(grad_kl.stride()))
@@ -524,7 +540,7 @@ def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Te
     query = select("query gradient", problem)
     return _module("_triton.backward").attention_kl_bwd(
         grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, allow_tf32,
-        deterministic=query.kernel != "triton_atomic_dq", dq_b=dq_b,
+        deterministic=query.kernel != "triton_atomic_dq", dq_b=dq_b, grad_b_dtype=grad_b_dtype,
         key_pass=_implementation(key_pass) if key_pass.gluon else None)
 
 

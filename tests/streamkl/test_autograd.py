@@ -220,10 +220,10 @@ def _saved_by(fn):
 @pytest.mark.parametrize("reduction, masked", [("mean", False), ("mean", True), ("sum", True)])
 def test_a_reduced_training_loss_keeps_only_the_students_gradients(dtype, reduction, masked):
     """Memory: with a frozen teacher and ``reduction="mean"``/``"sum"``, the forward computes the student's query and
-    key gradients per unit of the loss and saves only those (in the student's dtypes): no teacher tensor and no
-    student input stays alive for the backward. fp16 keeps its inputs (its range cannot hold a gradient per unit
-    upstream gradient). The gradients, under a real upstream gradient and twice with ``retain_graph``, agree with the
-    float64 oracle; masks exclude rows, so the mean's count is taken on the device."""
+    key gradients per unit of the loss and saves only those (in the student's dtypes; fp32 for fp16, whose range
+    cannot hold a gradient per unit of the loss): no teacher tensor and no student input stays alive for the backward.
+    The gradients, under a real upstream gradient and twice with ``retain_graph``, agree with the float64 oracle, in
+    the student's dtype; masks exclude rows, so the mean's count is taken on the device."""
     from tests.streamkl.oracle import TOLERANCES
 
     g = torch.Generator().manual_seed(7)
@@ -236,10 +236,8 @@ def test_a_reduced_training_loss_keeps_only_the_students_gradients(dtype, reduct
     student = [x.clone().requires_grad_(True) for x in (q_s, k_s)]
     saved, loss = _saved_by(lambda: attention_kl(q_t, k_t, *student, causal=True, reduction=reduction,
                                                  backend="triton", **masks))
-    if dtype == torch.float16:
-        assert ((tuple(q_t.shape), dtype) in saved) and len(saved) > 2
-    else:
-        assert saved == [(tuple(q_s.shape), dtype), (tuple(k_s.shape), dtype)]
+    kept = torch.float32 if dtype == torch.float16 else dtype
+    assert saved == [(tuple(q_s.shape), kept), (tuple(k_s.shape), kept)]
     upstream = torch.tensor(3.5, device=DEVICE)
     grads = torch.autograd.grad(loss, student, upstream, retain_graph=True)
     again = torch.autograd.grad(loss, student, upstream)
@@ -251,6 +249,31 @@ def test_a_reduced_training_loss_keeps_only_the_students_gradients(dtype, reduct
     for got, repeat, want, name in zip(grads, again, expected, ("dq_s", "dk_s")):
         assert got.dtype == dtype and torch.equal(got, repeat)
         assert_close(got, want, TOLERANCES[dtype][1], name)
+
+
+def test_fp16_gradients_computed_ahead_survive_a_gradient_scalers_factor():
+    """fp16 under a gradient scaler: a student close to its teacher, a mean over many rows. Its gradients per unit of
+    the loss lie below fp16's smallest subnormal, so saving them in fp16 would flush them to zero; the scaler's factor
+    (the upstream gradient, 2^16) brings them back into range. The op saves them in fp32 and rounds once, after the
+    factor: the scaled gradients agree with the float64 oracle's to fp16's tolerance."""
+    from tests.streamkl.oracle import TOLERANCES
+
+    g = torch.Generator().manual_seed(11)
+    q_t, k_t = (0.3 * torch.randn(2, 4, 64, 16, generator=g) for _ in range(2))
+    q_s = q_t + 3e-4 * torch.randn(q_t.shape, generator=g)
+    teacher = [x.to(DEVICE, torch.float16) for x in (q_t, k_t)]
+    student = [x.to(DEVICE, torch.float16).requires_grad_(True) for x in (q_s, k_t)]
+    loss = attention_kl(*teacher, *student, causal=True, reduction="mean", backend="triton")
+    factor = torch.tensor(2.0**16, device=DEVICE)
+    grads = torch.autograd.grad(loss, student, factor)
+    exact = [x.detach().double().requires_grad_(True) for x in student]
+    oracle = attention_kl(*(x.double() for x in teacher), *exact, causal=True, reduction="mean", backend="reference")
+    expected = torch.autograd.grad(oracle, exact, factor.double())
+    for want in expected:  # per unit of the loss: every one below fp16's smallest subnormal
+        assert float(want.abs().max()) / 2**16 < 2**-24
+    for got, want, name in zip(grads, expected, ("dq_s", "dk_s")):
+        assert got.dtype == torch.float16
+        assert_close(got, want, TOLERANCES[torch.float16][1], name)
 
 
 def test_the_loss_with_gradients_passes_opcheck():

@@ -296,8 +296,9 @@ def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
 
 def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
                                  lse_b: torch.Tensor, config: LaunchConfig | None = None, *, specialised: bool,
-                                 overlap: bool) -> torch.Tensor:
-    """Side b's key gradient ``dK_b`` (input dtype, shaped like ``k_b``) of the portable key pass, on a Hopper kernel;
+                                 overlap: bool, dk_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Side b's key gradient ``dK_b`` (``dk_dtype``, default the input dtype; shaped like ``k_b``) of the portable key
+    pass, on a Hopper kernel;
     only for problems in its scope (module docstring). ``grad_kl`` is fp32: one number (a stride-0 view, as the
     portable backward passes it) or ``[B, H, N_q]`` contiguous. ``specialised`` runs the warp-specialised kernel,
     else the one-warpgroup one, whose full steps keep two register sets in flight with ``overlap`` (the variant
@@ -316,11 +317,12 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     h_kb, n_k, d_b = k_b.shape[1], k_b.shape[2], k_b.shape[3]
     group_a, group_b = heads // k_a.shape[1], heads // h_kb
     split = key_head_split(group_a, group_b)
+    dk_dtype = dk_dtype or k_b.dtype
     # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below
-    dk_b = torch.empty((batch, h_kb, split, n_k, d_b), dtype=k_b.dtype if split == 1 else torch.float32,
+    dk_b = torch.empty((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32,
                        device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
-        return dk_b.zero_().sum(2).to(k_b.dtype)
+        return dk_b.zero_().sum(2).to(dk_dtype)
     causal = spec.window_right == 0
     if specialised:  # two consumers of block_n keys each per program
         launch, cfg = _launch_ws, config or ws_key_pass_config(d_a, d_b)
@@ -343,4 +345,4 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
         (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
          ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages)) + extra,
     )
-    return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(k_b.dtype)
+    return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(dk_dtype)

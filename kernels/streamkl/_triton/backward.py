@@ -689,8 +689,10 @@ def attention_kl_bwd(
     dq_launch: LaunchConfig | None = None,
     dq_b: torch.Tensor | None = None,
     key_pass: Callable | None = None,
+    grad_b_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed).
+    """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed), side b's in
+    ``grad_b_dtype`` when given (only with ``dq_b``: a key pass of side b alone).
 
     ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script). ``dq_b`` is
     the query gradient per unit upstream gradient that the forward accumulated (``attention_kl_fwd(dq_b=...)``,
@@ -701,7 +703,10 @@ def attention_kl_bwd(
     """
     if dq_b is not None and need_grad_a:
         raise ValueError("Expected `need_grad_a=False` with a forward-accumulated `dq_b`, but got need_grad_a=True.")
+    if grad_b_dtype is not None and dq_b is None:
+        raise ValueError("Expected `grad_b_dtype` only with a forward-accumulated `dq_b`, but got dq_b=None.")
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
+    grad_b_dtype = grad_b_dtype or q_b.dtype
     if not (need_grad_a or need_grad_b):
         return None, None, None, None
     batch, heads, n_q, _ = q_a.shape
@@ -710,8 +715,10 @@ def attention_kl_bwd(
     cu_q = inputs.cu_seqlens_q
     varlen = cu_q is not None
     if batch * heads * n_q * n_k == 0:
-        zeros = lambda x, need: torch.zeros_like(x, memory_format=torch.contiguous_format) if need else None
-        return zeros(q_a, need_grad_a), zeros(k_a, need_grad_a), zeros(q_b, need_grad_b), zeros(k_b, need_grad_b)
+        def zeros(x, need, dtype=None):
+            return torch.zeros_like(x, dtype=dtype, memory_format=torch.contiguous_format) if need else None
+        return (zeros(q_a, need_grad_a), zeros(k_a, need_grad_a), zeros(q_b, need_grad_b, grad_b_dtype),
+                zeros(k_b, need_grad_b, grad_b_dtype))
 
     # the upstream gradient of reduction="mean"/"sum" is one number expanded over every row (stride 0): the
     # kernels read that number in place instead of a copied [B, H, N_Q] tensor
@@ -736,28 +743,28 @@ def attention_kl_bwd(
     # packed tokens outside every sequence (none when the offsets are valid) get zero gradients
     alloc = torch.zeros if varlen else torch.empty
 
-    def dk_buffer(k, need, per_head):
+    def dk_buffer(k, need, per_head, dtype):
         if not need:
             return None
         if per_head:
             return alloc((batch, heads, n_k, k.shape[-1]), dtype=torch.float32, device=device)
-        return alloc(k.shape, dtype=k.dtype, device=device)
+        return alloc(k.shape, dtype=dtype, device=device)
 
     cu_k = inputs.cu_seqlens_k
     if key_pass is not None and (need_grad_a or atomic):
         raise ValueError("Expected `key_pass` only for side b's key gradient alone, with no atomic query gradient.")
     if key_pass is not None:
-        dk_a, dk_b = None, key_pass(grad_kl, inputs, spec, lse_a, lse_b)
+        dk_a, dk_b = None, key_pass(grad_kl, inputs, spec, lse_a, lse_b, dk_dtype=grad_b_dtype)
     else:
-        dk_a = dk_buffer(k_a, need_grad_a, dk_a_per_head)
-        dk_b = dk_buffer(k_b, need_grad_b, False)
+        dk_a = dk_buffer(k_a, need_grad_a, dk_a_per_head, k_a.dtype)
+        dk_b = dk_buffer(k_b, need_grad_b, False, grad_b_dtype)
         dq_acc_a = torch.zeros(q_a.shape, dtype=torch.float32, device=device) if need_grad_a and atomic else None
         dq_acc_b = torch.zeros(q_b.shape, dtype=torch.float32, device=device) if need_grad_b and atomic else None
         _launch_dk(dk_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a,
                              dq_acc_b, am), dk_scalars, dk_meta)
     if fused:  # one elementwise kernel: upstream gradient (a scalar or one per row) times the forward's dQ_b
         g = grad_kl if scalar_grad else grad_kl.unsqueeze(-1)
-        dq_b = torch.mul(dq_b, g, out=torch.empty_like(dq_b, dtype=q_b.dtype))  # never in place: retain_graph
+        dq_b = torch.mul(dq_b, g, out=torch.empty_like(dq_b, dtype=grad_b_dtype))  # never in place: retain_graph
         dq_a = None
     elif atomic:
         dq_a = dq_acc_a.to(q_a.dtype) if need_grad_a else None
