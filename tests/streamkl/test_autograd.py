@@ -276,12 +276,14 @@ def test_fp16_gradients_computed_ahead_survive_a_gradient_scalers_factor():
         assert_close(got, want, TOLERANCES[torch.float16][1], name)
 
 
-def test_the_loss_with_gradients_passes_opcheck():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_loss_with_gradients_passes_opcheck(dtype):
     """The custom op a compiled training loss takes (``streamkl::attention_kl_loss_ahead``): schema, fake tensors and
-    autograd registration agree (the mean counted on the device; the eager tests above cover the other reductions).
+    autograd registration agree (the mean counted on the device; the eager tests above cover the other reductions),
+    for fp16 too, whose saved gradients are fp32 and whose input gradients are fp16.
     """
     from streamkl.autograd import attention_kl_loss_ahead_op
 
-    xs = [x.detach().requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
+    xs = [x.detach().to(dtype).requires_grad_(i >= 2) for i, x in enumerate(_inputs())]
     torch.library.opcheck(attention_kl_loss_ahead_op, (*xs, None, None, None, None, None, None, None,
                                                        *dataclasses.astuple(SPEC), "triton", False, True, "mean", 0))
