@@ -853,7 +853,7 @@ class FrozenTeacher:
             self._check_placement("pass the teacher unsharded")
         if self.offload:
             teacher.to("cpu")
-            _pin(teacher)
+            _keep_on_host(teacher, self.dtype)
         self.module = teacher
         return teacher
 
@@ -972,11 +972,16 @@ def _input_device(module: nn.Module, fallback: torch.device) -> torch.device:
     return fallback
 
 
-def _pin(module: nn.Module) -> None:
-    if not torch.cuda.is_available():
-        return
+def _keep_on_host(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Ready the host copy of an offloaded teacher: each floating-point tensor wider than ``dtype`` cast to it once
+    (each pass then copies half the bytes of an fp32 checkpoint run in bf16; a narrower tensor stays as it is and is
+    cast on the device, so the copy never grows), and every tensor pinned when CUDA is available (copies that overlap
+    the teacher's compute)."""
+    pin = torch.cuda.is_available()
     for t in _tensors(module):
-        if t.device.type == "cpu" and not t.is_pinned():
+        if dtype is not None and t.is_floating_point() and t.element_size() > dtype.itemsize:
+            t.data = t.data.to(dtype)
+        if pin and t.device.type == "cpu" and not t.is_pinned():
             t.data = t.data.pin_memory()
 
 

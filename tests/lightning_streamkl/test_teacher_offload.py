@@ -101,6 +101,24 @@ def test_an_offloaded_teacher_borrows_two_blocks_at_most_and_changes_no_loss(ear
     assert "the teacher is streamed from host memory one block at a time" in distiller.describe()
 
 
+def test_an_offloaded_teacher_is_cast_once_on_the_host_to_a_narrower_teacher_dtype():
+    """An fp32 teacher run in bf16: its host copy is cast to bf16 once, when it is prepared (each pass then copies
+    half the bytes), and the step is bitwise the resident teacher's; the host tensors are the same ones after a step
+    (nothing is cast again). A wider ``teacher_dtype`` (the float64 of the tests above) leaves the host copy as it
+    is."""
+    teacher, student = _models()
+    pairs = [[0, 0], [1, 1]]
+    kd, grads, _, host, distiller = _step(copy.deepcopy(teacher), student, pairs, "offload",
+                                          teacher_dtype="bfloat16")
+    want, want_grads, _, _, _ = _step(copy.deepcopy(teacher), student, pairs, "student", teacher_dtype="bfloat16")
+    floating = {t.dtype for t in distiller.teacher_module.state_dict().values() if t.is_floating_point()}
+    assert floating == {torch.bfloat16}
+    assert _host(distiller.teacher_module) == host
+    torch.testing.assert_close(kd, want, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+
+
 def test_what_lies_outside_the_blocks_is_borrowed_for_the_whole_pass():
     """The embeddings, the final norm and the rotary buffer are float64 whenever a block runs."""
     frozen = FrozenTeacher(_models()[0], dtype="float64", device="offload")
