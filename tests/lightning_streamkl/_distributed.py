@@ -34,6 +34,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
                       WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)
     fn(rank, *args)
+    # Rank 0 hosts the group's TCP store: were it to exit while another rank still reads from the store (the end of a
+    # new_group), that rank would fail with "Connection reset by peer" (seen once in a CPU suite). No rank of a gloo
+    # group leaves before all are done; NCCL groups (the GPU tests) are left to their own teardown.
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def start_method_for(requested: str | None = None) -> str:
