@@ -736,12 +736,11 @@ def _eager_ns(data: dict) -> set[int]:
 
 def blocks(data: dict) -> dict[str, dict[str, str]]:
     """``{file: {block name: markdown}}`` rendered from a results file: one table per ``N`` of the eager students, the
-    compiled students' cells (block ``user-path:compiled``), the KD without the op and the accuracy."""
+    KD without the op and the accuracy (the compiled students' table is another run's: :func:`committed_blocks`)."""
     tables = {f"user-path:n{n}": matrix_table(data, n) for n in sorted(_eager_ns(data))}
     tables["user-path:setup"] = setup_line(data)
     tables["user-path:naive"] = naive_table(data)
     tables["user-path:accuracy"] = accuracy_table(data)
-    tables["user-path:compiled"] = matrix_table(data, 16384, compiled=True)
     return {PRECISION_DOC: tables, README: {"user-path:readme": headline(data)}}
 
 

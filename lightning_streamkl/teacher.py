@@ -160,12 +160,18 @@ def borrowed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
 
     saved = [(t, t.data) for t in _tensors(module) if t.device != device or t.dtype != _target(t, dtype)]
     try:
-        for t, host in saved:
-            t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
+        _lend(saved, device, dtype)
         yield
     finally:
         for t, host in saved:
             t.data = host
+
+
+def _lend(saved: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, dtype: torch.dtype | None) -> None:
+    """Give each tensor of ``saved`` (``(tensor, its host data)``) a device copy of that data, in the dtype it is
+    borrowed in (:func:`_target`)."""
+    for t, host in saved:
+        t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
@@ -203,8 +209,7 @@ class _BlockStream:
         held = [(t, t.data) for t in self.blocks[i]]
         self.held[i] = held
         if not early or self.copier is None:
-            for t, host in held:
-                t.data = host.to(device=self.device, dtype=_target(t, self.dtype), non_blocking=True)
+            _lend(held, self.device, self.dtype)
             return
         compute = torch.cuda.current_stream(self.device)
         copies = [torch.empty_like(host, device=self.device, dtype=_target(t, self.dtype)) for t, host in held]
@@ -342,14 +347,13 @@ def streamed(module: nn.Module, device: torch.device, dtype: torch.dtype | None 
     handles = []
 
     def borrow_head(*_) -> None:  # the output head, when it runs: once per pass
-        for t in lazy:
-            saved.append((t, t.data))
-            t.data = t.data.to(device=device, dtype=_target(t, dtype), non_blocking=True)
+        held = [(t, t.data) for t in lazy]
+        saved.extend(held)
+        _lend(held, device, dtype)
         lazy.clear()
 
     try:
-        for t, host in saved:
-            t.data = host.to(device=device, dtype=_target(t, dtype), non_blocking=True)
+        _lend(saved, device, dtype)
         if lazy:
             handles.append(head.register_forward_pre_hook(borrow_head, prepend=True))
         for n, i in enumerate(kept):
