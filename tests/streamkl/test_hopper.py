@@ -714,3 +714,49 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
     for got, want, name in zip(split[1:], masked[1:], ("dq_s", "dk_s")):
         assert_close(got, want, rtol_grad, name)
         assert not got[1, :, lengths[1]:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("d", "causal", "dtype", "key_heads"), [
+    (64, True, torch.bfloat16, 16), (64, False, torch.bfloat16, 16), (128, True, torch.bfloat16, 4),
+    (128, False, torch.float16, 16), (64, True, torch.float16, 8)])
+def test_a_right_padded_batch_runs_in_one_launch_reading_its_lengths(d, causal, dtype, key_heads, monkeypatch):
+    """A right-padded batch that computes its gradients ahead runs as one launch of the training forward and of the
+    warp-specialised key pass, each batch row's length read in the kernels (the ``gluon_lengths`` row of the
+    dispatch table): its loss and gradients are the masked call's on the portable kernels, within the suite's
+    tolerance, with zero gradients in the padding; and NaN and inf in the padding (both sides' queries and keys) leave
+    every result bitwise unchanged: no padded entry reaches a real row."""
+    monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)  # the rows here are short on average
+    with_lengths = []
+    real = _fused.attention_kl_fused_fwd_hopper
+    monkeypatch.setattr(_fused, "attention_kl_fused_fwd_hopper",
+                        lambda *a, **k: (with_lengths.append(k.get("lengths") is not None), real(*a, **k))[1])
+    n, lengths = 2048, (2048, 1500, 131, 0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    clean = [torch.randn(4, heads, n, d, device="cuda", dtype=dtype, generator=gen)
+             for heads in (16, key_heads, 16, key_heads)]
+    mask = torch.arange(n, device="cuda") < torch.tensor(lengths, device="cuda")[:, None]
+    poisoned = [x.clone() for x in clean]
+    for b, length in enumerate(lengths):
+        for i, x in enumerate(poisoned):
+            x[b, :, length:] = float("nan") if i % 2 == 0 else float("inf")
+
+    def run(tensors):
+        q_t, k_t, q_s, k_s = (x.detach().clone().requires_grad_(i >= 2) for i, x in enumerate(tensors))
+        kl = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=mask, query_mask=mask)
+        return (kl, *torch.autograd.grad(kl, (q_s, k_s)))
+
+    one_launch = run(clean)
+    assert with_lengths == [True]
+    assert all(torch.equal(x, y) for x, y in zip(run(poisoned), one_launch))
+    assert with_lengths == [True, True]
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
+    masked = run(clean)
+    assert with_lengths == [True, True], "the masked call runs on the portable kernels"
+    rtol_fwd, rtol_grad = TOLERANCES[dtype]
+    assert_close(one_launch[0], masked[0], rtol_fwd, "kl")
+    for got, want, name in zip(one_launch[1:], masked[1:], ("dq_s", "dk_s")):
+        assert_close(got, want, rtol_grad, name)
+        for b, length in enumerate(lengths):
+            assert not got[b, :, length:].any(), f"{name}: padding of batch row {b}"
