@@ -39,33 +39,29 @@ from .precision import no_autocast
 _EMPTY_SHAPE = (0,)
 
 
-def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None,
-                 lengths: torch.Tensor | None = None):
+def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
     """``(kl, lse_a, lse_b)`` from the kernel :mod:`streamkl.dispatch` selects; with ``dq_b`` (Triton only, a buffer
     from :func:`streamkl.dispatch.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit upstream
-    gradient (see :func:`fused_forward`); ``lengths``: see :func:`streamkl.dispatch.forward`. Autocast is off inside
-    (the inputs arrive cast already)."""
+    gradient (see :func:`fused_forward`). Autocast is off inside (the inputs arrive cast already)."""
     with no_autocast(inputs.q_a.device):
-        return dispatch.forward(inputs, spec, backend, allow_tf32, dq_b, lengths)
+        return dispatch.forward(inputs, spec, backend, allow_tf32, dq_b)
 
 
-def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool,
-                  lengths: torch.Tensor | None = None):
+def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool):
     """``(kl, lse_a, lse_b, dq_b)``: the forward that also accumulates side b's query gradient per unit upstream
     gradient (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
     (:func:`streamkl.dispatch.saved_dq_b_dtype`)."""
     buffer = dispatch.new_dq_b_buffer(inputs)
-    return (*forward_impl(inputs, spec, backend, allow_tf32, buffer, lengths), buffer)
+    return (*forward_impl(inputs, spec, backend, allow_tf32, buffer), buffer)
 
 
 def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
-                           reduction: str, rows: int | None, lengths: torch.Tensor | None = None):
+                           reduction: str, rows: int | None):
     """``(loss, lse_a, lse_b, dq_b, dk_b)``: the training forward (:func:`fused_forward`), its reduction (see
     :func:`_reduce`), and then the backward's key pass, with the gradient of the reduction as upstream gradient; so
     ``dq_b`` and ``dk_b`` (in :func:`streamkl.dispatch.ahead_gradient_dtype` of their inputs' dtype) are side b's
-    gradients per unit gradient of ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects.
-    ``lengths``: a right-padded batch's in one launch (:func:`streamkl.dispatch.forward`)."""
-    kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32, lengths)
+    gradients per unit gradient of ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects."""
+    kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32)
     loss, divisor = _reduce(kl, lse_a, reduction, rows)
     if isinstance(divisor, torch.Tensor):  # counted on the device
         per_row = divisor.to(torch.float32).reciprocal()
@@ -75,7 +71,7 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     with no_autocast(inputs.q_a.device):
         _, _, dq_b, dk_b = dispatch.backward(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True,
                                              backend, allow_tf32, deterministic, dq_unit,
-                                             dispatch.ahead_gradient_dtype(inputs.q_b.dtype), lengths)
+                                             dispatch.ahead_gradient_dtype(inputs.q_b.dtype))
     return loss, lse_a, lse_b, dq_b, dk_b
 
 
@@ -478,24 +474,25 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
 
 # ------------------------------------------------------------------------------ a right-padded batch
 class _PaddedAhead(torch.autograd.Function):
-    """The reduced loss of a right-padded batch (:mod:`streamkl._padded`) that computes side b's gradients ahead
-    (:func:`forward_with_gradients`), as one autograd node: ``apply(q_b, k_b, parts, backend, allow_tf32,
-    deterministic, reduction, rows, lengths)``, ``q_b``/``k_b`` the whole batch's side-b tensors. Either ``parts``
-    are the pieces (:func:`streamkl._padded.piece_problems`, views of them), each piece's gradients written into one
-    buffer per tensor (zero outside the pieces), so the backward returns them without a slice's backward per piece;
-    or ``lengths`` are each batch row's real tokens (``[B]`` int32 on the device; the ``"padded batch"`` row
-    ``gluon_lengths`` of :data:`streamkl.dispatch.TABLE`) and ``parts`` the one problem of the whole batch, run in one
-    launch of each kernel.
+    """The reduced loss of a right-padded batch (:mod:`streamkl._padded`) whose pieces compute side b's gradients
+    ahead (:func:`forward_with_gradients`), as one autograd node: ``apply(q_b, k_b, parts, backend, allow_tf32,
+    deterministic, reduction, rows)``, ``q_b``/``k_b`` the whole batch's side-b tensors and ``parts`` the pieces
+    (:func:`streamkl._padded.piece_problems`, views of them). Each piece's gradients are written into one buffer per
+    tensor (zero outside the pieces), so the backward returns them without a slice's backward per piece.
     """
 
     @staticmethod
-    def forward(ctx, q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows, lengths=None):
-        if lengths is not None:
-            ((_, inputs, spec),) = parts
-            total, _, _, dq, dk = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic, "sum",
-                                                         None, lengths)
-        else:
-            total, dq, dk = _pieces_ahead(q_b, k_b, parts, backend, allow_tf32, deterministic)
+    def forward(ctx, q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows):
+        saved = dispatch.ahead_gradient_dtype(q_b.dtype)
+        dq = torch.zeros(q_b.shape, dtype=saved, device=q_b.device)
+        dk = torch.zeros(k_b.shape, dtype=saved, device=k_b.device)
+        total = None
+        for b, inputs, spec in parts:
+            loss, _, _, dq_piece, dk_piece = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
+                                                                    "sum", None)
+            dq[b:b + 1, :, :dq_piece.shape[2]] = dq_piece
+            dk[b:b + 1, :, :dk_piece.shape[2]] = dk_piece
+            total = loss if total is None else total + loss
         ctx.save_for_backward(dq, dk)
         ctx.input_dtype = q_b.dtype
         ctx.divisor = rows if reduction == "mean" else None
@@ -507,23 +504,7 @@ class _PaddedAhead(torch.autograd.Function):
         if ctx.divisor is not None and grad_loss is not None:
             grad_loss = grad_loss / ctx.divisor
         return (*scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[1], ctx.input_dtype),
-                *(None,) * 7)
-
-
-def _pieces_ahead(q_b, k_b, parts, backend: str, allow_tf32: bool, deterministic: bool):
-    """``(loss, dq_b, dk_b)``: the summed loss of the pieces ``parts`` and side b's gradients per unit of it, each
-    piece's written into one buffer per tensor (zero outside the pieces)."""
-    saved = dispatch.ahead_gradient_dtype(q_b.dtype)
-    dq = torch.zeros(q_b.shape, dtype=saved, device=q_b.device)
-    dk = torch.zeros(k_b.shape, dtype=saved, device=k_b.device)
-    total = None
-    for b, inputs, spec in parts:
-        loss, _, _, dq_piece, dk_piece = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
-                                                                "sum", None)
-        dq[b:b + 1, :, :dq_piece.shape[2]] = dq_piece
-        dk[b:b + 1, :, :dk_piece.shape[2]] = dk_piece
-        total = loss if total is None else total + loss
-    return total, dq, dk
+                *(None,) * 6)
 
 
 def attention_kl_padded(problem: AttentionKLProblem, pieces: tuple[tuple[int, int], ...], backend: str,
@@ -543,17 +524,12 @@ def attention_kl_padded(problem: AttentionKLProblem, pieces: tuple[tuple[int, in
         >>> tuple(kl.shape), rows, float(kl[1, :, 4:].abs().sum())
         ((2, 2, 6), 20, 0.0)
     """
+    parts = piece_problems(problem, pieces)
     rows = problem.heads * sum(n_q for n_q, _ in pieces)
     reduction = problem.reduction
-    whole = dataclasses.replace(problem, key_padding_mask=None, query_mask=None).kernel_problem()
-    ahead = _training_path(whole[0], backend, reduction)[1]
-    q_b, k_b = whole[0].q_b, whole[0].k_b
-    if dispatch.select("padded batch", dispatch.PaddedBatch(*whole, pieces, ahead)).gluon:
-        lengths = torch.tensor([n_q for n_q, _ in pieces], dtype=torch.int32, device=q_b.device)
-        return _PaddedAhead.apply(q_b, k_b, ((None, *whole),), backend, allow_tf32, deterministic, reduction, rows,
-                                  lengths), rows
-    parts = piece_problems(problem, pieces)
-    if ahead:
+    first = parts[0][1]
+    if _training_path(first, backend, reduction)[1]:
+        q_b, k_b = (problem.q_t, problem.k_t) if problem.reverse else (problem.q_s, problem.k_s)
         return _PaddedAhead.apply(q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows), rows
     each = "none" if reduction == "none" else "sum"
     results = [attention_kl_per_row(inputs, spec, backend, allow_tf32, deterministic, each)[0]

@@ -12,8 +12,6 @@ kernel of each stage of the op:
   which also accumulates side b's query gradient (:func:`fuses_dq_b`);
 * ``key pass``: the backward pass that computes the key gradients;
 * ``query gradient``: how the backward gets the query gradients;
-* ``padded batch``: how a right-padded batch (:func:`read_masks`) runs: as one launch of each kernel with each batch
-  row's length read in the kernels, or as one dense call per batch row;
 * ``indexer``: the sparse-attention indexer loss (:func:`streamkl.indexer_kl`), whose backend follows the same rows.
 
 Every stage's rows are tried in order and the first that applies runs. A row applies when its device requirement
@@ -47,10 +45,8 @@ __all__ = [
     "FORCE_CHOICES",
     "GLUON_HEAD_DIMS",
     "GLUON_MIN_SCORES",
-    "LENGTHS_MIN_ROW",
     "TABLE",
     "BackendQuery",
-    "PaddedBatch",
     "Problem",
     "Route",
     "ahead_gradient_dtype",
@@ -104,17 +100,6 @@ class Problem(NamedTuple):
     deterministic: bool = True
     fused: bool = False
     scalar_grad: bool = True
-
-
-class PaddedBatch(NamedTuple):
-    """What a right-padded batch's way of running is chosen from (stage ``"padded batch"``): the whole batch's
-    direction-free problem without its masks, the dense problem of each batch row (:func:`read_masks`'s pieces,
-    ``(queries, keys)``) and whether the call computes side b's gradients ahead (:func:`gradients_ahead`)."""
-
-    inputs: KLInputs
-    spec: KLSpec
-    pieces: tuple[tuple[int, int], ...]
-    ahead: bool
 
 
 @dataclass(frozen=True)
@@ -198,25 +183,6 @@ def _key_pass_scope(p: Problem) -> bool:
     return key_head_split(heads // p.inputs.k_a.shape[1], heads // p.inputs.k_b.shape[1]) is not None
 
 
-#: The shortest batch row (real tokens) a padded batch runs with in one launch: the warp-specialised key pass's widest
-#: query tile, which ends a batch row's last tile at its last real query
-#: (:func:`streamkl._hopper.key_pass_ws._query_row0`).
-LENGTHS_MIN_ROW = 128
-
-
-def _lengths_scope(q: PaddedBatch) -> bool:
-    """A right-padded batch runs as one launch of the Gluon training forward and the warp-specialised key pass, each
-    batch row's length read in the kernels, where it computes side b's gradients ahead, every batch row is a square
-    prefix (its first ``n`` queries and keys; ``N_q == N_k``) of 0 or at least :data:`LENGTHS_MIN_ROW` tokens, and
-    the maskless batch is in the Gluon key pass's scope."""
-    i = q.inputs
-    if not q.ahead or i.q_a.shape[2] != i.k_a.shape[2]:
-        return False
-    if any(n_q != n_k or 0 < n_q < LENGTHS_MIN_ROW for n_q, n_k in q.pieces):
-        return False
-    return _key_pass_scope(Problem(i, q.spec, need_b=True, fused=True, scalar_grad=True))
-
-
 def _warp_specialised_case(p: Problem) -> bool:
     return p.spec.window_right == 0 and _widest(p) > 64
 
@@ -286,16 +252,6 @@ TABLE: tuple[Route, ...] = (
           scope=lambda p: not p.deterministic),
     Route("query gradient", "triton_query_pass", "_triton/backward.py", _PORTABLE, "fp16, bf16, fp32",
           "otherwise: a query-stationary pass, no atomics"),
-    Route("padded batch", "gluon_lengths", "_hopper/fused_forward.py, _hopper/key_pass_ws.py", _SM90,
-          _KEY_PASS_DTYPES,
-          f"a right-padded batch (read_masks) that computes its gradients ahead; each batch row its first n queries "
-          f"and keys, n = 0 or n ≥ {LENGTHS_MIN_ROW}, N_q = N_k; the maskless batch in the Gluon key pass's scope: "
-          f"one launch of the training forward and of the warp-specialised key pass, the lengths read in the kernels; "
-          f"{_LARGE} (the whole batch)",
-          impl=("_hopper.fused_forward", "attention_kl_fused_fwd_hopper", ()), scope=_lengths_scope, pays=_large,
-          gluon=True),
-    Route("padded batch", "pieces", "_padded.py", "any", "any",
-          "otherwise: one dense call per batch row, each dispatched as above"),
 )
 
 _STAGES: dict[str, tuple[Route, ...]] = {}
@@ -551,14 +507,11 @@ def ahead_gradient_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------- running
-def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None,
-            lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(kl, lse_a, lse_b)`` of the problem on ``backend``, by the kernel :data:`TABLE` selects; with ``dq_b`` (the
     Triton backend; a buffer from :func:`new_dq_b_buffer`) the training forward, which also fills it with side b's
-    query gradient per unit upstream gradient. ``lengths`` (with ``dq_b``; the ``"padded batch"`` row
-    ``gluon_lengths`` selected): each batch row's real tokens, ``[B]`` int32 on the device, read in the kernel."""
-    if lengths is not None:
-        return _module("_hopper.fused_forward").attention_kl_fused_fwd_hopper(inputs, spec, dq_b, lengths=lengths)
+    query gradient per unit upstream gradient."""
     if backend == "reference":
         return reference.chunked_attention_kl_fwd(inputs, spec)
     problem = Problem(inputs, spec)
@@ -575,26 +528,20 @@ def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b
 
 def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Tensor, lse_a: torch.Tensor,
              lse_b: torch.Tensor, need_a: bool, need_b: bool, backend: str, allow_tf32: bool, deterministic: bool,
-             dq_b: torch.Tensor | None = None, grad_b_dtype: torch.dtype | None = None,
-             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+             dq_b: torch.Tensor | None = None, grad_b_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor | None, ...]:
     """``(dq_a, dk_a, dq_b, dk_b)`` of ``Σ grad_kl · KL`` (None where not requested) on ``backend``, the key pass and
     the query gradients by the rows :data:`TABLE` selects; ``dq_b``: the training forward's buffer, or None.
-    ``grad_b_dtype`` (Triton, with ``dq_b``): the dtype of side b's gradients (default: its inputs'). ``lengths``:
-    as :func:`forward`'s, the key pass then the warp-specialised one, which reads them."""
+    ``grad_b_dtype`` (Triton, with ``dq_b``): the dtype of side b's gradients (default: its inputs')."""
     if backend == "reference":
         return reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b)
     problem = Problem(inputs, spec, need_a, need_b, deterministic, dq_b is not None, not any(grad_kl.stride()))
     key_pass = select("key pass", problem)
     query = select("query gradient", problem)
-    if lengths is not None:
-        key_pass_fn = functools.partial(_module("_hopper.backward").attention_kl_key_pass_hopper, specialised=True,
-                                        overlap=False, lengths=lengths)
-    else:
-        key_pass_fn = _implementation(key_pass) if key_pass.gluon else None
     return _module("_triton.backward").attention_kl_bwd(
         grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, allow_tf32,
         deterministic=query.kernel != "triton_atomic_dq", dq_b=dq_b, grad_b_dtype=grad_b_dtype,
-        key_pass=key_pass_fn)
+        key_pass=_implementation(key_pass) if key_pass.gluon else None)
 
 
 def indexer_forward(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal: bool, scale: float,

@@ -27,8 +27,7 @@ def test_every_stage_ends_with_a_row_that_always_applies():
     stages = {}
     for route in dispatch.TABLE:
         stages.setdefault(route.stage, []).append(route)
-    assert list(stages) == ["backend", "indexer", "forward", "training forward", "key pass", "query gradient",
-                            "padded batch"]
+    assert list(stages) == ["backend", "indexer", "forward", "training forward", "key pass", "query gradient"]
     for stage, routes in stages.items():
         assert routes[-1].scope is None and routes[-1].pays is None and not routes[-1].gluon, stage
     assert len({r.kernel for r in dispatch.TABLE}) == len(dispatch.TABLE), "kernel names are unique"
@@ -49,28 +48,6 @@ def test_cpu_tensors_take_the_portable_kernels_at_every_stage(forcing):
         assert dispatch.select("forward", problem).kernel == "triton_forward"
         assert dispatch.select("training forward", problem).kernel == "triton_training_forward"
         assert dispatch.select("key pass", problem).kernel == "triton_key_pass"
-
-
-def _padded_batch(pieces, d=64, dtype=torch.bfloat16, ahead=True, n_k=256) -> dispatch.PaddedBatch:
-    q = torch.randn(len(pieces), 2, 256, d).to(dtype)
-    k = torch.randn(len(pieces), 2, n_k, d).to(dtype)
-    return dispatch.PaddedBatch(KLInputs(q, k, q, k, *[None] * 6), KLSpec(0.125, 0.125, window_right=0), pieces,
-                                ahead)
-
-
-def test_a_padded_batch_runs_in_one_launch_only_where_each_row_is_a_square_prefix_the_kernels_take():
-    """The ``gluon_lengths`` row: a batch that computes its gradients ahead, each row its first n queries and keys
-    (n = 0 or at least the key pass's query tile), in the Gluon key pass's scope; elsewhere one call per row."""
-    assert dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256), (128, 128), (0, 0))))
-    assert dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256),), d=128, dtype=torch.float16))
-    assert not dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256), (127, 127))))
-    assert not dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256), (128, 200))))
-    assert not dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256),), ahead=False))
-    assert not dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256),), dtype=torch.float32))
-    assert not dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256),), n_k=320))
-    assert not dispatch.in_scope("gluon_lengths", _padded_batch(((256, 256),), d=96))
-    with forced("gluon"):  # CPU tensors
-        assert dispatch.select("padded batch", _padded_batch(((256, 256),))).kernel == "pieces"
 
 
 def test_the_query_gradient_rows():

@@ -81,7 +81,7 @@ def _step_rows(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, mas
                BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
     """:func:`_row_state` of ``step``'s query rows."""
     h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED)
-    return _row_state(LSE_A, LSE_B, GRAD, h, tile * BLOCK_M, b, H, N_Q, offs_m, SCALAR_GRAD)
+    return _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M, SCALAR_GRAD)
 
 
 @gluon.jit
@@ -190,7 +190,7 @@ def _hopper_dk_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_dk(dk, DK_B, pid_bh, N_K, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
+    _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
               qb_desc.dtype == gl.float16)
 
 
@@ -296,17 +296,13 @@ def hopper_key_pass_config(d_a: int, d_b: int, causal: bool) -> LaunchConfig:
 
 def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, lse_a: torch.Tensor,
                                  lse_b: torch.Tensor, config: LaunchConfig | None = None, *, specialised: bool,
-                                 overlap: bool, dk_dtype: torch.dtype | None = None,
-                                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+                                 overlap: bool, dk_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Side b's key gradient ``dK_b`` (``dk_dtype``, default the input dtype; shaped like ``k_b``) of the portable key
     pass, on a Hopper kernel;
     only for problems in its scope (module docstring). ``grad_kl`` is fp32: one number (a stride-0 view, as the
     portable backward passes it) or ``[B, H, N_q]`` contiguous. ``specialised`` runs the warp-specialised kernel,
     else the one-warpgroup one, whose full steps keep two register sets in flight with ``overlap`` (the variant
-    :mod:`streamkl.dispatch` selects); ``config`` the tiles (default: the kernel's own choice). ``lengths`` (the
-    warp-specialised kernel; ``N_q == N_k``): ``[B]`` int32 on the device, batch row ``b`` being the dense problem on
-    its first ``lengths[b]`` queries and keys (0, or at least the kernel's query tile), the rest padding: padded
-    keys get a zero gradient and no padded query is read (:func:`streamkl._hopper.key_pass_ws._query_row0`).
+    :mod:`streamkl.dispatch` selects); ``config`` the tiles (default: the kernel's own choice).
 
     Example (on an H100)::
 
@@ -328,17 +324,12 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(dk_dtype)
     causal = spec.window_right == 0
-    if lengths is not None and not specialised:
-        raise ValueError("Expected `specialised=True` with `lengths` (only the warp-specialised key pass reads them).")
     if specialised:  # two consumers of block_n keys each per program
         launch, cfg = _launch_ws, config or ws_key_pass_config(d_a, d_b)
-        keys_per_program = 2 * cfg.block_n
-        extra = (("HAS_LENGTHS", lengths is not None), ("num_warps", 4), ("maxnreg", KERNEL_REGS))
-        row_lengths = (lengths,)
+        keys_per_program, extra = 2 * cfg.block_n, (("num_warps", 4), ("maxnreg", KERNEL_REGS))
     else:
         launch, cfg = _launch_dk, config or hopper_key_pass_config(d_a, d_b, causal)
         keys_per_program, extra = cfg.block_n, (("OVERLAP", overlap), ("num_warps", cfg.num_warps))
-        row_lengths = ()
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid = (triton.cdiv(n_k, keys_per_program), batch * h_kb * split)
     order_chunk = 1
@@ -349,7 +340,7 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, *row_lengths),
+         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b),
         (heads, h_kb, n_q, n_k, group_a, group_b, split, order_chunk, qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
          ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages)) + extra,

@@ -94,14 +94,13 @@ def _fold_scores(
     keys, rows,  # key indices [BLOCK_N] and local query rows [BLOCK_M] of the tile
     m_a, z_a, acc, m_b, z_b, rho,  # [BLOCK_M] running state (see the portable kernel)
     qk_scale_a, qk_scale_b, n_k, offset,  # offset = n_k - n_q: the causal diagonal of query i is key i + offset
-    n_rows,  # rows from n_rows see no key (a batch row's padding)
     CAUSAL: gl.constexpr, MASKED: gl.constexpr,
 ):
     """The softmax work of one key tile: the running state after it, and what the query-gradient step needs, the
     tiles ``p_b`` and ``p_b·r − p_a`` (fp32), the rescalings of ``w`` and ``v`` and whether any row's frame moved."""
     diff = x * qk_scale_a - y * qk_scale_b
     if MASKED:
-        allowed = (gl.expand_dims(keys, 0) < n_k) & (gl.expand_dims(rows, 1) < n_rows)
+        allowed = gl.expand_dims(keys, 0) < n_k
         if CAUSAL:
             allowed = allowed & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1) + offset)
         x = gl.where(allowed, x, float("-inf"))
@@ -125,15 +124,15 @@ def _fold_scores(
 
 
 @gluon.jit
-def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, n_rows, full,
+def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, full,
               CAUSAL: gl.constexpr):
     """:func:`_fold_scores` without masks when the tile is ``full`` (every key allowed for every row), else masked."""
     if full:
         m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved = _fold_scores(
-            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, n_rows, CAUSAL, False)
+            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, CAUSAL, False)
     else:
         m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved = _fold_scores(
-            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, n_rows, CAUSAL, True)
+            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, CAUSAL, True)
     return m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved
 
 
@@ -217,8 +216,8 @@ def _finite_copy(kb_ring, stage, scratch, BLOCK_N: gl.constexpr, D_B: gl.constex
 
 @gluon.jit
 def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr,
-                  m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, n_keys,
-                  offset, n_rows, p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K,
+                  offset, p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   MASKED: gl.constexpr, SCRATCH: gl.constexpr):
     """Key tiles ``[lo, hi)`` of consumer ``ME``, one step each: its score products, the softmax work, the rescaling
@@ -231,8 +230,8 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
         x, y = _issue_scores(qa, qb, ka_ring, kb_ring, stage, zero, BLOCK_N, D_A, D_B)
         x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
         m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
-            x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_keys, offset,
-            n_rows, not MASKED, CAUSAL)
+            x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
+            not MASKED, CAUSAL)
         if kb_ring.dtype == gl.float16:
             d, w, w_scale = _fp16_frame(d, w, w_scale)
             coef = coef * w_scale
@@ -253,13 +252,10 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
 
 @gluon.jit
 def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, ME: gl.constexpr,
-                     KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, n_rows, n_keys, m0, n_tiles, offset, qk_scale_a,
-                     qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_LENGTHS: gl.constexpr):
-    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over every key tile, then their outputs. With per-row
-    lengths, rows from ``n_rows`` and keys from ``n_keys`` are a batch row's padding: a consumer holding any such
-    row masks every tile (they come out as rows with no key), and the masked tiles take side b's keys from the
-    scratch copy (:func:`_finite_copy`), so that no padded key reaches a real row through ``0·inf``."""
+                     KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                     grad_scale_b, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over every key tile, then their outputs."""
     D_A: gl.constexpr = qa_smem.type.shape[4]
     D_B: gl.constexpr = qb_smem.type.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -271,12 +267,9 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     row0 = m0 + ME * BLOCK_M
     if CAUSAL:  # tiles from n_full on hold keys past some row's diagonal (for the first consumer: past all of them)
-        n_full = gl.minimum(gl.minimum((row0 + offset + 1) // BLOCK_N, n_keys // BLOCK_N), n_tiles)
+        n_full = gl.minimum(gl.minimum((row0 + offset + 1) // BLOCK_N, N_K // BLOCK_N), n_tiles)
     else:
-        n_full = n_keys // BLOCK_N
-    if HAS_LENGTHS and row0 + BLOCK_M > n_rows:
-        n_full = 0
-    SCRATCH: gl.constexpr = CAUSAL or HAS_LENGTHS
+        n_full = N_K // BLOCK_N
     rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_a = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
@@ -296,14 +289,14 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
     w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         0, n_full, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v, w,
-        w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, n_keys, offset, n_rows, p_layout, o_row_layout, BLOCK_N,
-        D_A, D_B, STAGES, CAUSAL, False, False)
+        w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B,
+        STAGES, CAUSAL, False, False)
     # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
-    # past N_K the copy engine filled with zeros; with per-row lengths, whose padded keys the scratch copy contains).
+    # past N_K the copy engine filled with zeros).
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         n_full, n_tiles, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho,
-        v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, n_keys, offset, n_rows, p_layout, o_row_layout,
-        BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, SCRATCH)
+        v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A,
+        D_B, STAGES, CAUSAL, True, CAUSAL)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
     _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
@@ -315,12 +308,11 @@ def _ws_fused_fwd_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
-    LENGTHS,  # HAS_LENGTHS: [B] int32, the real tokens of each batch row (N_Q == N_K), else None
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LENGTHS: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     m0, pid_bh = _row_tile_start(N_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
     b = pid_bh // H
@@ -328,17 +320,11 @@ def _ws_fused_fwd_kernel(
     hk_a = h // GROUP_A
     hk_b = h // GROUP_B
     offset = N_K - N_Q
-    if HAS_LENGTHS:  # batch row b is the dense problem on its first n_rows queries and keys
-        n_rows = gl.load(LENGTHS + b)
-    else:
-        n_rows = N_Q
-    n_keys = n_rows + offset
     if CAUSAL:
-        hi = gl.minimum(n_keys, m0 + CONSUMERS * BLOCK_M + offset)
+        hi = gl.minimum(N_K, m0 + CONSUMERS * BLOCK_M + offset)
     else:
-        hi = n_keys
-    # >= 1 where the program has a real row (N_K >= N_Q when causal); none past a batch row's real tokens
-    n_tiles = gl.where(m0 < n_rows, gl.cdiv(hi, BLOCK_N), 0)
+        hi = N_K
+    n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
 
     dtype: gl.constexpr = qa_desc.dtype
     qa_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + qa_desc.block_type.shape, qa_desc.layout)
@@ -357,11 +343,11 @@ def _ws_fused_fwd_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
-                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, n_rows, n_keys, m0, n_tiles, offset, qk_scale_a,
-                            qk_scale_b, grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES, HAS_LENGTHS)),
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
-                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, n_rows, n_keys, m0, n_tiles, offset, qk_scale_a,
-                            qk_scale_b, grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES, HAS_LENGTHS)),
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
+                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
                             empty, q_bar, b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -388,14 +374,10 @@ _launch = KernelLauncher(_ws_fused_fwd_kernel)
 
 def attention_kl_fused_fwd_hopper(
     inputs: KLInputs, spec: KLSpec, dq_b: torch.Tensor, config: LaunchConfig | None = None,
-    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward of :func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b`` (same outputs, ``(kl,
     lse_a, lse_b)``, each ``[B, H, N_q]`` fp32, nats, and ``dq_b`` filled with side b's query gradient per unit
-    upstream gradient) on the Hopper kernel; only for problems in its scope (module docstring). ``lengths``
-    (``N_q == N_k``): ``[B]`` int32 on the device, batch row ``b`` being the dense problem on its first
-    ``lengths[b]`` queries and keys and the rest padding, which comes out as rows with no key (KL 0, lse +inf, zero
-    gradient), as under the masks that keep those prefixes.
+    upstream gradient) on the Hopper kernel; only for problems in its scope (module docstring).
 
     Example (on an H100)::
 
@@ -418,11 +400,10 @@ def attention_kl_fused_fwd_hopper(
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, lengths),
+         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, qk_a, qk_b,
          spec.grad_scale("b")),
         (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
-         ("STAGES", cfg.num_stages), ("HAS_LENGTHS", lengths is not None), ("num_warps", 4),
-         ("maxnreg", KERNEL_REGS)),
+         ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )
     return kl, lse_a, lse_b

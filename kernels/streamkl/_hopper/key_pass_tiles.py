@@ -27,10 +27,10 @@ def _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED: gl
 
 
 @gluon.jit
-def _row_state(LSE_A, LSE_B, GRAD, h, row0, b, H, N_Q, offs_m, SCALAR_GRAD: gl.constexpr):
-    """Base-2 log-sum-exps of both sides and the upstream gradient of head ``h``'s query rows ``row0 + offs_m`` (a
-    column of the transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
-    rows = row0 + offs_m
+def _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+    """Base-2 log-sum-exps of both sides and the upstream gradient of the query rows of head ``h``'s query tile
+    ``tile`` (a column of the transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
+    rows = tile * BLOCK_M + offs_m
     row_in = rows < N_Q
     at = (b.to(gl.int64) * H + h) * N_Q + rows
     lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C
@@ -73,11 +73,11 @@ def _causal_mask(ds, keys, rows, offset):
 
 
 @gluon.jit
-def _store_dk(dk, DK_B, pid_bh, N_K, n_keys, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
+def _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
               dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr, FP16: gl.constexpr):
     """Store ``dK_b`` of keys ``k0 ..`` (fp32 ``dk``, ``dk_layout``) times side b's scale and, with
-    ``SCALAR_GRAD``, the one upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys from
-    ``n_keys`` (a batch row's padding, whatever their tile computed) get 0, and keys past ``N_K`` are left out."""
+    ``SCALAR_GRAD``, the one upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys past
+    ``N_K`` are left out."""
     scale = grad_scale_b
     if FP16:
         scale = scale / FP16_DS_SCALE
@@ -86,6 +86,4 @@ def _store_dk(dk, DK_B, pid_bh, N_K, n_keys, k0, grad_scale_b, GRAD, BLOCK_N: gl
     out_keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
     cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
     at = (pid_bh.to(gl.int64) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
-    real = gl.expand_dims(out_keys < n_keys, 1)
-    gl.store(DK_B + at, gl.where(real, dk * scale, 0.0).to(DK_B.dtype.element_ty),
-             mask=gl.expand_dims(out_keys < N_K, 1))
+    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))

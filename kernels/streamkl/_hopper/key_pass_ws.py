@@ -42,8 +42,8 @@ KERNEL_REGS = 168
 
 @gluon.jit
 def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns,
-              b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, n_rows,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LENGTHS: gl.constexpr):
+              b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Load both consumers' key tiles once, then every step's query tiles of both sides, ``STAGES`` ahead of the
     slower consumer."""
     mbarrier.expect(k_bar, 2 * (ka_desc.block_type.nbytes + kb_desc.block_type.nbytes))
@@ -54,7 +54,7 @@ def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_
         stage = t % STAGES
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         h = h0 + t // n_tiles
-        m0 = _query_row0(first_tile + t % n_tiles, n_rows, BLOCK_M, HAS_LENGTHS)
+        m0 = (first_tile + t % n_tiles) * BLOCK_M
         bar = ready.index(stage)
         mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes)
         _tma_load(qa_desc, [b, h, m0, 0], bar, qa_ring.index(stage))
@@ -62,43 +62,27 @@ def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_
 
 
 @gluon.jit
-def _query_row0(tile, n_rows, BLOCK_M: gl.constexpr, HAS_LENGTHS: gl.constexpr):
-    """First query row of query tile ``tile``. With per-row lengths (``n_rows`` real queries, at least ``BLOCK_M``)
-    the tile that would cross ``n_rows`` ends there instead, so that no padded query is read; its rows before
-    ``tile·BLOCK_M``, which the tile before it holds, are masked (:func:`_ws_ds_tile`)."""
-    row0 = tile * BLOCK_M
-    if HAS_LENGTHS:
-        row0 = gl.minimum(row0, n_rows - BLOCK_M)
-    return row0
-
-
-@gluon.jit
-def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_rows, n_tiles, first_tile, keys, offs_m, full_from,
+def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
                 qk_scale_a, qk_scale_b, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                SCALAR_GRAD: gl.constexpr, HAS_LENGTHS: gl.constexpr):
+                SCALAR_GRAD: gl.constexpr):
     """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles, masked on the steps before ``full_from``
-    (a consumer's steps are the first consumer's, so whether a step is masked is known only here) and, with
-    per-row lengths, on the rows a shifted last tile shares with the tile before it (:func:`_query_row0`)."""
-    tile = first_tile + t % n_tiles
-    row0 = _query_row0(tile, n_rows, BLOCK_M, HAS_LENGTHS)
-    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, row0, b, H, N_Q, offs_m,
-                                         SCALAR_GRAD)
+    (a consumer's steps are the first consumer's, so whether a step is masked is known only here)."""
+    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, first_tile + t % n_tiles, b, H, N_Q,
+                                         offs_m, BLOCK_M, SCALAR_GRAD)
     ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, False, SCALAR_GRAD)
-    if CAUSAL and tile < full_from:
+    if CAUSAL and first_tile + t % n_tiles < full_from:
         ds = _causal_mask(ds, keys, rows, offset)
-    if HAS_LENGTHS and row0 < tile * BLOCK_M:
-        ds = gl.where(gl.expand_dims(rows, 0) >= tile * BLOCK_M, ds, 0.0)
     return ds
 
 
 @gluon.jit
 def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, ME: gl.constexpr,
-              LSE_A, LSE_B, GRAD, DK_B, b, h0, H, N_Q, N_K, n_rows, n0, pid_bh, n_tiles, first_tile, steps, offset,
+              LSE_A, LSE_B, GRAD, DK_B, b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset,
               qk_scale_a, qk_scale_b, grad_scale_b,
               CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_LENGTHS: gl.constexpr):
+              STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` over every step, products issued in turn
-    with the other consumer, stored at the end (0 for keys from ``n_rows + offset``, a batch row's padding)."""
+    with the other consumer, stored at the end."""
     D_A: gl.constexpr = qa_ring.type.shape[4]
     D_B: gl.constexpr = qb_ring.type.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -119,21 +103,18 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
     mbarrier.wait(k_bar, 0)
     ka = k_smem_a.index(ME).reshape([BLOCK_N, D_A])
     kb = k_smem_b.index(ME).reshape([BLOCK_N, D_B])
-    if steps > 0:  # (none for a program whose keys are all padding)
-        dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B,
-                            GRAD, b, h0, H, N_Q, n_rows, n_tiles, first_tile, steps, keys, offs_m, full_from,
-                            qk_scale_a, qk_scale_b, offset, BLOCK_M, D_A, D_B, STAGES, CAUSAL, SCALAR_GRAD,
-                            HAS_LENGTHS)
-    _store_dk(dk, DK_B, pid_bh, N_K, n_rows + offset, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
+    dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B, GRAD,
+                        b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, qk_scale_a, qk_scale_b,
+                        offset, BLOCK_M, D_A, D_B, STAGES, CAUSAL, SCALAR_GRAD)
+    _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
               qb_ring.dtype == gl.float16)
 
 
 @gluon.jit
 def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constexpr, dk, zero, dot_layout: gl.constexpr,
-                   LSE_A, LSE_B, GRAD, b, h0, H, N_Q, n_rows, n_tiles, first_tile, steps, keys, offs_m, full_from,
-                   qk_scale_a, qk_scale_b, offset, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr,
-                   HAS_LENGTHS: gl.constexpr):
+                   LSE_A, LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, qk_scale_a,
+                   qk_scale_b, offset, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr):
     """Every step of consumer ``ME``: wait for the query tiles and the turn, issue this step's score products and
     the previous step's ``dK`` product, hand the turn over, then the exponentials; returns ``dK_b`` (fp32)."""
     OTHER: gl.constexpr = 1 - ME
@@ -149,8 +130,8 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
                       is_async=True)
     mbarrier.arrive(turns.index(OTHER))
     x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-    ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_rows, n_tiles, first_tile, keys, offs_m,
-                     full_from, qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD, HAS_LENGTHS)
+    ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+                  qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
     ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     for t in range(1, steps):
         stage = t % STAGES
@@ -165,8 +146,8 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
         mbarrier.arrive(turns.index(OTHER))
         x, y, dk = warpgroup_mma_wait(num_outstanding=0, deps=(x, y, dk))
         mbarrier.arrive(empty.index(prev))  # both products of step t - 1 are done with its slot
-        ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_rows, n_tiles, first_tile, keys, offs_m,
-                         full_from, qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD, HAS_LENGTHS)
+        ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+                      qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
         ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     last = (steps - 1) % STAGES
     dk = warpgroup_mma(ds, qb_ring.index(last).reshape([BLOCK_M, D_B]), dk, is_async=True)
@@ -179,11 +160,10 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
 def _ws_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     GRAD, LSE_A, LSE_B, DK_B,  # as in streamkl._hopper.backward._hopper_dk_kernel
-    LENGTHS,  # HAS_LENGTHS: [B] int32, the real tokens of each batch row (N_Q == N_K; 0 or >= BLOCK_M), else None
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, SPLIT, order_chunk,
     qk_scale_a, qk_scale_b, grad_scale_b,
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, HAS_LENGTHS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     if CAUSAL:  # the longest sweeps first (see streamkl._triton._helpers._longest_first)
         rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(N_K, 2 * BLOCK_N), order_chunk)
@@ -198,15 +178,11 @@ def _ws_dk_kernel(
     h0 = hk_b * GROUP_B + part * heads
     hk_a = h0 // GROUP_A
     offset = N_K - N_Q
-    if HAS_LENGTHS:  # batch row b is the dense problem on its first n_rows queries and keys
-        n_rows = gl.load(LENGTHS + b)
-    else:
-        n_rows = N_Q
     if CAUSAL:
         first_tile = gl.maximum(n0 - offset, 0) // BLOCK_M
     else:
         first_tile = 0
-    n_tiles = gl.where(n0 < n_rows + offset, gl.maximum(gl.cdiv(n_rows, BLOCK_M) - first_tile, 0), 0)
+    n_tiles = gl.cdiv(N_Q, BLOCK_M) - first_tile
     steps = heads * n_tiles
 
     dtype: gl.constexpr = qa_desc.dtype
@@ -228,14 +204,13 @@ def _ws_dk_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
-                     b, h0, H, N_Q, N_K, n_rows, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a,
-                     qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES, HAS_LENGTHS)),
+                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
+                     grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
-                     b, h0, H, N_Q, N_K, n_rows, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a,
-                     qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES, HAS_LENGTHS)),
+                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
+                     grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
-                     turns, b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, n_rows, BLOCK_M, BLOCK_N, STAGES,
-                     HAS_LENGTHS)),
+                     turns, b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
