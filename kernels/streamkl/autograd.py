@@ -79,10 +79,14 @@ def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: t
                      dtype: torch.dtype):
     """``(dq_b, dk_b)`` times the loss's upstream gradient, in side b's input ``dtype`` (None without one, and
     ``dk_b`` None unless ``need_k_b``); new tensors, so a second backward (``retain_graph``) finds the saved ones
-    unchanged."""
+    unchanged. One elementwise pass per gradient: the product rounds to ``dtype`` as it is written."""
     if grad_loss is None:
         return None, None
-    return (dq_b * grad_loss).to(dtype), ((dk_b * grad_loss).to(dtype) if need_k_b else None)
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, grad_loss, out=torch.empty_like(x, dtype=dtype))
+
+    return scaled(dq_b), (scaled(dk_b) if need_k_b else None)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
