@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from ._validation import prepare_problem
-from .autograd import attention_kl_padded, attention_kl_per_row
-from .dispatch import read_masks, select_backend
+from .autograd import attention_kl_per_row, attention_kl_pieces
+from .dispatch import read_masks, read_offsets, select_backend
 from .options import BATCH, EXECUTION, PROBLEM, AttentionKLOptions, KLWithCount, keyword_signature
 from .precision import cast_for_autocast, resolve_allow_tf32
 
@@ -170,6 +170,7 @@ def attention_kl(
     opts = AttentionKLOptions.of("attention_kl", options, kwargs)
     q_t, k_t, q_s, k_s = cast_for_autocast(q_t, k_t, q_s, k_s)
     problem, pieces = read_masks(prepare_problem(q_t, k_t, q_s, k_s, opts))
+    pieces = pieces or read_offsets(problem)
     if opts.check_finite:
         named = (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s), ("sinks_t", opts.sinks_t),
                  ("sinks_s", opts.sinks_s))
@@ -187,8 +188,8 @@ def attention_kl(
         (problem.q_t.dtype, problem.q_s.dtype),
         (problem.q_t.shape[-1], problem.q_s.shape[-1]),
     )
-    if pieces is not None:  # a right-padded batch: each batch row as the dense problem it is; every row counts
-        result, counted = attention_kl_padded(problem, pieces, impl, allow_tf32, deterministic)
+    if pieces is not None:  # a right-padded batch or packed sequences: each piece as the dense problem it is
+        result, counted = attention_kl_pieces(problem, pieces, impl, allow_tf32, deterministic)
         lse_a = None
     else:
         inputs, spec = problem.kernel_problem()
@@ -199,8 +200,8 @@ def attention_kl(
         # "sum"/"mean" are reduced inside the op (one autograd node, the upstream gradient read without a copy)
         result, lse_a, _ = attention_kl_per_row(inputs, spec, impl, allow_tf32, deterministic, problem.reduction,
                                                 rows)
-        if problem.reduction == "none" and problem.packed:
-            result = result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
+    if problem.reduction == "none" and problem.packed:
+        result = result[0].transpose(0, 1)  # (1, H, total) -> [total_q, H]
     if not opts.return_count:
         return result
     if counted is not None:

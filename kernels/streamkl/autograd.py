@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from . import dispatch
-from ._padded import per_row_result, piece_problems
+from ._pieces import Piece, per_row_result, piece_problems
 from ._problem import AttentionKLProblem, KLInputs, KLSpec
 from ._reduction import reduce_per_row_kl
 from ._validation import result_dtype
@@ -476,13 +476,14 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
     return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse, ahead)
 
 
-# ------------------------------------------------------------------------------ a right-padded batch
-class _PaddedAhead(torch.autograd.Function):
-    """The reduced loss of a right-padded batch (:mod:`streamkl._padded`) whose pieces compute side b's gradients
-    ahead (:func:`forward_with_gradients`), as one autograd node: ``apply(q_b, k_b, parts, backend, allow_tf32,
-    deterministic, reduction, rows)``, ``q_b``/``k_b`` the whole batch's side-b tensors and ``parts`` the pieces
-    (:func:`streamkl._padded.piece_problems`, views of them). Each piece's gradients are written into one buffer per
-    tensor (zero outside the pieces), so the backward returns them without a slice's backward per piece.
+# ------------------------------------------------------------------------------ a batch as dense pieces
+class _PiecesAhead(torch.autograd.Function):
+    """The reduced loss of a batch split into dense pieces (:mod:`streamkl._pieces`: a right-padded batch, packed
+    sequences) whose pieces compute side b's gradients ahead (:func:`forward_with_gradients`), as one autograd node:
+    ``apply(q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows)``, ``q_b``/``k_b`` the whole batch's
+    side-b tensors and ``parts`` the pieces (:func:`streamkl._pieces.piece_problems`, views of them). Each piece's
+    gradients are written into one buffer per tensor (zero outside the pieces), so the backward returns them without a
+    slice's backward per piece.
     """
 
     @staticmethod
@@ -491,11 +492,11 @@ class _PaddedAhead(torch.autograd.Function):
         dq = torch.zeros(q_b.shape, dtype=saved, device=q_b.device)
         dk = torch.zeros(k_b.shape, dtype=saved, device=k_b.device)
         total = None
-        for b, inputs, spec in parts:
+        for piece, inputs, spec in parts:
             loss, _, _, dq_piece, dk_piece = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
                                                                     "sum", None)
-            dq[b:b + 1, :, :dq_piece.shape[2]] = dq_piece
-            dk[b:b + 1, :, :dk_piece.shape[2]] = dk_piece
+            dq[piece.batch:piece.batch + 1, :, piece.q_start:piece.q_start + piece.n_q] = dq_piece
+            dk[piece.batch:piece.batch + 1, :, piece.k_start:piece.k_start + piece.n_k] = dk_piece
             total = loss if total is None else total + loss
         ctx.save_for_backward(dq, dk)
         ctx.input_dtype = q_b.dtype
@@ -511,30 +512,32 @@ class _PaddedAhead(torch.autograd.Function):
                 *(None,) * 6)
 
 
-def attention_kl_padded(problem: AttentionKLProblem, pieces: tuple[tuple[int, int], ...], backend: str,
+def attention_kl_pieces(problem: AttentionKLProblem, pieces: tuple[Piece, ...], backend: str,
                         allow_tf32: bool, deterministic: bool) -> tuple[torch.Tensor, int]:
-    """``(result, rows)``: what :func:`streamkl.attention_kl` returns for the right-padded ``problem`` (its per-row KL,
-    sum or mean, as ``problem.reduction`` says) from one call per piece of :func:`streamkl._padded.padded_pieces`, and
-    the number of counted rows (every row of every piece). A reduced call that computes its gradients ahead
-    (:func:`streamkl.dispatch.gradients_ahead`) is one autograd node (:class:`_PaddedAhead`); any other runs
-    each piece through :func:`attention_kl_per_row`.
+    """``(result, rows)``: what :func:`streamkl.attention_kl` returns for ``problem`` (its per-row KL ``[B, H, N_q]``,
+    sum or mean, as ``problem.reduction`` says) from one call per piece of :mod:`streamkl._pieces` (a right-padded
+    batch, packed sequences), and the number of counted rows (every row of every piece). A reduced call that computes
+    its gradients ahead (:func:`streamkl.dispatch.gradients_ahead`) is one autograd node (:class:`_PiecesAhead`); any
+    other runs each piece through :func:`attention_kl_per_row`.
 
     Example:
+        >>> from streamkl._pieces import Piece
         >>> from streamkl._validation import prepare_problem
         >>> from streamkl.options import AttentionKLOptions
         >>> q = torch.randn(2, 2, 6, 8)
         >>> problem = prepare_problem(q, q, q, q + 1, AttentionKLOptions(reduction="none"))
-        >>> kl, rows = attention_kl_padded(problem, ((6, 6), (4, 4)), "reference", False, True)
+        >>> kl, rows = attention_kl_pieces(problem, (Piece(0, 0, 6, 0, 6), Piece(1, 0, 4, 0, 4)), "reference", False,
+        ...                                True)
         >>> tuple(kl.shape), rows, float(kl[1, :, 4:].abs().sum())
         ((2, 2, 6), 20, 0.0)
     """
     parts = piece_problems(problem, pieces)
-    rows = problem.heads * sum(n_q for n_q, _ in pieces)
+    rows = problem.heads * sum(p.n_q for p in pieces)
     reduction = problem.reduction
     first = parts[0][1]
     if _training_path(first, backend, reduction)[1]:
         q_b, k_b = (problem.q_t, problem.k_t) if problem.reverse else (problem.q_s, problem.k_s)
-        return _PaddedAhead.apply(q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows), rows
+        return _PiecesAhead.apply(q_b, k_b, parts, backend, allow_tf32, deterministic, reduction, rows), rows
     each = "none" if reduction == "none" else "sum"
     results = [attention_kl_per_row(inputs, spec, backend, allow_tf32, deterministic, each)[0]
                for _, inputs, spec in parts]

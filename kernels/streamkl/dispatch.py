@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import indexer_reference, reference
-from ._padded import padded_pieces
+from ._pieces import Piece, packed_pieces, padded_pieces, piece_problems
 from ._problem import AttentionKLProblem, KLInputs, KLSpec, key_head_split
 from ._triton_common.interpreter import triton_interpreter_enabled
 
@@ -60,6 +60,7 @@ __all__ = [
     "indexer_forward",
     "new_dq_b_buffer",
     "read_masks",
+    "read_offsets",
     "saved_dq_b_dtype",
     "select",
     "select_backend",
@@ -261,10 +262,10 @@ for _route in TABLE:
 
 
 # ---------------------------------------------------------------------------------------------- masks that mask nothing
-def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[tuple[int, int], ...] | None]:
+def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[Piece, ...] | None]:
     """``(problem, pieces)``: ``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every
     key and row, and, where every mask left keeps a prefix of each batch row (a right-padded batch), the dense
-    problem each batch row is (:func:`streamkl._padded.padded_pieces`; else None). A mask sends the call to the
+    problem each batch row is (:func:`streamkl._pieces.padded_pieces`; else None). A mask sends the call to the
     portable kernels and costs a load per tile; the Hugging Face batch of equal-length sequences carries an all-True
     one, and a padded batch a prefix per row.
 
@@ -304,17 +305,62 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[t
     return replace(problem, key_padding_mask=None, query_mask=None), pieces
 
 
-def _pieces_pay(heads: int, pieces: tuple[tuple[int, int], ...]) -> bool:
-    """Whether running a padded batch as its pieces measured faster than reading its masks in the kernels: where the
-    pieces (those with rows) are :data:`GLUON_MIN_SCORES` score elements on average. Each piece is a call of its own,
-    whose host time (a call's validation, autograd and launches) smaller pieces do not hide.
+def _pieces_pay(heads: int, pieces: tuple[Piece, ...]) -> bool:
+    """Whether running a batch as its pieces measured faster than reading its masks or offsets in the kernels: where
+    the pieces are :data:`GLUON_MIN_SCORES` score elements on average. Each piece is a call of its own, whose host time
+    (a call's validation, autograd and launches) smaller pieces do not hide.
 
     Example:
-        >>> _pieces_pay(16, ((8192, 8192), (2458, 2458))), _pieces_pay(16, ((2048, 2048),) * 32)
-        (True, False)
+        >>> from streamkl._pieces import Piece
+        >>> _pieces_pay(16, (Piece(0, 0, 8192, 0, 8192), Piece(1, 0, 2458, 0, 2458)))
+        True
+        >>> _pieces_pay(16, (Piece(0, 0, 2048, 0, 2048),) * 32)
+        False
     """
-    sizes = [heads * n_q * n_k for n_q, n_k in pieces if n_q]
-    return sum(sizes) >= GLUON_MIN_SCORES * len(sizes)
+    return sum(heads * p.n_q * p.n_k for p in pieces) >= GLUON_MIN_SCORES * len(pieces)
+
+
+def read_offsets(problem: AttentionKLProblem) -> tuple[Piece, ...] | None:
+    """The dense problem each packed sequence of ``problem`` is (:func:`streamkl._pieces.packed_pieces`), where running
+    them so pays: the pieces are large on average (:func:`_pieces_pay`) and the largest takes a Gluon kernel
+    (the packed layout runs on the portable kernels, the dense one on Gluon where it is large enough); else None.
+
+    Only on CUDA problems whose tokens times their longest sequence (a bound on their score elements) reach
+    :data:`GLUON_MIN_SCORES`: reading the offsets costs one device synchronisation (as flash-attn's varlen callers
+    take one for the longest sequence), so smaller problems keep the packed layout; so do calls under
+    ``torch.compile`` tracing and CUDA-graph capture.
+
+    Example:
+        >>> from streamkl._validation import prepare_problem
+        >>> from streamkl.options import AttentionKLOptions
+        >>> q, cu = torch.randn(10, 2, 16), torch.tensor([0, 6, 10], dtype=torch.int32)
+        >>> opts = AttentionKLOptions(causal=True, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu)
+        >>> read_offsets(prepare_problem(q, q, q, q, opts)) is None  # a CPU tensor: the packed layout
+        True
+    """
+    if not _reads_offsets(problem):
+        return None
+    offsets_q, offsets_k = torch.stack([problem.cu_seqlens_q, problem.cu_seqlens_k]).tolist()
+    pieces = packed_pieces(problem, offsets_q, offsets_k)
+    if pieces is None or not _pieces_pay(problem.heads, pieces) or not _largest_takes_gluon(problem, pieces):
+        return None
+    return pieces
+
+
+def _reads_offsets(problem: AttentionKLProblem) -> bool:
+    """Whether :func:`read_offsets` reads the offsets of ``problem`` (see there)."""
+    q = problem.q_t
+    return not (not problem.packed or not q.is_cuda or torch.compiler.is_compiling()
+                or torch.cuda.is_current_stream_capturing()
+                or q.shape[1] * q.shape[2] * problem.max_seqlen_k < GLUON_MIN_SCORES)
+
+
+def _largest_takes_gluon(problem: AttentionKLProblem, pieces: tuple[Piece, ...]) -> bool:
+    """Whether the largest of ``pieces`` runs its forward on a Gluon kernel, called in the current grad mode."""
+    _, inputs, spec = piece_problems(problem, (max(pieces, key=lambda p: p.n_q * p.n_k),))[0]
+    grad = torch.is_grad_enabled()
+    fused = fuses_dq_b("triton", *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
+    return select("training forward" if fused else "forward", Problem(inputs, spec, fused=fused)).gluon
 
 
 def _reads_masks(problem: AttentionKLProblem) -> bool:

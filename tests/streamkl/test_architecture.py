@@ -20,8 +20,8 @@ LAYERS = {
     # the foundation: constants, the canonical problem, its checks, the options and the precision rules
     "_constants": 0, "_problem": 0, "_reduction": 0, "_traced_precision": 0,
     "_validation": 1, "precision": 1, "_indexer_problem": 2, "options": 2,
-    # a right-padded batch as one dense problem per batch row
-    "_padded": 2,
+    # a right-padded batch or packed sequences as dense problems, one per batch row or sequence
+    "_pieces": 2,
     # the kernels (and what the Triton and Gluon kernels share), the chunked PyTorch backends and the oracles
     "_triton_common": 3,
     "_triton": 4, "_hopper": 4, "reference": 4, "indexer_reference": 4, "naive": 4, "indexer_naive": 4,

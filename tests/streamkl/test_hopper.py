@@ -690,7 +690,7 @@ def test_masks_that_mask_nothing_leave_the_call_on_the_gluon_kernels(monkeypatch
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeypatch):
     """A right-padded batch (the same prefix kept by ``key_padding_mask`` and ``query_mask`` in each batch row) runs
-    one dense call per batch row (:mod:`streamkl._padded`), each on the fused Gluon forward where it is large enough;
+    one dense call per batch row (:mod:`streamkl._pieces`), each on the fused Gluon forward where it is large enough;
     its loss and gradients are the masked call's (the masks read as they are, on the portable kernels), within the
     tolerance of two kernels that sum in different orders."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
@@ -714,3 +714,38 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
     for got, want, name in zip(split[1:], masked[1:], ("dq_s", "dk_s")):
         assert_close(got, want, rtol_grad, name)
         assert not got[1, :, lengths[1]:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_packed_sequences_run_each_sequence_on_the_gluon_kernels(reduction, head_dim, monkeypatch):
+    """Packed sequences (``layout="thd"``) whose largest sequence takes the Gluon kernels run one dense call per
+    sequence (:func:`streamkl.dispatch.read_offsets`), on strided views of the packed tensors: the large ones on the
+    fused Gluon forward, the short one on the portable kernels. Loss (or per-row KL) and gradients are the packed
+    call's on the portable kernels, within the tolerance of kernels that sum in different orders, under a real
+    upstream gradient; a GQA student, an odd sequence length."""
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    offsets = [0, 9000, 9100, 17000]
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    total, heads = offsets[-1], 16
+    q_t, k_t = (torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_s = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k_s = torch.randn(total, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    packing = {"layout": "thd", "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 9000, "max_seqlen_k": 9000}
+
+    def run():
+        kl = attention_kl(q_t, k_t, q_s, k_s, causal=True, reduction=reduction, **packing)
+        upstream = torch.randn(kl.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        return (kl, *torch.autograd.grad(kl, (q_s, k_s), upstream.to(kl.dtype)))
+
+    split = run()
+    assert len(fused_calls) == 2
+    monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: False)
+    packed = run()
+    assert len(fused_calls) == 2
+    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(split[0], packed[0], rtol_fwd, "kl")
+    for got, want, name in zip(split[1:], packed[1:], ("dq_s", "dk_s")):
+        assert_close(got, want, rtol_grad, name)

@@ -1,7 +1,8 @@
-"""A right-padded batch as one dense call per batch row (:mod:`streamkl._padded`), against the same call with its
-masks read by the kernels. On a GPU the masks of a large call are read on the host (:func:`streamkl.dispatch.read_masks`);
-here the gate is opened for small CPU problems, and the calls run on the reference backend and, through the
-interpreter, on the portable Triton kernels."""
+"""A right-padded batch as one dense call per batch row, and packed sequences as one per sequence
+(:mod:`streamkl._pieces`), against the same call with its masks or offsets read by the kernels. On a GPU the masks and
+offsets of a large call are read on the host (:func:`streamkl.dispatch.read_masks`,
+:func:`streamkl.dispatch.read_offsets`); here the gates are opened for small CPU problems, and the calls run on the
+reference backend and, through the interpreter, on the portable Triton kernels."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ def reads_every_mask(monkeypatch):
                         lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
     monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
     splits = []
-    whole = streamkl.api.attention_kl_padded
+    whole = streamkl.api.attention_kl_pieces
 
     def counted(problem, pieces, *args):
-        splits.append(pieces)
+        splits.append(tuple(p.sizes for p in pieces))
         return whole(problem, pieces, *args)
 
-    monkeypatch.setattr(streamkl.api, "attention_kl_padded", counted)
+    monkeypatch.setattr(streamkl.api, "attention_kl_pieces", counted)
     return splits
 
 
@@ -57,10 +58,11 @@ def make(batch=3, heads=4, key_heads=2, n_q=12, n_k=12, d_t=16, d_s=8, dtype=tor
     return q_t, k_t, q_s, k_s
 
 
-def compare(monkeypatch, splits, inputs, grads, expect_split: bool, rtol=1e-10, **kw):
+def compare(monkeypatch, splits, inputs, grads, expect_split: bool, rtol=1e-10, gate="_reads_masks", **kw):
+    """The call split where ``splits`` says (one more entry, or none), against the call whose ``gate`` is closed."""
     split = call(inputs, grads, **kw)
     assert len(splits) == int(expect_split)
-    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
+    monkeypatch.setattr(dispatch, gate, lambda problem: False)
     masked = call(inputs, grads, **kw)
     assert len(splits) == int(expect_split)
     for i, (got, want) in enumerate(zip(split, masked)):
@@ -78,7 +80,7 @@ def test_the_same_prefix_of_queries_and_keys_gives_the_masked_call(reads_every_m
     mask = prefix([12, 5, 0], 12)
     out = compare(monkeypatch, reads_every_mask, inputs, (0, 1, 2, 3), True, causal=causal, reduction=reduction,
                   key_padding_mask=mask, query_mask=mask, return_count=True)
-    assert reads_every_mask[0] == ((12, 12), (5, 5), (0, 0))
+    assert reads_every_mask[0] == ((12, 12), (5, 5))
     assert float(out[1]) == 4 * (12 + 5)
     for grad in out[2:]:
         assert not grad[1, :, 5:].any() and not grad[2].any()
@@ -169,7 +171,7 @@ def test_on_the_portable_kernels_under_autocast(reads_every_mask, monkeypatch, r
         loss = attention_kl(*inputs, backend="triton", causal=True, reduction=reduction, key_padding_mask=mask,
                             query_mask=mask)
         node = type(loss.grad_fn).__name__
-        assert (node == "_PaddedAheadBackward") == (reduction == "mean"), node
+        assert (node == "_PiecesAheadBackward") == (reduction == "mean"), node
         reads_every_mask.clear()
         compare(monkeypatch, reads_every_mask, inputs, (2, 3), True, rtol=TOLERANCES[torch.bfloat16][1],
                 backend="triton", causal=True,
@@ -184,3 +186,106 @@ def test_pieces_split_only_where_they_are_large_on_average(monkeypatch):
     assert dispatch.read_masks(_problem(make(), key_padding_mask=mask, query_mask=mask))[1] is not None
     mask = prefix([12, 2, 2], 12)
     assert dispatch.read_masks(_problem(make(), key_padding_mask=mask, query_mask=mask))[1] is None
+
+
+# ---------------------------------------------------------------------------------------------- packed sequences
+@pytest.fixture
+def reads_every_offset(monkeypatch):
+    """Read the offsets of every packed call (the GPU reads those of large CUDA calls whose largest sequence takes a
+    Gluon kernel), and count the split calls."""
+    monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: problem.packed)
+    monkeypatch.setattr(dispatch, "_largest_takes_gluon", lambda problem, pieces: True)
+    monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
+    splits = []
+    whole = streamkl.api.attention_kl_pieces
+
+    def counted(problem, pieces, *args):
+        splits.append(tuple((p.q_start, p.n_q, p.k_start, p.n_k) for p in pieces))
+        return whole(problem, pieces, *args)
+
+    monkeypatch.setattr(streamkl.api, "attention_kl_pieces", counted)
+    return splits
+
+
+def make_packed(offsets_q, offsets_k=None, heads=4, key_heads=2, d_t=16, d_s=8, dtype=torch.float64,
+                teacher_grad=False, seed=0):
+    """Packed inputs ``[total, H, D]`` and the options that describe their sequences."""
+    offsets_k = offsets_q if offsets_k is None else offsets_k
+    g = torch.Generator().manual_seed(seed)
+    q_t = torch.randn(offsets_q[-1], heads, d_t, generator=g, dtype=dtype)
+    k_t = torch.randn(offsets_k[-1], key_heads, d_t, generator=g, dtype=dtype)
+    q_s = torch.randn(offsets_q[-1], heads, d_s, generator=g, dtype=dtype)
+    k_s = torch.randn(offsets_k[-1], 1, d_s, generator=g, dtype=dtype)
+    for x in (q_s, k_s, *((q_t, k_t) if teacher_grad else ())):
+        x.requires_grad_(True)
+    cu = {"cu_seqlens_q": torch.tensor(offsets_q, dtype=torch.int32),
+          "cu_seqlens_k": torch.tensor(offsets_k, dtype=torch.int32)}
+    return (q_t, k_t, q_s, k_s), {"layout": "thd", **cu}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_sequences_give_the_packed_call(reads_every_offset, monkeypatch, reduction, causal):
+    """Four sequences, one of them empty: loss, gradients of both sides (a teacher that trains too) and the count of
+    rows are the packed call's; each sequence with rows is a piece on its own tokens."""
+    inputs, packing = make_packed([0, 5, 5, 14, 17], teacher_grad=True)
+    out = compare(monkeypatch, reads_every_offset, inputs, (0, 1, 2, 3), True, gate="_reads_offsets",
+                  causal=causal, reduction=reduction, return_count=True, **packing)
+    assert reads_every_offset[0] == ((0, 5, 0, 5), (5, 9, 5, 9), (14, 3, 14, 3))
+    assert float(out[1]) == 4 * 17
+    if reduction == "none":
+        assert out[0].shape == (17, 4)
+
+
+def test_packed_sequences_with_options_that_change_the_distributions(reads_every_offset, monkeypatch):
+    """Reverse direction, a temperature, soft-caps, sinks that train and a sliding window: the same as packed."""
+    inputs, packing = make_packed([0, 7, 16, 20])
+    sinks = {"sinks_t": torch.randn(4, dtype=torch.float64),
+             "sinks_s": torch.randn(4, dtype=torch.float64, requires_grad=True)}
+    compare(monkeypatch, reads_every_offset, inputs, (2, 3), True, gate="_reads_offsets", causal=True,
+            window=(3, 0), direction="reverse", temperature=2.0, softcap_t=5.0, **sinks, **packing)
+    split = torch.autograd.grad(attention_kl(*inputs, **sinks, **packing), sinks["sinks_s"])[0]
+    monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: False)
+    packed = torch.autograd.grad(attention_kl(*inputs, **sinks, **packing), sinks["sinks_s"])[0]
+    assert_close(split, packed, 1e-10, "dsinks_s")
+
+
+def test_packed_sequences_with_more_keys_than_queries_keep_the_alignment(reads_every_offset, monkeypatch):
+    """Each sequence's queries aligned to its last key (a cache before them): each piece keeps its keys."""
+    inputs, packing = make_packed([0, 4, 10], [0, 7, 15])
+    compare(monkeypatch, reads_every_offset, inputs, (2, 3), True, gate="_reads_offsets", causal=True,
+            reduction="mean", **packing)
+    assert reads_every_offset[0] == ((0, 4, 0, 7), (4, 6, 7, 8))
+
+
+def test_a_sequence_with_rows_and_no_key_keeps_the_packed_layout(reads_every_offset, monkeypatch):
+    """Its rows count for nothing, which the count of a mean would need the device for: no split."""
+    inputs, packing = make_packed([0, 4, 10], [0, 7, 7])
+    compare(monkeypatch, reads_every_offset, inputs, (2, 3), False, gate="_reads_offsets", reduction="mean",
+            **packing)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_packed_sequences_on_the_portable_kernels_under_autocast(reads_every_offset, monkeypatch, reduction):
+    """A mixed-precision training step: fp32 tensors under bf16 autocast, the Triton backend (the interpreter here),
+    a real upstream gradient, within the suite's bf16 tolerance. The reduced loss computes its gradients ahead, all
+    pieces in one autograd node."""
+    inputs, packing = make_packed([0, 20, 33, 34], dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = attention_kl(*inputs, backend="triton", causal=True, reduction=reduction, **packing)
+        node = type(loss.grad_fn).__name__
+        assert (node == "_PiecesAheadBackward") == (reduction == "mean"), node
+        reads_every_offset.clear()
+        compare(monkeypatch, reads_every_offset, inputs, (2, 3), True, rtol=TOLERANCES[torch.bfloat16][1],
+                gate="_reads_offsets", backend="triton", causal=True, reduction=reduction, **packing)
+
+
+def test_packed_sequences_split_only_where_the_largest_takes_a_gluon_kernel(monkeypatch):
+    """Packed sequences already run on kernels that skip what no sequence sees: splitting them pays only where the
+    dense pieces take the Gluon kernels, which a CPU tensor never does."""
+    monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: problem.packed)
+    monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
+    inputs, packing = make_packed([0, 5, 14])
+    assert dispatch.read_offsets(_problem(inputs, **packing)) is None
+    monkeypatch.setattr(dispatch, "_largest_takes_gluon", lambda problem, pieces: True)
+    assert [p.sizes for p in dispatch.read_offsets(_problem(inputs, **packing))] == [(5, 5), (9, 9)]
