@@ -2,10 +2,10 @@
 
 Forward+backward of ``attention_kl(..., reduction="mean")`` (frozen teacher, trainable student, the default dispatch;
 bf16 unless a row says fp16), ``do_bench`` medians, for the headline reference rows and the "real batches" rows:
-lengths off the tile grid, D_t=128 -> D_s=64, 8 packed documents, a right-padded batch (and the same batch with an
-all-True key mask, and without masks), fp16, a sliding window, GQA with odd lengths and the BERT shape (1 and 12
-pairs, with the host time per call: µs per call of back-to-back calls, synchronised at the end, which the host
-bounds at this size). Every row records the kernels the dispatch table chose, and its baselines:
+lengths off the tile grid, D_t=128 -> D_s=64, 8 packed documents (offsets on the GPU, and on the CPU), a right-padded
+batch (and the same batch with an all-True key mask, and without masks), fp16, a sliding window, GQA with odd lengths
+and the BERT shape (1 and 12 pairs, with the host time per call: µs per call of back-to-back calls, synchronised at the
+end, which the host bounds at this size). Every row records the kernels the dispatch table chose, and its baselines:
 
 * ``ratio_cudnn``: our time / torch SDPA forward+backward (random upstream gradients) with the cuDNN backend on the
   student's q, k and a v of k's shape, the same masks as SDPA takes them (causal; padding and the window as a bool
@@ -75,6 +75,7 @@ class Row:
     window: int = 0
     pairs: int = 1
     host_time: bool = False  # also the host time per call (the BERT rows)
+    host_offsets: bool = False  # packed rows: ``cu_seqlens`` on the CPU, as a data collator makes them
     dense_row: str = ""  # padded rows: the row of the same batch without masks
     targets: tuple[tuple[str, float], ...] = (("ratio_cudnn", CUDNN_TARGET),)
 
@@ -104,8 +105,9 @@ def rows(smoke: bool = False) -> list[Row]:
             for n in (5000, 8191, 12345) for causal in (True, False)]
     out.append(Row("D_t=128 → D_s=64, H=16 N=8192", shape(1, 16, 8192, 128, False, d_s=64)))
     packed = (("ratio_separate", SEPARATE_TARGET), ("ratio_cudnn", CUDNN_TARGET))
-    out.append(Row("packed: 8 documents in 32768 tokens (thd), H=16 D=64 causal", shape(1, 16, 32768, 64, True),
-                   docs=8, targets=packed))
+    out += [Row(f"packed: 8 documents in 32768 tokens (thd, offsets on the {where}), H=16 D=64 causal",
+                shape(1, 16, 32768, 64, True), docs=8, host_offsets=where == "CPU", targets=packed)
+            for where in ("GPU", "CPU")]
     dense, fractions = "B=4 H=16 N=8192 D=64 causal, no mask", (1.0, 0.8, 0.55, 0.3)
     out += [Row(dense, shape(4, 16, 8192, 64, True)),
             Row("B=4 right-padded 100/80/55/30% (key and query masks)", shape(4, 16, 8192, 64, True),
@@ -193,7 +195,9 @@ def problem(row: Row, device: str) -> dict[str, Any]:
         lengths = doc_lengths(s.n, row.docs)
         thd = [_leaf(x[0].transpose(0, 1), x.requires_grad) for x in sets[0]]  # (N, H, D)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-        kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        given = cu.cpu() if row.host_offsets else cu
+        kw.update(layout="thd", cu_seqlens_q=given, cu_seqlens_k=given, max_seqlen_q=max(lengths),
+                  max_seqlen_k=max(lengths))
         out["ours"] = ([thd], kw)
         docs = [[_leaf(x[a:b].transpose(0, 1)[None], x.requires_grad) for x in thd]
                 for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]

@@ -95,6 +95,7 @@ class AttentionKLProblem:
     attn_mask: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
+    host_offsets: tuple[list[int], list[int]] | None  # packed offsets given on the CPU: their values (q, k)
     window: tuple[int, int]
     scale_t: float
     scale_s: float

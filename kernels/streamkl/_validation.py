@@ -188,8 +188,10 @@ def _check_sinks(sinks_t: object, sinks_s: object, heads: int, device: torch.dev
             raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, but got {sinks.device}.")
 
 
-def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, read_values: bool) -> int | None:
-    """Check a ``cu_seqlens`` tensor; returns the longest sequence when the values are read, else None."""
+def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, read_values: bool
+                      ) -> list[int] | None:
+    """Check a ``cu_seqlens`` tensor (on ``device``, or on the CPU: offsets the host holds); returns its values when
+    they are read (always for offsets on the host, whose reading costs no synchronisation), else None."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(
             f"Expected argument `{name}` to be a torch.Tensor of int32 cumulative sequence offsets (layout 'thd'), "
@@ -202,9 +204,9 @@ def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, r
             f"Expected argument `{name}` to be a 1-D tensor [num_seqs + 1] with num_seqs >= 1, but got shape "
             f"{tuple(cu.shape)}."
         )
-    if cu.device != device:
-        raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, but got {cu.device}.")
-    if not read_values:
+    if cu.device != device and cu.device.type != "cpu":
+        raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, or on the CPU, but got {cu.device}.")
+    if not read_values and cu.device.type != "cpu":
         return None
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in itertools.pairwise(values)):
@@ -213,7 +215,11 @@ def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, r
             f"Expected argument `{name}` to be non-decreasing offsets starting at 0 and ending at the total number of "
             f"tokens ({total}), but got {shown}."
         )
-    return max(b - a for a, b in itertools.pairwise(values))
+    return values
+
+
+def _longest(offsets: list[int] | None) -> int | None:
+    return None if offsets is None else max(b - a for a, b in itertools.pairwise(offsets))
 
 
 def _check_max_seqlen(name: str, value: object, longest: int | None) -> int | None:
@@ -316,9 +322,15 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
             )
         # Reading the offsets costs a device synchronisation; with both maxima given they are trusted, as in
         # flash-attn's varlen functions (the kernels still never read outside the tensors).
+        # Offsets on the CPU are read for free: they are checked, give the maxima and the split into sequences
+        # (streamkl.dispatch.read_offsets) without a synchronisation, and go to the device without one.
         read = max_seqlen_q is None or max_seqlen_k is None
-        longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, n_q, device, read)
-        longest_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_k, device, read)
+        offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, n_q, device, read)
+        offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_k, device, read)
+        longest_q, longest_k = _longest(offsets_q), _longest(offsets_k)
+        host_offsets = (offsets_q, offsets_k) if offsets_q is not None and offsets_k is not None and all(
+            cu.device.type == "cpu" for cu in (cu_seqlens_q, cu_seqlens_k)) else None
+        cu_seqlens_q, cu_seqlens_k = (cu.to(device, non_blocking=True) for cu in (cu_seqlens_q, cu_seqlens_k))
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(
                 f"Expected `cu_seqlens_q` and `cu_seqlens_k` to describe the same number of sequences, but got "
@@ -336,7 +348,7 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
                     f"Got `{name}` with layout={layout!r}: sequence offsets belong to the packed layout; pass "
                     "layout='thd' with inputs [total_tokens, heads, dim]."
                 )
-        max_q, max_k = n_q, n_k
+        max_q, max_k, host_offsets = n_q, n_k, None
     key_padding_mask = _check_mask("key_padding_mask", key_padding_mask, batch, n_k, "N_k", device)
     query_mask = _check_mask("query_mask", query_mask, batch, n_q, "N_q", device)
     attn_mask = _check_attn_mask(attn_mask, batch, heads, n_q, n_k, device)
@@ -360,6 +372,7 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
         attn_mask=attn_mask,
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
+        host_offsets=host_offsets,
         window=(left, right),
         scale_t=1.0 / math.sqrt(q_t.shape[-1]) if st is None else st,
         scale_s=1.0 / math.sqrt(q_s.shape[-1]) if ss is None else ss,

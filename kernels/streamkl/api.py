@@ -89,11 +89,14 @@ def attention_kl(
             (the sink's mass would have no counterpart). Gradients reach it when it requires grad.
             Default: ``None``.
         sinks_s: student sink logits ``[H]``, or None. Default: ``None``.
-        cu_seqlens_q: ``[num_seqs + 1]`` int32 cumulative query offsets (layout "thd"). Default: ``None``.
-        cu_seqlens_k: ``[num_seqs + 1]`` int32 cumulative key offsets (layout "thd"). Default: ``None``.
+        cu_seqlens_q: ``[num_seqs + 1]`` int32 cumulative query offsets (layout "thd"), on the inputs' device or on
+            the CPU: offsets the host holds (a data collator made them) are read without a device synchronisation,
+            checked, and copied to the device without one. Default: ``None``.
+        cu_seqlens_k: ``[num_seqs + 1]`` int32 cumulative key offsets (layout "thd"), likewise. Default: ``None``.
         max_seqlen_q: the longest query sequence (layout "thd"). Default: ``None``: read from ``cu_seqlens_q``,
-            which costs a device synchronisation and checks the offsets. With both maxima given the offsets are
-            trusted, as in flash-attn (the kernels still never read outside the tensors).
+            which costs a device synchronisation for offsets on the GPU and checks the offsets. With both maxima
+            given, offsets on the GPU are trusted, as in flash-attn (the kernels still never read outside the
+            tensors).
         max_seqlen_k: the longest key sequence (layout "thd"). Default: ``None``.
         attn_mask: any other mask, ``[B or 1, H or 1, N_q, N_k]`` bool, True = the query may see the key (e.g. a
             prefix-LM or custom block mask a model built); combined with every other mask. It costs an ``N_q × N_k``

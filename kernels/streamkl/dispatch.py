@@ -326,9 +326,10 @@ def read_offsets(problem: AttentionKLProblem) -> tuple[Piece, ...] | None:
     (the packed layout runs on the portable kernels, the dense one on Gluon where it is large enough); else None.
 
     Only on CUDA problems whose tokens times their longest sequence (a bound on their score elements) reach
-    :data:`GLUON_MIN_SCORES`: reading the offsets costs one device synchronisation (as flash-attn's varlen callers
-    take one for the longest sequence), so smaller problems keep the packed layout; so do calls under
-    ``torch.compile`` tracing and CUDA-graph capture.
+    :data:`GLUON_MIN_SCORES`: reading offsets that are on the GPU costs one device synchronisation (as flash-attn's
+    varlen callers take one for the longest sequence), so smaller problems keep the packed layout; so do calls under
+    ``torch.compile`` tracing and CUDA-graph capture. Offsets given on the CPU are read without one
+    (``AttentionKLProblem.host_offsets``).
 
     Example:
         >>> from streamkl._validation import prepare_problem
@@ -340,7 +341,7 @@ def read_offsets(problem: AttentionKLProblem) -> tuple[Piece, ...] | None:
     """
     if not _reads_offsets(problem):
         return None
-    offsets_q, offsets_k = torch.stack([problem.cu_seqlens_q, problem.cu_seqlens_k]).tolist()
+    offsets_q, offsets_k = problem.host_offsets or torch.stack([problem.cu_seqlens_q, problem.cu_seqlens_k]).tolist()
     pieces = packed_pieces(problem, offsets_q, offsets_k)
     if pieces is None or not _pieces_pay(problem.heads, pieces) or not _largest_takes_gluon(problem, pieces):
         return None

@@ -749,3 +749,15 @@ def test_packed_sequences_run_each_sequence_on_the_gluon_kernels(reduction, head
     assert_close(split[0], packed[0], rtol_fwd, "kl")
     for got, want, name in zip(split[1:], packed[1:], ("dq_s", "dk_s")):
         assert_close(got, want, rtol_grad, name)
+    monkeypatch.undo()
+    # the offsets on the CPU (as a data collator makes them): the same split, read without a synchronisation
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    packing.update(cu_seqlens_q=cu.cpu(), cu_seqlens_k=cu.cpu())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kl = attention_kl(q_t, k_t, q_s, k_s, causal=True, reduction=reduction, **packing)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(fused_calls) == 2
+    assert torch.equal(kl, split[0])

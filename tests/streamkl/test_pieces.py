@@ -289,3 +289,19 @@ def test_packed_sequences_split_only_where_the_largest_takes_a_gluon_kernel(monk
     assert dispatch.read_offsets(_problem(inputs, **packing)) is None
     monkeypatch.setattr(dispatch, "_largest_takes_gluon", lambda problem, pieces: True)
     assert [p.sizes for p in dispatch.read_offsets(_problem(inputs, **packing))] == [(5, 5), (9, 9)]
+
+
+def test_offsets_given_on_the_cpu_are_read_on_the_host(monkeypatch):
+    """Offsets the host holds are kept as values when the problem is made, and the split reads those, not the
+    tensors (on a GPU: no synchronisation; a test on the device checks that)."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: problem.packed)
+    monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
+    monkeypatch.setattr(dispatch, "_largest_takes_gluon", lambda problem, pieces: True)
+    inputs, packing = make_packed([0, 5, 14], [0, 6, 16])
+    problem = _problem(inputs, **packing)
+    assert problem.host_offsets == ([0, 5, 14], [0, 6, 16])
+    unreadable = replace(problem, cu_seqlens_q=problem.cu_seqlens_q.to("meta"),
+                         cu_seqlens_k=problem.cu_seqlens_k.to("meta"))
+    assert [p.sizes for p in dispatch.read_offsets(unreadable)] == [(5, 6), (9, 10)]
