@@ -39,20 +39,22 @@ from .precision import no_autocast
 _EMPTY_SHAPE = (0,)
 
 
-def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None):
+def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None,
+                 dq_scale: float = 1.0):
     """``(kl, lse_a, lse_b)`` from the kernel :mod:`streamkl.dispatch` selects; with ``dq_b`` (Triton only, a buffer
     from :func:`streamkl.dispatch.new_dq_b_buffer`) the same pass also fills side b's query gradient per unit upstream
-    gradient (see :func:`fused_forward`). Autocast is off inside (the inputs arrive cast already)."""
+    gradient, times ``dq_scale`` (see :func:`fused_forward`). Autocast is off inside (the inputs arrive cast
+    already)."""
     with no_autocast(inputs.q_a.device):
-        return dispatch.forward(inputs, spec, backend, allow_tf32, dq_b)
+        return dispatch.forward(inputs, spec, backend, allow_tf32, dq_b, dq_scale)
 
 
-def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool):
+def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_scale: float = 1.0):
     """``(kl, lse_a, lse_b, dq_b)``: the forward that also accumulates side b's query gradient per unit upstream
-    gradient (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
+    gradient, times ``dq_scale`` (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
     (:func:`streamkl.dispatch.saved_dq_b_dtype`)."""
     buffer = dispatch.new_dq_b_buffer(inputs)
-    return (*forward_impl(inputs, spec, backend, allow_tf32, buffer), buffer)
+    return (*forward_impl(inputs, spec, backend, allow_tf32, buffer, dq_scale), buffer)
 
 
 def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
@@ -60,18 +62,25 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     """``(loss, lse_a, lse_b, dq_b, dk_b)``: the training forward (:func:`fused_forward`), its reduction (see
     :func:`_reduce`), and then the backward's key pass, with the gradient of the reduction as upstream gradient; so
     ``dq_b`` and ``dk_b`` (in :func:`streamkl.dispatch.ahead_gradient_dtype` of their inputs' dtype) are side b's
-    gradients per unit gradient of ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects."""
-    kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32)
+    gradients per unit gradient of ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects.
+
+    Where that gradient is known on the host (a sum: 1; a mean over ``rows`` the host knows: ``1/rows``), the
+    training forward applies it to ``dq_b`` before its store rounds, and the key pass at its store: no pass over
+    ``dq_b`` follows. A mean whose count is taken on the device multiplies ``dq_b`` by it afterwards."""
+    host_scale = 1.0 if reduction == "sum" else None if rows is None else 1.0 / rows
+    kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32,
+                                              1.0 if host_scale is None else host_scale)
     loss, divisor = _reduce(kl, lse_a, reduction, rows)
-    if isinstance(divisor, torch.Tensor):  # counted on the device
+    if host_scale is None:  # counted on the device
         per_row = divisor.to(torch.float32).reciprocal()
     else:
-        per_row = torch.full((), 1.0 / (divisor or 1), dtype=torch.float32, device=kl.device)
+        per_row = torch.full((), host_scale, dtype=torch.float32, device=kl.device)
     # one number for every row (stride 0), as the backward of a reduced loss hands it to the kernels
     with no_autocast(inputs.q_a.device):
         _, _, dq_b, dk_b = dispatch.backward(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True,
                                              backend, allow_tf32, deterministic, dq_unit,
-                                             dispatch.ahead_gradient_dtype(inputs.q_b.dtype))
+                                             dispatch.ahead_gradient_dtype(inputs.q_b.dtype),
+                                             dq_b_final=host_scale is not None)
     return loss, lse_a, lse_b, dq_b, dk_b
 
 

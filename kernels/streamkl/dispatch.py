@@ -554,11 +554,11 @@ def ahead_gradient_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------- running
-def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b: torch.Tensor | None = None,
+            dq_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(kl, lse_a, lse_b)`` of the problem on ``backend``, by the kernel :data:`TABLE` selects; with ``dq_b`` (the
     Triton backend; a buffer from :func:`new_dq_b_buffer`) the training forward, which also fills it with side b's
-    query gradient per unit upstream gradient."""
+    query gradient per unit upstream gradient, times ``dq_scale``."""
     if backend == "reference":
         return reference.chunked_attention_kl_fwd(inputs, spec)
     problem = Problem(inputs, spec)
@@ -569,17 +569,19 @@ def forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_b
         return _implementation(route)(inputs, spec, allow_tf32)
     route = select("training forward", problem)
     if route.gluon:
-        return _implementation(route)(inputs, spec, dq_b)
-    return _implementation(route)(inputs, spec, allow_tf32, dq_b=dq_b)
+        return _implementation(route)(inputs, spec, dq_b, dq_scale=dq_scale)
+    return _implementation(route)(inputs, spec, allow_tf32, dq_b=dq_b, dq_scale=dq_scale)
 
 
 def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Tensor, lse_a: torch.Tensor,
              lse_b: torch.Tensor, need_a: bool, need_b: bool, backend: str, allow_tf32: bool, deterministic: bool,
-             dq_b: torch.Tensor | None = None, grad_b_dtype: torch.dtype | None = None
+             dq_b: torch.Tensor | None = None, grad_b_dtype: torch.dtype | None = None, dq_b_final: bool = False
              ) -> tuple[torch.Tensor | None, ...]:
     """``(dq_a, dk_a, dq_b, dk_b)`` of ``Σ grad_kl · KL`` (None where not requested) on ``backend``, the key pass and
     the query gradients by the rows :data:`TABLE` selects; ``dq_b``: the training forward's buffer, or None.
-    ``grad_b_dtype`` (Triton, with ``dq_b``): the dtype of side b's gradients (default: its inputs')."""
+    ``grad_b_dtype`` (Triton, with ``dq_b``): the dtype of side b's gradients (default: its inputs'); ``dq_b_final``:
+    the forward already scaled ``dq_b`` by the upstream gradient (its ``dq_scale``), so it is side b's query gradient
+    as it is."""
     if backend == "reference":
         return reference.chunked_attention_kl_bwd(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b)
     problem = Problem(inputs, spec, need_a, need_b, deterministic, dq_b is not None, not any(grad_kl.stride()))
@@ -588,7 +590,7 @@ def backward(grad_kl: torch.Tensor, inputs: KLInputs, spec: KLSpec, kl: torch.Te
     return _module("_triton.backward").attention_kl_bwd(
         grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, allow_tf32,
         deterministic=query.kernel != "triton_atomic_dq", dq_b=dq_b, grad_b_dtype=grad_b_dtype,
-        key_pass=_implementation(key_pass) if key_pass.gluon else None)
+        key_pass=_implementation(key_pass) if key_pass.gluon else None, dq_b_final=dq_b_final)
 
 
 def indexer_forward(q, k, q_idx, k_idx, w_idx, lse, topk_indices, key_padding_mask, causal: bool, scale: float,

@@ -373,11 +373,11 @@ _launch = KernelLauncher(_ws_fused_fwd_kernel)
 
 
 def attention_kl_fused_fwd_hopper(
-    inputs: KLInputs, spec: KLSpec, dq_b: torch.Tensor, config: LaunchConfig | None = None,
+    inputs: KLInputs, spec: KLSpec, dq_b: torch.Tensor, config: LaunchConfig | None = None, dq_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward of :func:`streamkl._triton.forward.attention_kl_fwd` with ``dq_b`` (same outputs, ``(kl,
     lse_a, lse_b)``, each ``[B, H, N_q]`` fp32, nats, and ``dq_b`` filled with side b's query gradient per unit
-    upstream gradient) on the Hopper kernel; only for problems in its scope (module docstring).
+    upstream gradient, times ``dq_scale``) on the Hopper kernel; only for problems in its scope (module docstring).
 
     Example (on an H100)::
 
@@ -402,7 +402,7 @@ def attention_kl_fused_fwd_hopper(
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, qk_a, qk_b,
-         spec.grad_scale("b")),
+         spec.grad_scale("b") * dq_scale),
         (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
          ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )

@@ -690,6 +690,7 @@ def attention_kl_bwd(
     dq_b: torch.Tensor | None = None,
     key_pass: Callable | None = None,
     grad_b_dtype: torch.dtype | None = None,
+    dq_b_final: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward; returns ``(dq_a, dk_a, dq_b, dk_b)`` in the input dtypes (None if not needed), side b's in
     ``grad_b_dtype`` when given (only with ``dq_b``: a key pass of side b alone).
@@ -697,14 +698,16 @@ def attention_kl_bwd(
     ``dk_launch``/``dq_launch`` override the tile heuristic of each pass (used by the tuning script). ``dq_b`` is
     the query gradient per unit upstream gradient that the forward accumulated (``attention_kl_fwd(dq_b=...)``,
     only with ``need_grad_a=False``): then only the key pass runs (no atomics, deterministic) and side b's query
-    gradient is that buffer times the upstream gradient. ``key_pass``, a function of ``(grad_kl, inputs, spec, lse_a,
+    gradient is that buffer times the upstream gradient (``dq_b_final``: the buffer as it is, in ``grad_b_dtype``, the
+    forward having scaled it by the upstream gradient already). ``key_pass``, a function of ``(grad_kl, inputs, spec, lse_a,
     lse_b)`` returning side b's key gradient (a Hopper key pass, chosen by :mod:`streamkl.dispatch`; only with
     ``need_grad_a=False`` and no atomic query gradient), replaces the portable key pass.
     """
     if dq_b is not None and need_grad_a:
         raise ValueError("Expected `need_grad_a=False` with a forward-accumulated `dq_b`, but got need_grad_a=True.")
-    if grad_b_dtype is not None and dq_b is None:
-        raise ValueError("Expected `grad_b_dtype` only with a forward-accumulated `dq_b`, but got dq_b=None.")
+    if (grad_b_dtype is not None or dq_b_final) and dq_b is None:
+        raise ValueError("Expected `grad_b_dtype` and `dq_b_final` only with a forward-accumulated `dq_b`, but got "
+                         "dq_b=None.")
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     grad_b_dtype = grad_b_dtype or q_b.dtype
     if not (need_grad_a or need_grad_b):
@@ -762,10 +765,13 @@ def attention_kl_bwd(
         dq_acc_b = torch.zeros(q_b.shape, dtype=torch.float32, device=device) if need_grad_b and atomic else None
         _launch_dk(dk_grid, (q_a, k_a, q_b, k_b, km, cu_q, cu_k, grad_kl, kl, lse_a, lse_b, dk_a, dk_b, dq_acc_a,
                              dq_acc_b, am), dk_scalars, dk_meta)
-    if fused:  # one elementwise kernel: upstream gradient (a scalar or one per row) times the forward's dQ_b
-        g = grad_kl if scalar_grad else grad_kl.unsqueeze(-1)
-        dq_b = torch.mul(dq_b, g, out=torch.empty_like(dq_b, dtype=grad_b_dtype))  # never in place: retain_graph
+    if fused:  # the forward's dQ_b, times the upstream gradient (a scalar or one per row) in one elementwise kernel
         dq_a = None
+        if dq_b_final:
+            dq_b = dq_b.to(grad_b_dtype)
+        else:
+            g = grad_kl if scalar_grad else grad_kl.unsqueeze(-1)
+            dq_b = torch.mul(dq_b, g, out=torch.empty_like(dq_b, dtype=grad_b_dtype))  # never in place: retain_graph
     elif atomic:
         dq_a = dq_acc_a.to(q_a.dtype) if need_grad_a else None
         dq_b = dq_acc_b.to(q_b.dtype) if need_grad_b else None

@@ -397,7 +397,8 @@ def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=512)
 def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple, sequences: int, allow_tf32: bool,
-                  config: LaunchConfig | None, fused_dq: bool = False, l2_bytes: int = 50 << 20):
+                  config: LaunchConfig | None, fused_dq: bool = False, l2_bytes: int = 50 << 20,
+                  dq_scale: float = 1.0):
     """``(grid, scalars, meta)`` of one forward launch: everything that depends only on shapes, strides, dtypes
     and options, computed once per problem geometry (the per-call work is then allocation and the launch).
 
@@ -424,7 +425,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     scalars = (
         *qa_g[1], *ka_g[1], *qb_g[1], *kb_g[1], *km_strides, *qm_strides, *am_strides,
         heads, n_q, n_k, heads // ka_g[0][1], heads // kb_g[0][1], qk_a, qk_b, cap_a, cap_b,
-        spec.window_left, spec.window_right, spec.grad_scale("b"), order_chunk,
+        spec.window_left, spec.window_right, spec.grad_scale("b") * dq_scale, order_chunk,
     )
     meta = dict(
         D_A=d_a, D_B=d_b, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -445,7 +446,7 @@ _launch_forward = KernelLauncher(_attention_kl_fwd_kernel)
 
 def attention_kl_fwd(
     inputs: KLInputs, spec: KLSpec, allow_tf32: bool = False, config: LaunchConfig | None = None,
-    dq_b: torch.Tensor | None = None,
+    dq_b: torch.Tensor | None = None, dq_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused forward; returns ``(kl, lse_a, lse_b)``, each ``[B, H, N_q]`` fp32 (nats).
 
@@ -454,7 +455,8 @@ def attention_kl_fwd(
     ``config`` overrides the tile heuristic (used by the tuning script). ``dq_b``, a buffer from
     :func:`new_dq_b_buffer`, makes the same pass also write side b's query gradient per unit
     upstream gradient, ``grad_scale_b · Σ_j (P_b − P_a)_ij k_b,j`` (see :func:`new_dq_b_buffer`), so that a
-    backward with a frozen side a needs only the key pass.
+    backward with a frozen side a needs only the key pass; times ``dq_scale`` (an upstream gradient known now, such
+    as a mean's ``1/rows``), applied before the store rounds.
     """
     q_a, k_a, q_b, k_b = inputs.q_a, inputs.k_a, inputs.q_b, inputs.k_b
     batch, heads, n_q, _ = q_a.shape
@@ -475,7 +477,7 @@ def attention_kl_fwd(
     sequences = cu_q.shape[0] - 1 if varlen else batch
     grid, scalars, meta = _forward_plan(geometry, (q_a.dtype, q_b.dtype), spec, (inputs.sink_a is not None, varlen),
                                         sequences, allow_tf32, config, dq_b is not None,
-                                        l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1))
+                                        l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1), dq_scale)
     tensors = (q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, cu_q,
                inputs.cu_seqlens_k, am, kl, lse_a, lse_b, dq_b)
     _launch_forward(grid, tensors, scalars, meta)
