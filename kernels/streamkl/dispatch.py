@@ -325,9 +325,10 @@ def read_offsets(problem: AttentionKLProblem) -> tuple[Piece, ...] | None:
     them so pays: the pieces are large on average (:func:`_pieces_pay`) and the largest takes a Gluon kernel
     (the packed layout runs on the portable kernels, the dense one on Gluon where it is large enough); else None.
 
-    Only on CUDA problems whose tokens times their longest sequence (a bound on their score elements) reach
-    :data:`GLUON_MIN_SCORES`: reading offsets that are on the GPU costs one device synchronisation (as flash-attn's
-    varlen callers take one for the longest sequence), so smaller problems keep the packed layout; so do calls under
+    Only on CUDA problems whose heads times tokens times longest sequence, over the number of sequences (a bound,
+    known without reading the offsets, on the score elements per sequence) reach :data:`GLUON_MIN_SCORES`: reading
+    offsets that are on the GPU costs one device synchronisation (as flash-attn's varlen callers take one for the
+    longest sequence), so packs that cannot split keep the packed layout without it; so do calls under
     ``torch.compile`` tracing and CUDA-graph capture. Offsets given on the CPU are read without one
     (``AttentionKLProblem.host_offsets``).
 
@@ -352,8 +353,24 @@ def _reads_offsets(problem: AttentionKLProblem) -> bool:
     """Whether :func:`read_offsets` reads the offsets of ``problem`` (see there)."""
     q = problem.q_t
     return not (not problem.packed or not q.is_cuda or torch.compiler.is_compiling()
-                or torch.cuda.is_current_stream_capturing()
-                or q.shape[1] * q.shape[2] * problem.max_seqlen_k < GLUON_MIN_SCORES)
+                or torch.cuda.is_current_stream_capturing()) and _sequences_could_pay(problem)
+
+
+def _sequences_could_pay(problem: AttentionKLProblem) -> bool:
+    """Whether the sequences of the packed ``problem`` can be :data:`GLUON_MIN_SCORES` score elements on average
+    (:func:`_pieces_pay`), from what the host knows without reading the offsets: the heads, the query tokens, the
+    longest key sequence and the number of sequences.
+
+    Example:
+        >>> from streamkl._validation import prepare_problem
+        >>> from streamkl.options import AttentionKLOptions
+        >>> q, cu = torch.randn(32768, 16, 64), torch.tensor([0, 16384, 32768], dtype=torch.int32)
+        >>> opts = AttentionKLOptions(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu)
+        >>> _sequences_could_pay(prepare_problem(q, q, q, q, opts))
+        True
+    """
+    bound = problem.heads * problem.n_q * problem.max_seqlen_k  # Σ_i n_q,i · n_k,i <= N_q · max n_k,i
+    return bound >= GLUON_MIN_SCORES * (problem.cu_seqlens_q.shape[0] - 1)
 
 
 def _largest_takes_gluon(problem: AttentionKLProblem, pieces: tuple[Piece, ...]) -> bool:

@@ -305,3 +305,13 @@ def test_offsets_given_on_the_cpu_are_read_on_the_host(monkeypatch):
     unreadable = replace(problem, cu_seqlens_q=problem.cu_seqlens_q.to("meta"),
                          cu_seqlens_k=problem.cu_seqlens_k.to("meta"))
     assert [p.sizes for p in dispatch.read_offsets(unreadable)] == [(5, 6), (9, 10)]
+
+
+def test_offsets_on_the_gpu_are_read_only_where_the_sequences_can_be_large_on_average(monkeypatch):
+    """Reading offsets that are on the GPU costs a synchronisation: only where heads x tokens x the longest sequence,
+    over the number of sequences (known without reading them), reaches the size at which pieces pay."""
+    monkeypatch.setattr(dispatch, "GLUON_MIN_SCORES", 4 * 10 * 10)  # heads · rows · keys
+    inputs, packing = make_packed([0, 10, 20])  # 4 heads, 20 tokens, longest 10, 2 sequences: 4·20·10/2 = 400
+    assert dispatch._sequences_could_pay(_problem(inputs, **packing, max_seqlen_q=10, max_seqlen_k=10))
+    inputs, packing = make_packed([0, 10, 12, 14, 16, 18, 20])  # 4·20·10/6 < 400, whatever the lengths are
+    assert not dispatch._sequences_could_pay(_problem(inputs, **packing, max_seqlen_q=10, max_seqlen_k=10))
