@@ -136,16 +136,22 @@ def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_sca
     return m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved
 
 
+#: A row's fp16 frame before it is set (:func:`_fp16_frame`): never a power of two, so never a frame once set.
+FP16_FRAME_UNSET = gl.constexpr(1.5)
+
+
 @gluon.jit
 def _fp16_frame(d, s):
     """fp16 inputs: ``(d·s', s', s'/s, moved)`` per row, ``s`` the row's power of two (``w`` is kept in units of
-    ``1/s``), which moves to ``s'`` only where the row's largest ``|d|`` would leave ``[2^6, 2^15)`` once scaled, to
-    bring it to ``2^(FP16_TARGET_EXPONENT - 1)``; ``s'/s`` (exactly 1 elsewhere) is the factor ``w`` takes with the
-    softmax rescaling (:func:`_rescale`), so a moving frame costs no cross-warp reduction of its own. The portable
-    kernel scales every tile (:func:`streamkl._triton._helpers._as_operand`)."""
+    ``1/s``; :data:`FP16_FRAME_UNSET` before the row's first nonzero tile, which sets it to bring the tile's largest
+    ``|d|`` to ``2^(FP16_TARGET_EXPONENT - 1)``). A set frame only moves down, where the row's largest ``|d|`` would
+    reach ``2^15`` once scaled, so ``w`` never grows with it (a frame that moved up after large tiles could overflow
+    ``w``); ``s'/s`` (exactly 1 elsewhere) is the factor ``w`` takes with the softmax rescaling (:func:`_rescale`), so
+    a moving frame costs no cross-warp reduction of its own. The portable kernel scales every tile
+    (:func:`streamkl._triton._helpers._as_operand`)."""
     big = gl.max(gl.abs(d), 1)
     scaled = big * s
-    moved = (scaled >= 32768.0) | ((scaled < 64.0) & (big > 0.0))
+    moved = (scaled >= 32768.0) | ((s == FP16_FRAME_UNSET) & (scaled < 64.0) & (big > 0.0))
     exponent = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
     k = gl.minimum(gl.maximum(FP16_TARGET_EXPONENT - 1 - exponent, -126), 126)
     s_new = gl.where(moved, ((k + 127) << 23).to(gl.float32, bitcast=True), s)
@@ -287,7 +293,7 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
     qa = qa_smem.index(ME).reshape([BLOCK_M, D_A])
     qb = qb_smem.index(ME).reshape([BLOCK_M, D_B])
     if kb_ring.dtype == gl.float16:
-        w_scale = gl.full([BLOCK_M], 1.0, gl.float32, row_layout)  # one power of two per row
+        w_scale = gl.full([BLOCK_M], FP16_FRAME_UNSET, gl.float32, row_layout)  # one power of two per row, once set
     else:
         w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
