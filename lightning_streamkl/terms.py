@@ -158,8 +158,7 @@ class TermCall:
                 p = m.packed
                 return attention_kl(
                     p.gather(self.q_t, "q"), p.gather(self.k_t, "k"), p.gather(self.q_s, "q"), p.gather(self.k_s, "k"),
-                    options=self.options, layout="thd", cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
-                    max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k, **kw)
+                    options=self.options, layout="thd", **p.op_offsets(), **kw)
             return attention_kl(self.q_t, self.k_t, self.q_s, self.k_s, options=self.options,
                                 key_padding_mask=m.key_padding_mask, query_mask=m.query_mask, attn_mask=m.attn_mask,
                                 **kw)

@@ -44,6 +44,9 @@ class PackedSequences:
         index_q: ``[T_q]`` positions of the kept query tokens in the flattened ``[B · N_q]`` tokens; ``None``: all
             of them, in order.
         index_k: the same for keys.
+        host_cu_seqlens_q: the query offsets' values on the CPU, where they were read (:meth:`from_offsets`), or
+            ``None``; the op reads offsets on the CPU without a device synchronisation.
+        host_cu_seqlens_k: the same for keys.
 
     Example:
         >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
@@ -60,6 +63,42 @@ class PackedSequences:
     max_seqlen_k: int
     index_q: torch.Tensor | None = None
     index_k: torch.Tensor | None = None
+    host_cu_seqlens_q: torch.Tensor | None = None
+    host_cu_seqlens_k: torch.Tensor | None = None
+
+    @classmethod
+    def from_offsets(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, index_q: torch.Tensor | None = None,
+                     index_k: torch.Tensor | None = None) -> PackedSequences:
+        """The sequences of the offsets ``cu_q``, ``cu_k`` (any integer dtype; kept as int32), read on the host once
+        (one device synchronisation for offsets on a GPU, for both): the longest sequences come from the values, which
+        are kept on the CPU too, so that the op's calls on these sequences read them without one.
+
+        Example:
+            >>> packed = PackedSequences.from_offsets(torch.tensor([0, 3, 5]), torch.tensor([0, 3, 5]))
+            >>> packed.max_seqlen_q, packed.host_cu_seqlens_q.tolist(), packed.cu_seqlens_q.dtype
+            (3, [0, 3, 5], torch.int32)
+        """
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        if cu_q.shape == cu_k.shape:
+            host_q, host_k = torch.stack([cu_q, cu_k]).cpu()
+        else:  # not one set of sequences: the op says so, with the argument's name
+            host_q, host_k = cu_q.cpu(), cu_k.cpu()
+        longest = [int(torch.diff(h).max()) if h.numel() > 1 else 0 for h in (host_q, host_k)]
+        return cls(cu_q, cu_k, *longest, index_q, index_k, host_q, host_k)
+
+    def op_offsets(self) -> dict:
+        """The op's keywords for these sequences (:func:`streamkl.attention_kl` with ``layout="thd"``): the offsets,
+        on the CPU where their values were read (no synchronisation in the op), and the longest sequences.
+
+        Example:
+            >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+            >>> sorted(PackedSequences(cu, cu, 3, 3).op_offsets())
+            ['cu_seqlens_k', 'cu_seqlens_q', 'max_seqlen_k', 'max_seqlen_q']
+        """
+        host = self.host_cu_seqlens_q is not None and self.host_cu_seqlens_k is not None
+        return {"cu_seqlens_q": self.host_cu_seqlens_q if host else self.cu_seqlens_q,
+                "cu_seqlens_k": self.host_cu_seqlens_k if host else self.cu_seqlens_k,
+                "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k}
 
     def gather(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """``x`` ``[B, H, N, D]`` as the packed ``[T, H, D]`` of the kept tokens (``side``: "q" or "k")."""
@@ -72,7 +111,8 @@ class PackedSequences:
         """The same sequences with every tensor on ``device``."""
         move = (lambda t: None if t is None else t.to(device, non_blocking=True))
         return PackedSequences(move(self.cu_seqlens_q), move(self.cu_seqlens_k), self.max_seqlen_q,
-                               self.max_seqlen_k, move(self.index_q), move(self.index_k))
+                               self.max_seqlen_k, move(self.index_q), move(self.index_k), self.host_cu_seqlens_q,
+                               self.host_cu_seqlens_k)
 
     def same_as(self, other: PackedSequences) -> bool:
         """True when both describe the same tokens and sequences (``None`` indices equal the full range)."""
@@ -427,10 +467,9 @@ def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: i
     start = torch.ones(index.numel(), dtype=torch.bool, device=device)
     start[1:] = ~((b[1:] == b[:-1]) & joined)
     starts = start.nonzero().flatten()
-    lengths = torch.diff(torch.cat([starts, starts.new_tensor([index.numel()])]))
     cu = torch.cat([starts, starts.new_tensor([index.numel()])]).to(torch.int32)
-    max_len = int(lengths.max())
-    packed = PackedSequences(cu, cu, max_len, max_len, index, index)
+    packed = PackedSequences.from_offsets(cu, cu, index, index)
+    max_len = packed.max_seqlen_q
     window = canonical_window((left, -1 if causal else right), causal, max_len, max_len, packed=packed)
     candidate = packed_allowed(packed, causal, window, batch, n, n)
     keep = real[:, None, :, None]  # compare the real query rows: a padded position's row is not a document's row
@@ -477,8 +516,8 @@ def flash_masking(mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, kwa
         lengths = real.sum(-1)
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
         index = real.flatten().nonzero().flatten()
-        m = int(lengths.max())
-        packed = PackedSequences(cu, cu, m, m, index, index)
+        packed = PackedSequences.from_offsets(cu, cu, index, index)
+        m = packed.max_seqlen_q
         return Masking(causal_, canonical_window(window, bool(causal), m, m, packed=packed), None, None, packed)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
@@ -486,14 +525,12 @@ def flash_masking(mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, kwa
     given = cu_q is not None and cu_k is not None and (
         (kwargs.get("max_length_q") is not None and kwargs.get("max_length_k") is not None) or packed_positions)
     if given:
-        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-        packed = PackedSequences(cu_q, cu_k, int(torch.diff(cu_q).max()), int(torch.diff(cu_k).max()))
+        packed = PackedSequences.from_offsets(cu_q, cu_k)
     elif packed_positions:
         flat = position_ids.reshape(-1)
         starts = (flat == flat.min()).nonzero().flatten()
         cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
-        m = int(torch.diff(cu).max())
-        packed = PackedSequences(cu, cu, m, m)
+        packed = PackedSequences.from_offsets(cu, cu)
     else:
         return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k))
     window = canonical_window(window, bool(causal), packed.max_seqlen_q, packed.max_seqlen_k, packed=packed)

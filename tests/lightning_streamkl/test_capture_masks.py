@@ -106,6 +106,9 @@ def test_flash_attention_packed_forms_equal_the_per_document_kl(kwargs):
         out, t_rec, s_rec, _ = distil(teacher, student, batch, [[-1, -1]])
     t, s = t_rec["model.layers.1.self_attn"], s_rec["model.layers.1.self_attn"]
     assert t.packed.cu_seqlens_q.tolist() == [0, 4, 7, 12] and t.packed.same_as(s.packed)
+    # the offsets were read once when the mask was read; their values stay on the host for the op (no second read)
+    assert t.packed.host_cu_seqlens_q.tolist() == [0, 4, 7, 12] and t.packed.host_cu_seqlens_q.device.type == "cpu"
+    assert (t.packed.max_seqlen_q, t.packed.max_seqlen_k) == (5, 5)
     assert out.rows.item() == 12 * 4
     torch.testing.assert_close(out.per_pair["t-1_s-1"], _per_document_kl(teacher, student, docs), rtol=1e-9, atol=0)
 

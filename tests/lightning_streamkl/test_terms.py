@@ -119,6 +119,30 @@ def test_packed_sequences_and_relations_fuse(op_calls):
     _assert_same(fused, alone)
 
 
+def test_packed_offsets_read_on_the_host_reach_the_op_there(monkeypatch):
+    """Offsets the capture read (PackedSequences.from_offsets) go to the op as the CPU copies of their values, which
+    it reads without a device synchronisation; the loss is the same as with the offsets on the inputs' device."""
+    offsets = []
+    real = terms.attention_kl
+
+    def recording(*args, **kwargs):
+        offsets.append((kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(terms, "attention_kl", recording)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    read = PackedSequences.from_offsets(cu, cu.clone())
+    given = PackedSequences(cu, cu, 5, 5)
+    losses = []
+    for packed in (read, given):
+        teacher = _records(1, b=1, h_k=4, seed=4, causal=True, packed=packed)
+        student = _records(1, b=1, h_k=4, seed=5, grad=True, causal=True, packed=packed)
+        losses.append(AttentionDistillationLoss({"pairs": [["l0", "l0"]]})(teacher, student).total)
+    assert offsets[0][0] is read.host_cu_seqlens_q and offsets[0][1] is read.host_cu_seqlens_k
+    assert offsets[1][0] is cu
+    assert read.max_seqlen_q == 5 and torch.equal(losses[0], losses[1])
+
+
 def test_terms_that_differ_run_alone(op_calls, monkeypatch):
     teacher, student = _records(4, seed=1, causal=True), _records(4, seed=2, grad=True, causal=True)
     student["l3"] = CapturedAttention(student["l3"].q[..., :4].detach().requires_grad_(True),
