@@ -247,7 +247,8 @@ TABLE: tuple[Route, ...] = (
           scope=_stepwise_key_pass_scope, pays=_large, gluon=True),
     Route("key pass", "triton_key_pass", "_triton/backward.py", _PORTABLE, "fp16, bf16, fp32", "otherwise"),
     Route("query gradient", "from_training_forward", "_triton/backward.py", "any", "any",
-          "the training forward accumulated it: the upstream gradient times its buffer", scope=lambda p: p.fused),
+          "the training forward accumulated it: its buffer, times the upstream gradient unless the forward applied "
+          "one the host knew (a sum's, a mean's over rows the host counts)", scope=lambda p: p.fused),
     Route("query gradient", "triton_atomic_dq", "_triton/backward.py", _PORTABLE, "fp16, bf16, fp32",
           "deterministic=False (and torch's deterministic mode off): added up in the key pass with fp32 atomics",
           scope=lambda p: not p.deterministic),
@@ -261,7 +262,7 @@ for _route in TABLE:
     _STAGES[_route.stage] += (_route,)
 
 
-# ---------------------------------------------------------------------------------------------- masks that mask nothing
+# ---------------------------------------------------------------------------------- masks and offsets read on the host
 def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[Piece, ...] | None]:
     """``(problem, pieces)``: ``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every
     key and row, and, where every mask left keeps a prefix of each batch row (a right-padded batch), the dense
