@@ -190,8 +190,9 @@ def _check_sinks(sinks_t: object, sinks_s: object, heads: int, device: torch.dev
 
 def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, read_values: bool
                       ) -> list[int] | None:
-    """Check a ``cu_seqlens`` tensor (on ``device``, or on the CPU: offsets the host holds); returns its values when
-    they are read (always for offsets on the host, whose reading costs no synchronisation), else None."""
+    """Check a ``cu_seqlens`` tensor (on ``device``, or on the CPU: offsets the host holds for inputs on a GPU);
+    returns its values when they are read (always for offsets the host holds, whose reading costs no
+    synchronisation), else None."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(
             f"Expected argument `{name}` to be a torch.Tensor of int32 cumulative sequence offsets (layout 'thd'), "
@@ -206,7 +207,7 @@ def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device, r
         )
     if cu.device != device and cu.device.type != "cpu":
         raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, or on the CPU, but got {cu.device}.")
-    if not read_values and cu.device.type != "cpu":
+    if not read_values and (cu.device.type != "cpu" or device.type == "cpu"):
         return None
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in itertools.pairwise(values)):
@@ -322,8 +323,8 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
             )
         # Reading the offsets costs a device synchronisation; with both maxima given they are trusted, as in
         # flash-attn's varlen functions (the kernels still never read outside the tensors).
-        # Offsets on the CPU are read for free: they are checked, give the maxima and the split into sequences
-        # (streamkl.dispatch.read_offsets) without a synchronisation, and go to the device without one.
+        # Offsets on the CPU for inputs on a GPU are read for free: they are checked, give the maxima and the split
+        # into sequences (streamkl.dispatch.read_offsets) without a synchronisation, and go to the device without one.
         read = max_seqlen_q is None or max_seqlen_k is None
         offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, n_q, device, read)
         offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_k, device, read)
