@@ -704,16 +704,26 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
         kl = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=mask, query_mask=mask)
         return (kl, *torch.autograd.grad(kl, (q_s, k_s)))
 
-    split = run()
-    assert len(fused_calls) == 2
-    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
-    masked = run()
-    assert len(fused_calls) == 2
-    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
-    assert_close(split[0], masked[0], rtol_fwd, "kl")
-    for got, want, name in zip(split[1:], masked[1:], ("dq_s", "dk_s")):
-        assert_close(got, want, rtol_grad, name)
+    split = _split_matches_unsplit(run, "_reads_masks", fused_calls, 2, monkeypatch)
+    for got in split[1:]:
         assert not got[1, :, lengths[1]:].any()
+
+
+def _split_matches_unsplit(run, gate: str, fused_calls: list, fused: int, monkeypatch) -> tuple:
+    """``run()`` (the result and the gradients of a call) split into pieces, with ``fused`` calls of the fused Gluon
+    forward, against the same call with the dispatch's ``gate`` closed (on the portable kernels, no further fused
+    call): the KL and the gradients within the bf16 tolerances of kernels that sum in different orders. Returns the
+    split call's."""
+    split = run()
+    assert len(fused_calls) == fused
+    monkeypatch.setattr(dispatch, gate, lambda problem: False)
+    whole = run()
+    assert len(fused_calls) == fused
+    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(split[0], whole[0], rtol_fwd, "kl")
+    for got, want, name in zip(split[1:], whole[1:], ("dq_s", "dk_s")):
+        assert_close(got, want, rtol_grad, name)
+    return split
 
 
 @pytest.mark.gpu
@@ -740,15 +750,7 @@ def test_packed_sequences_run_each_sequence_on_the_gluon_kernels(reduction, head
         upstream = torch.randn(kl.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         return (kl, *torch.autograd.grad(kl, (q_s, k_s), upstream.to(kl.dtype)))
 
-    split = run()
-    assert len(fused_calls) == 2
-    monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: False)
-    packed = run()
-    assert len(fused_calls) == 2
-    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
-    assert_close(split[0], packed[0], rtol_fwd, "kl")
-    for got, want, name in zip(split[1:], packed[1:], ("dq_s", "dk_s")):
-        assert_close(got, want, rtol_grad, name)
+    split = _split_matches_unsplit(run, "_reads_offsets", fused_calls, 2, monkeypatch)
     monkeypatch.undo()
     # the offsets on the CPU (as a data collator makes them): the same split, read without a synchronisation
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")

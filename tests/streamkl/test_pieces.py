@@ -21,11 +21,16 @@ def reads_every_mask(monkeypatch):
     monkeypatch.setattr(dispatch, "_reads_masks",
                         lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
     monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
+    return recorded_splits(monkeypatch, lambda p: p.sizes)
+
+
+def recorded_splits(monkeypatch, describe) -> list:
+    """Every split call from now on, as the tuple of ``describe(piece)`` of its pieces (the op itself still runs)."""
     splits = []
     whole = streamkl.api.attention_kl_pieces
 
     def counted(problem, pieces, *args):
-        splits.append(tuple(p.sizes for p in pieces))
+        splits.append(tuple(describe(p) for p in pieces))
         return whole(problem, pieces, *args)
 
     monkeypatch.setattr(streamkl.api, "attention_kl_pieces", counted)
@@ -196,15 +201,7 @@ def reads_every_offset(monkeypatch):
     monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: problem.packed)
     monkeypatch.setattr(dispatch, "_largest_takes_gluon", lambda problem, pieces: True)
     monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
-    splits = []
-    whole = streamkl.api.attention_kl_pieces
-
-    def counted(problem, pieces, *args):
-        splits.append(tuple((p.q_start, p.n_q, p.k_start, p.n_k) for p in pieces))
-        return whole(problem, pieces, *args)
-
-    monkeypatch.setattr(streamkl.api, "attention_kl_pieces", counted)
-    return splits
+    return recorded_splits(monkeypatch, lambda p: (p.q_start, p.n_q, p.k_start, p.n_k))
 
 
 def make_packed(offsets_q, offsets_k=None, heads=4, key_heads=2, d_t=16, d_s=8, dtype=torch.float64,
