@@ -30,9 +30,9 @@ flight during the exponentials. In a scratch probe, consumers taking turns on th
 ping-pong) were slower than consumers that both compute at once. The softmax work of two distributions outweighs the
 products here, so the kernel gains by keeping both consumers computing, not by overlapping them with the products.
 
-fp16 inputs round the tile of ``p_b·r − p_a`` scaled by a power of two, as the portable kernel does; here the scale
-moves with the tile only when it must (:func:`_fp16_frame`), so fp16 outputs match the portable kernel's within
-fp16's rounding, not bitwise.
+fp16 inputs round the tile of ``p_b·r − p_a`` scaled by a power of two, as the portable kernel does; here each row
+has its own, which moves only when it must, along with the softmax rescaling (:func:`_fp16_frame`), so fp16 outputs
+match the portable kernel's within fp16's rounding, not bitwise.
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
 bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only
@@ -136,22 +136,26 @@ def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_sca
     return m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved
 
 
+#: A row's fp16 frame before it is set (:func:`_fp16_frame`): never a power of two, so never a frame once set.
+FP16_FRAME_UNSET = gl.constexpr(1.5)
+
+
 @gluon.jit
-def _fp16_frame(d, w, s):
-    """fp16 inputs: ``(d·s, w, s)`` with ``w`` kept in units of ``1/s``, ``s`` a power of two that moves (and ``w``
-    with it, exactly) only when the tile's largest ``|d|`` would leave ``[2^6, 2^15)`` once scaled; then it brings
-    it to ``2^(FP16_TARGET_EXPONENT - 1)``. The portable kernel scales every tile
-    (:func:`streamkl._triton._helpers._as_operand`); here a tile costs one cross-warp maximum, and ``w``, which the
-    tensor cores accumulate in place, moves only with the frame."""
-    big = gl.max(gl.max(gl.abs(d), 1), 0)
+def _fp16_frame(d, s):
+    """fp16 inputs: ``(d·s', s', s'/s, moved)`` per row, ``s`` the row's power of two (``w`` is kept in units of
+    ``1/s``; :data:`FP16_FRAME_UNSET` before the row's first nonzero tile, which sets it to bring the tile's largest
+    ``|d|`` to ``2^(FP16_TARGET_EXPONENT - 1)``). A set frame only moves down, where the row's largest ``|d|`` would
+    reach ``2^15`` once scaled, so ``w`` never grows with it (a frame that moved up after large tiles could overflow
+    ``w``); ``s'/s`` (exactly 1 elsewhere) is the factor ``w`` takes with the softmax rescaling (:func:`_rescale`), so
+    a moving frame costs no cross-warp reduction of its own. The portable kernel scales every tile
+    (:func:`streamkl._triton._helpers._as_operand`)."""
+    big = gl.max(gl.abs(d), 1)
     scaled = big * s
-    if (scaled >= 32768.0) | ((scaled < 64.0) & (big > 0.0)):
-        exponent = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        k = gl.minimum(gl.maximum(FP16_TARGET_EXPONENT - 1 - exponent, -126), 126)
-        s_new = ((k + 127) << 23).to(gl.float32, bitcast=True)
-        w = w * (s_new / s)
-        s = s_new
-    return d * s, w, s
+    moved = (scaled >= 32768.0) | ((s == FP16_FRAME_UNSET) & (scaled < 64.0) & (big > 0.0))
+    exponent = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = gl.minimum(gl.maximum(FP16_TARGET_EXPONENT - 1 - exponent, -126), 126)
+    s_new = gl.where(moved, ((k + 127) << 23).to(gl.float32, bitcast=True), s)
+    return d * gl.expand_dims(s_new, 1), s_new, s_new / s, moved
 
 
 @gluon.jit
@@ -222,8 +226,8 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
                   MASKED: gl.constexpr, SCRATCH: gl.constexpr):
     """Key tiles ``[lo, hi)`` of consumer ``ME``, one step each: its score products, the softmax work, the rescaling
     of ``v`` and ``w``, its two query-gradient products (from the scratch copy with ``SCRATCH``); each slot released
-    once this consumer's products are done with it. fp16 inputs keep ``w`` in units of ``1/w_scale``
-    (:func:`_fp16_frame`); bf16 ones leave ``w_scale`` at 1."""
+    once this consumer's products are done with it. fp16 inputs keep each row of ``w`` in units of ``1/w_scale``
+    (:func:`_fp16_frame`, one power of two per row); bf16 ones leave ``w_scale`` at 1."""
     for t in range(lo, hi):
         stage = t % STAGES
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -233,8 +237,10 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
             x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
             not MASKED, CAUSAL)
         if kb_ring.dtype == gl.float16:
-            d, w, w_scale = _fp16_frame(d, w, w_scale)
+            d, w_scale, frame_ratio, frame_moved = _fp16_frame(d, w_scale)
             coef = coef * w_scale
+            alpha_a = alpha_a * frame_ratio
+            moved = moved | frame_moved
         p_op = gl.convert_layout(p_b.to(kb_ring.dtype), p_layout)
         d_op = gl.convert_layout(d.to(kb_ring.dtype), p_layout)
         v, w = _rescale(v, w, coef, alpha_a, alpha_b, moved, o_row_layout)
@@ -286,7 +292,10 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
     mbarrier.wait(q_bar, 0)
     qa = qa_smem.index(ME).reshape([BLOCK_M, D_A])
     qb = qb_smem.index(ME).reshape([BLOCK_M, D_B])
-    w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
+    if kb_ring.dtype == gl.float16:
+        w_scale = gl.full([BLOCK_M], FP16_FRAME_UNSET, gl.float32, row_layout)  # one power of two per row, once set
+    else:
+        w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         0, n_full, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v, w,
         w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B,
