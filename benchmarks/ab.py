@@ -7,6 +7,7 @@ every round); the verdict per case is the median of the per-round ratios with th
 
     python benchmarks/ab.py HEAD~1                            # the grid's N = 8192 rows, fwd and fwd+bwd, 7 rounds
     python benchmarks/ab.py 5cfe097 --bench overhead --rounds 15 --out /tmp/ab.json
+    python benchmarks/ab.py HEAD~1 --bench real --cases fp16 padded    # rows of the real-batches benchmark
     python benchmarks/ab.py HEAD --device cpu                 # the plumbing, on tiny CPU problems
     python benchmarks/ab.py /path/to/other/checkout           # a folder holding kernels/streamkl, used as it is
 
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, compare, do_bench_ms, load_package, paired_rounds, wall_ms, write_json
 
 #: ``--bench`` name -> the module (in benchmarks/) whose ``ab_cases`` it times
-BENCHES = {"grid": "bench_attention_kl", "overhead": "overhead"}
+BENCHES = {"grid": "bench_attention_kl", "overhead": "overhead", "real": "real_batches"}
 
 
 @contextlib.contextmanager

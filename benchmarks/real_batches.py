@@ -3,7 +3,8 @@
 Forward+backward of ``attention_kl(..., reduction="mean")`` (frozen teacher, trainable student, the default dispatch;
 bf16 unless a row says fp16), ``do_bench`` medians, for the headline reference rows and the "real batches" rows:
 lengths off the tile grid, D_t=128 -> D_s=64, 8 packed documents (offsets on the GPU, and on the CPU), a right-padded
-batch (and the same batch with an all-True key mask, and without masks), fp16, a sliding window, GQA with odd lengths
+batch (and the same batch with an all-True key mask, both with the masks on the GPU and on the CPU, and without
+masks), fp16, a sliding window, GQA with odd lengths
 and the BERT shape (1 and 12 pairs, with the host time per call: µs per call of back-to-back calls, synchronised at the
 end, which the host bounds at this size). Every row records the kernels the dispatch table chose, and its baselines:
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import itertools
 import math
 import os
@@ -75,7 +77,7 @@ class Row:
     window: int = 0
     pairs: int = 1
     host_time: bool = False  # also the host time per call (the BERT rows)
-    host_offsets: bool = False  # packed rows: ``cu_seqlens`` on the CPU, as a data collator makes them
+    on_cpu: bool = False  # packed rows' ``cu_seqlens``, padded rows' masks on the CPU, as a data collator makes them
     dense_row: str = ""  # padded rows: the row of the same batch without masks
     targets: tuple[tuple[str, float], ...] = (("ratio_cudnn", CUDNN_TARGET),)
 
@@ -106,16 +108,19 @@ def rows(smoke: bool = False) -> list[Row]:
     out.append(Row("D_t=128 → D_s=64, H=16 N=8192", shape(1, 16, 8192, 128, False, d_s=64)))
     packed = (("ratio_separate", SEPARATE_TARGET), ("ratio_cudnn", CUDNN_TARGET))
     out += [Row(f"packed: 8 documents in 32768 tokens (thd, offsets on the {where}), H=16 D=64 causal",
-                shape(1, 16, 32768, 64, True), docs=8, host_offsets=where == "CPU", targets=packed)
+                shape(1, 16, 32768, 64, True), docs=8, on_cpu=where == "CPU", targets=packed)
             for where in ("GPU", "CPU")]
     dense, fractions = "B=4 H=16 N=8192 D=64 causal, no mask", (1.0, 0.8, 0.55, 0.3)
-    out += [Row(dense, shape(4, 16, 8192, 64, True)),
-            Row("B=4 right-padded 100/80/55/30% (key and query masks)", shape(4, 16, 8192, 64, True),
-                lengths=fractions, masks=("key", "query"), dense_row=dense,
-                targets=(("ratio_same_work", SAME_WORK_TARGET), ("ratio_cudnn", CUDNN_TARGET))),
-            Row("B=4 all-True key_padding_mask", shape(4, 16, 8192, 64, True), lengths=(1.0,) * 4, masks=("key",),
-                dense_row=dense, targets=(("ratio_same_work", ALL_TRUE_TARGET), ("ratio_cudnn", CUDNN_TARGET))),
-            Row("fp16 B=4 H=16 N=8192 D=64 causal", shape(4, 16, 8192, 64, True, dtype="float16")),
+    out.append(Row(dense, shape(4, 16, 8192, 64, True)))
+    for where in ("GPU", "CPU"):
+        out += [Row(f"B=4 right-padded 100/80/55/30% (key and query masks on the {where})",
+                    shape(4, 16, 8192, 64, True), lengths=fractions, masks=("key", "query"), dense_row=dense,
+                    on_cpu=where == "CPU",
+                    targets=(("ratio_same_work", SAME_WORK_TARGET), ("ratio_cudnn", CUDNN_TARGET))),
+                Row(f"B=4 all-True key_padding_mask on the {where}", shape(4, 16, 8192, 64, True),
+                    lengths=(1.0,) * 4, masks=("key",), dense_row=dense, on_cpu=where == "CPU",
+                    targets=(("ratio_same_work", ALL_TRUE_TARGET), ("ratio_cudnn", CUDNN_TARGET)))]
+    out += [Row("fp16 B=4 H=16 N=8192 D=64 causal", shape(4, 16, 8192, 64, True, dtype="float16")),
             Row("window 4096 at N=32768, H=16 D=64 causal", shape(1, 16, 32768, 64, True),
                 window=tiny(4096), targets=packed)]
     out += [Row(f"GQA H=32/8 N={n} D=128 causal", shape(1, 32, n, 128, True, h_kt=8)) for n in (8191, 12345)]
@@ -179,8 +184,9 @@ def problem(row: Row, device: str) -> dict[str, Any]:
     idx = torch.arange(s.n, device=device)
     if row.lengths:
         real = idx[None, :] < torch.tensor([round(f * s.n) for f in row.lengths], device=device)[:, None]
-        kw.update({"key_padding_mask": real} if row.masks == ("key",) else
-                  {"key_padding_mask": real, "query_mask": real.clone()})
+        given = real.cpu() if row.on_cpu else real
+        kw.update({"key_padding_mask": given} if row.masks == ("key",) else
+                  {"key_padding_mask": given, "query_mask": given.clone()})
         mask = real[:, None, None, :] & (idx[None, :] <= idx[:, None] if s.causal else True)
         out["sdpa"] = [_sdpa_args(sets[0][2], sets[0][3], mask)]
     if row.window:
@@ -195,7 +201,7 @@ def problem(row: Row, device: str) -> dict[str, Any]:
         lengths = doc_lengths(s.n, row.docs)
         thd = [_leaf(x[0].transpose(0, 1), x.requires_grad) for x in sets[0]]  # (N, H, D)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-        given = cu.cpu() if row.host_offsets else cu
+        given = cu.cpu() if row.on_cpu else cu
         kw.update(layout="thd", cu_seqlens_q=given, cu_seqlens_k=given, max_seqlen_q=max(lengths),
                   max_seqlen_k=max(lengths))
         out["ours"] = ([thd], kw)
@@ -207,12 +213,12 @@ def problem(row: Row, device: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the calls
-def ours_fwd_bwd(sets: list, kw: dict) -> Callable[[], None]:
-    """One forward+backward of the op over ``sets`` (back-to-back calls, their losses summed)."""
+def ours_fwd_bwd(sets: list, kw: dict, package: Any = None) -> Callable[[], None]:
+    """One forward+backward of the op over ``sets`` (back-to-back calls, their losses summed); ``package``: the
+    ``streamkl`` to call (default: this tree's; ``ab.py`` passes another revision's)."""
     import torch
 
-    from streamkl import attention_kl
-
+    attention_kl = (package or importlib.import_module("streamkl")).attention_kl
     leaves = [x for s in sets for x in s if x.requires_grad]
 
     def run() -> None:
@@ -344,6 +350,25 @@ def measure(row: Row, device: str) -> dict[str, Any]:
         rec["host_us_per_call"] = attempt(lambda: host_us(ours, device) / row.pairs)
         rec["sdpa_host_us_per_call"] = attempt(lambda: host_us(sdpa[0], device) / row.pairs) if ok else sdpa
     return rec
+
+
+def ab_cases(device: str = "cuda", quick: bool = True) -> dict[str, Callable[[Any], Callable[[], None]]]:
+    """The rows' forward+backward calls for ``benchmarks/ab.py --bench real``: row name -> a function of a
+    ``streamkl`` package returning the call; ``quick``: the "real batches" group only (else the headline rows too);
+    on the CPU the smoke's tiny shapes.
+
+    Example:
+        >>> import streamkl
+        >>> cases = ab_cases("cpu")
+        >>> cases["fp16 B=4 H=16 N=8192 D=64 causal"](streamkl)()
+    """
+    def case(row: Row) -> Callable[[Any], Callable[[], None]]:
+        def make(package: Any) -> Callable[[], None]:
+            sets, kw = problem(row, device)["ours"]
+            return ours_fwd_bwd(sets, kw, package)
+        return make
+
+    return {row.name: case(row) for row in rows(smoke=device == "cpu") if not quick or row.group == "real batches"}
 
 
 # ---------------------------------------------------------------------------------------------- ratios
