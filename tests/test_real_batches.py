@@ -38,13 +38,14 @@ def test_the_rows_are_the_issues(rb):
     assert {(n, c) for n in (5000, 8191, 12345) for c in (True, False)} <= lengths
     assert sum(r.group == "headline" for r in rows.values()) == 4
     packed = [r for r in rows.values() if r.docs]
-    assert [r.host_offsets for r in packed] == [False, True]  # the offsets on the GPU, and on the CPU
+    assert [r.on_cpu for r in packed] == [False, True]  # the offsets on the GPU, and on the CPU
     for r in packed:
         assert (r.docs, r.shape.n, sum(rb.doc_lengths(r.shape.n, r.docs))) == (8, 32768, 32768)
     (window,) = [r for r in rows.values() if r.window]
     assert (window.window, window.shape.n) == (4096, 32768)
     padded = [r for r in rows.values() if r.lengths]
-    assert {r.masks for r in padded} == {("key", "query"), ("key",)}
+    assert [(r.masks, r.on_cpu) for r in padded] == [(("key", "query"), False), (("key",), False),
+                                                     (("key", "query"), True), (("key",), True)]
     assert all(r.dense_row in rows and r.shape == rows[r.dense_row].shape for r in padded)
     assert [r.shape.dtype for r in rows.values()].count("float16") == 1
     assert {(r.shape.n, r.shape.h_kt) for r in rows.values() if r.shape.h_kt} >= {(8191, 8), (12345, 8)}

@@ -96,6 +96,7 @@ class AttentionKLProblem:
     max_seqlen_q: int
     max_seqlen_k: int
     host_offsets: tuple[list[int], list[int]] | None  # packed offsets given on the CPU: their values (q, k)
+    host_masks: dict[str, torch.Tensor] | None  # masks given on the CPU for inputs on a GPU: name -> that CPU copy
     window: tuple[int, int]
     scale_t: float
     scale_s: float

@@ -138,8 +138,9 @@ def _check_mask(name: str, mask: object, batch: int, length: int, length_name: s
             f"Expected argument `{name}` to have shape (B, {length_name}) = {(batch, length)}, "
             f"but got {tuple(mask.shape)}."
         )
-    if mask.device != device:
-        raise ValueError(f"Expected argument `{name}` to be on {device} like q_t, but got {mask.device}.")
+    if mask.device != device and mask.device.type != "cpu":
+        raise ValueError(
+            f"Expected argument `{name}` to be on {device} like q_t, or on the CPU, but got {mask.device}.")
     return mask
 
 
@@ -352,6 +353,13 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
         max_q, max_k, host_offsets = n_q, n_k, None
     key_padding_mask = _check_mask("key_padding_mask", key_padding_mask, batch, n_k, "N_k", device)
     query_mask = _check_mask("query_mask", query_mask, batch, n_q, "N_q", device)
+    # Masks on the CPU for inputs on a GPU (as a data collator makes them) are kept for the host to read without a
+    # synchronisation (streamkl.dispatch.read_masks), and go to the device without one.
+    host_masks = {name: m for name, m in (("key_padding_mask", key_padding_mask), ("query_mask", query_mask))
+                  if m is not None and m.device != device}
+    if host_masks:
+        key_padding_mask, query_mask = (None if m is None else m.to(device, non_blocking=True)
+                                        for m in (key_padding_mask, query_mask))
     attn_mask = _check_attn_mask(attn_mask, batch, heads, n_q, n_k, device)
     _check_sinks(sinks_t, sinks_s, heads, device)
 
@@ -374,6 +382,7 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         host_offsets=host_offsets,
+        host_masks=host_masks or None,
         window=(left, right),
         scale_t=1.0 / math.sqrt(q_t.shape[-1]) if st is None else st,
         scale_s=1.0 / math.sqrt(q_s.shape[-1]) if ss is None else ss,

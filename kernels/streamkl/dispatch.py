@@ -270,10 +270,11 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
     portable kernels and costs a load per tile; the Hugging Face batch of equal-length sequences carries an all-True
     one, and a padded batch a prefix per row.
 
-    Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading the masks costs one device
-    synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a batch that would
-    split), so smaller problems, whose host time is their cost,
-    keep them; so do calls under ``torch.compile`` tracing and CUDA-graph capture.
+    Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading masks on the GPU costs one
+    device synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a batch that
+    would split), so smaller problems, whose host time is their cost, keep them; so do calls under ``torch.compile``
+    tracing and CUDA-graph capture. Masks given on the CPU (``AttentionKLProblem.host_masks``) are read there, with
+    no synchronisation.
 
     Example:
         >>> from streamkl._validation import prepare_problem
@@ -288,10 +289,12 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
         return problem, None
     present = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
     present = {name: m for name, m in present.items() if m is not None}
+    if problem.host_masks is not None and problem.host_masks.keys() == present.keys():
+        present = problem.host_masks  # every mask given on the CPU: read there, without a synchronisation
     kept = {name: m.sum(1) for name, m in present.items()}  # per mask and batch row: the entries it keeps
     lengths = dict(zip(kept, torch.stack(list(kept.values())).tolist()))  # one synchronisation for both masks
     full = {name: all(n == present[name].shape[1] for n in row) for name, row in lengths.items()}
-    problem = replace(problem, **{name: None for name in present if full[name]})
+    problem = replace(problem, host_masks=None, **{name: None for name in present if full[name]})
     if all(full.values()):
         return problem, None
     pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))

@@ -93,7 +93,7 @@ def test_mixed_devices_error():
 
 def test_mask_on_other_device_error():
     kpm = torch.ones(2, 8, dtype=torch.bool, device="meta")
-    with pytest.raises(ValueError, match=r"`key_padding_mask` to be on cpu like q_t, but got meta"):
+    with pytest.raises(ValueError, match=r"`key_padding_mask` to be on cpu like q_t, or on the CPU, but got meta"):
         attention_kl(*_inputs(), key_padding_mask=kpm)
 
 

@@ -692,7 +692,8 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
     """A right-padded batch (the same prefix kept by ``key_padding_mask`` and ``query_mask`` in each batch row) runs
     one dense call per batch row (:mod:`streamkl._pieces`), each on the fused Gluon forward where it is large enough;
     its loss and gradients are the masked call's (the masks read as they are, on the portable kernels), within the
-    tolerance of two kernels that sum in different orders."""
+    tolerance of two kernels that sum in different orders. Masks given on the CPU split the same way, and an all-True
+    one is dropped, without a synchronisation."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     lengths = (8192, 6000)
     q_t, k_t = (torch.randn(2, 16, 8192, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -707,6 +708,21 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
     split = _split_matches_unsplit(run, "_reads_masks", fused_calls, 2, monkeypatch)
     for got in split[1:]:
         assert not got[1, :, lengths[1]:].any()
+    monkeypatch.undo()
+    # the masks on the CPU (as a data collator makes them): the same split, and an all-True mask dropped, read
+    # without a synchronisation
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    host, everything = mask.cpu(), torch.ones(2, 8192, dtype=torch.bool)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kl = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=host, query_mask=host)
+        kl_everything = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=everything)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(fused_calls) == 3
+    assert torch.equal(kl, split[0])
+    assert torch.equal(kl_everything, attention_kl(q_t, k_t, q_s, k_s, causal=causal))
 
 
 def _split_matches_unsplit(run, gate: str, fused_calls: list, fused: int, monkeypatch) -> tuple:

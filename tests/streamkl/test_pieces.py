@@ -158,6 +158,31 @@ def test_a_batch_with_no_counted_row_keeps_its_masks(reads_every_mask):
     assert pieces is None and problem.key_padding_mask is not None
 
 
+def test_masks_given_on_the_cpu_are_read_on_the_host(reads_every_mask):
+    """Masks the host holds (on the CPU for inputs on a GPU) are kept beside their device copies, and the read takes
+    those: the lengths, the prefixes and the all-True check (on a GPU: no synchronisation; a test on the device
+    checks that)."""
+    from dataclasses import replace
+
+    lengths = [12, 7, 3]
+    mask = prefix(lengths, 12)
+    problem = _problem(make(), key_padding_mask=mask, query_mask=mask)
+    assert problem.host_masks is None  # inputs on the CPU: the masks are the inputs' own
+    unreadable = replace(problem, key_padding_mask=mask.to("meta"), query_mask=mask.to("meta"),
+                         host_masks={"key_padding_mask": mask, "query_mask": mask})
+    problem, pieces = dispatch.read_masks(unreadable)
+    assert [p.sizes for p in pieces] == [(n, n) for n in lengths]
+    assert problem.key_padding_mask is None and problem.host_masks is None
+    everything = torch.ones(3, 12, dtype=torch.bool)
+    problem, pieces = dispatch.read_masks(replace(unreadable, host_masks={"key_padding_mask": everything,
+                                                                          "query_mask": everything}))
+    assert pieces is None and problem.key_padding_mask is None and problem.query_mask is None
+    # one mask on the host and the other on the device: both are read on the device
+    problem, pieces = dispatch.read_masks(replace(unreadable, key_padding_mask=mask, query_mask=mask,
+                                                  host_masks={"query_mask": mask.to("meta")}))
+    assert [p.sizes for p in pieces] == [(n, n) for n in lengths]
+
+
 def _problem(inputs, **kw):
     from streamkl._validation import prepare_problem
     from streamkl.options import AttentionKLOptions
