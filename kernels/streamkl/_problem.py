@@ -76,10 +76,11 @@ class KLSpec:
 class AttentionKLProblem:
     """Validated inputs of :func:`streamkl.attention_kl`, in the canonical ``(B, H, N, D)`` view.
 
-    Strided views of the user's tensors, never copies; the packed layout ``"thd"`` is viewed as
-    ``(1, H, total, D)`` with ``cu_seqlens_q``/``cu_seqlens_k``. ``scale_*`` are the user's score scales (default
-    ``1/sqrt(D)``), not yet divided by the temperature; ``window`` is normalised (causal folded into its right
-    bound).
+    Strided views of the user's tensors, never copies (masks and offsets given on the CPU for inputs on a GPU are
+    copied to the device, and kept on the host as ``host_masks``/``host_offsets``); the packed layout ``"thd"`` is
+    viewed as ``(1, H, total, D)`` with ``cu_seqlens_q``/``cu_seqlens_k``. ``scale_*`` are the user's score scales
+    (default ``1/sqrt(D)``), not yet divided by the temperature; ``window`` is normalised (causal folded into its
+    right bound).
     """
 
     q_t: torch.Tensor
