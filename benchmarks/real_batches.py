@@ -4,9 +4,9 @@ Forward+backward of ``attention_kl(..., reduction="mean")`` (frozen teacher, tra
 bf16 unless a row says fp16), ``do_bench`` medians, for the headline reference rows and the "real batches" rows:
 lengths off the tile grid, D_t=128 -> D_s=64, 8 packed documents (offsets on the GPU, and on the CPU), a right-padded
 batch (and the same batch with an all-True key mask, both with the masks on the GPU and on the CPU, and without
-masks), fp16, a sliding window, GQA with odd lengths
-and the BERT shape (1 and 12 pairs, with the host time per call: µs per call of back-to-back calls, synchronised at the
-end, which the host bounds at this size). Every row records the kernels the dispatch table chose, and its baselines:
+masks), fp16, a sliding window, GQA with odd lengths and the BERT shape (1 and 12 pairs). Every row records the
+kernels the dispatch table chose, where its time goes (:func:`time_split`: the host's time to enqueue a call against
+the GPU's kernel time, per call of back-to-back calls), and its baselines:
 
 * ``ratio_cudnn``: our time / torch SDPA forward+backward (random upstream gradients) with the cuDNN backend on the
   student's q, k and a v of k's shape, the same masks as SDPA takes them (causal; padding and the window as a bool
@@ -18,6 +18,7 @@ end, which the host bounds at this size). Every row records the kernels the disp
   under the window's mask, which computes the whole N x N).
 * ``ratio_same_work`` (padded rows): our time / (the dense B=4 row's time x ``allowed_fraction``, the allowed score
   elements over the dense batch's).
+* ``ratio_back_to_back`` (the BERT rows, which the host bounds): our back-to-back time per call / SDPA's.
 
 Each row's targets are the issue's (:data:`CUDNN_TARGET` and the others); ``met`` says whether every ratio is within
 its target (None: no target, or a ratio missing). Timings are never asserted in tests.
@@ -76,7 +77,7 @@ class Row:
     docs: int = 0
     window: int = 0
     pairs: int = 1
-    host_time: bool = False  # also the host time per call (the BERT rows)
+    against_sdpa_back_to_back: bool = False  # also SDPA's back-to-back time per call (the BERT rows)
     on_cpu: bool = False  # packed rows' ``cu_seqlens``, padded rows' masks on the CPU, as a data collator makes them
     dense_row: str = ""  # padded rows: the row of the same batch without masks
     targets: tuple[tuple[str, float], ...] = (("ratio_cudnn", CUDNN_TARGET),)
@@ -125,7 +126,7 @@ def rows(smoke: bool = False) -> list[Row]:
                 window=tiny(4096), targets=packed)]
     out += [Row(f"GQA H=32/8 N={n} D=128 causal", shape(1, 32, n, 128, True, h_kt=8)) for n in (8191, 12345)]
     out += [Row(f"BERT B=8 H=12 N=512 D=64, {p} pair{'s' * (p > 1)}", shape(8, 12, 512, 64, False),
-                pairs=2 if smoke and p > 1 else p, host_time=True,
+                pairs=2 if smoke and p > 1 else p, against_sdpa_back_to_back=True,
                 targets=(("ratio_cudnn", BERT_TARGET),) if p == 1 else ())
             for p in (1, 12)]
     return out
@@ -293,13 +294,44 @@ def bench_ms(fn: Callable[[], object], device: str) -> float:
     return common.wall_ms(fn, iters=1, device="cpu", warmup=0)
 
 
-def host_us(fn: Callable[[], object], device: str) -> float:
-    """µs per call of back-to-back calls, synchronised at the end (one call on the CPU)."""
+#: Calls of a row timed back to back for :func:`time_split` (about this many ms of them; at least 3).
+SPLIT_MS = 200.0
+
+
+def time_split(fn: Callable[[], object], ms: float, device: str) -> dict[str, float | None]:
+    """Where one call's time goes (``ms``: its ``do_bench`` time, which sets how many calls are timed):
+    ``host_ms``, the host's time to enqueue one call of back-to-back calls (the GPU not waited for);
+    ``back_to_back_ms``, the wall time per call of those calls, synchronised at the end; ``kernels_ms``, the GPU's
+    kernel time per call (the CUDA activity torch's profiler records). A call whose host time reaches its kernel
+    time is bound by the host. On the CPU (the smoke) only ``back_to_back_ms``, of one call.
+
+    Example:
+        >>> split = time_split(lambda: None, 1.0, "cpu")
+        >>> split["host_ms"], split["back_to_back_ms"] >= 0, split["kernels_ms"]
+        (None, True, None)
+    """
     import torch
 
-    if device == "cuda":
-        return common.per_call_us(fn, 30, torch.cuda.synchronize)
-    return common.per_call_us(fn, 1, repeats=1, warmup=0)
+    if device != "cuda":
+        return {"host_ms": None, "back_to_back_ms": common.per_call_us(fn, 1, repeats=1, warmup=0) / 1e3,
+                "kernels_ms": None}
+    calls = max(3, round(SPLIT_MS / max(ms, 1e-3)))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    profiled = max(2, calls // 4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / profiled / 1e3  # µs -> ms
+    return {"host_ms": host / calls * 1e3, "back_to_back_ms": wall / calls * 1e3, "kernels_ms": kernels}
 
 
 def attempt(fn: Callable[[], Any]) -> Any:
@@ -346,9 +378,12 @@ def measure(row: Row, device: str) -> dict[str, Any]:
             rec["cudnn_same_work_backend"] = same[1] if isinstance(same, tuple) else None
     if "doc_lengths" in p:
         rec["doc_lengths"] = p["doc_lengths"]
-    if row.host_time:
-        rec["host_us_per_call"] = attempt(lambda: host_us(ours, device) / row.pairs)
-        rec["sdpa_host_us_per_call"] = attempt(lambda: host_us(sdpa[0], device) / row.pairs) if ok else sdpa
+    if isinstance(rec["ms"], float):
+        split = attempt(lambda: time_split(ours, rec["ms"], device))
+        rec.update(split if isinstance(split, dict) else {"back_to_back_ms": split})
+    if row.against_sdpa_back_to_back and ok and isinstance(rec["cudnn_ms"], float):
+        split = attempt(lambda: time_split(sdpa[0], rec["cudnn_ms"], device))
+        rec["sdpa_back_to_back_ms"] = split["back_to_back_ms"] if isinstance(split, dict) else split
     return rec
 
 
@@ -399,8 +434,8 @@ def derive(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             dense = by_name.get(r["dense_row"], {})
             r["allowed_fraction"] = r["allowed_elements"] / dense.get("allowed_elements", math.nan)
             r["ratio_same_work"] = _ratio(r.get("ms"), dense.get("ms"), r["allowed_fraction"])
-        if "host_us_per_call" in r:
-            r["ratio_host"] = _ratio(r["host_us_per_call"], r["sdpa_host_us_per_call"])
+        if "sdpa_back_to_back_ms" in r:
+            r["ratio_back_to_back"] = _ratio(r.get("back_to_back_ms"), r["sdpa_back_to_back_ms"])
         ratios = [r.get(k) for k in r.get("targets", {})]
         r["met"] = (None if not ratios or None in ratios else
                     all(r[k] <= goal for k, goal in r["targets"].items()))
@@ -456,9 +491,15 @@ def _other(r: dict[str, Any]) -> str:
         return f"÷ {what}: {_f(r.get('ratio_separate'))}×{extra}"
     if r.get("dense_row"):
         return f"÷ dense × allowed {_f(r.get('allowed_fraction'))}: {_f(r.get('ratio_same_work'))}×"
-    if "host_us_per_call" in r:
-        return f"host {_f(r['host_us_per_call'], 0)} µs/call, SDPA {_f(r['sdpa_host_us_per_call'], 0)}"
+    if "sdpa_back_to_back_ms" in r:
+        per_pair = [x * 1e3 / r.get("pairs", 1) if isinstance(x, float) else x
+                    for x in (r.get("back_to_back_ms"), r["sdpa_back_to_back_ms"])]
+        return f"back to back {_f(per_pair[0], 0)} µs per pair, SDPA {_f(per_pair[1], 0)}"
     return ""
+
+
+def _split(r: dict[str, Any]) -> str:
+    return f"{_f(r.get('host_ms'))} · {_f(r.get('kernels_ms'))}"
 
 
 def table(data: dict[str, Any]) -> str:
@@ -466,16 +507,19 @@ def table(data: dict[str, Any]) -> str:
     done = "" if data.get("complete", True) else " **The run stopped before its last row.**"
     lines = [f"{data['device']}, torch {data['torch']}, Triton {data['triton']}; `do_bench` medians (ms) of "
              "forward+backward, each baseline measured in the same run; cuDNN: SDPA on the student's shapes "
-             f"(the backend that ran in brackets).{done}", "",
-             "| batch | fwd+bwd (ms) | cuDNN (ms) | ÷ cuDNN | other ratio | target | met | kernels: fwd, key pass |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(the backend that ran in brackets); host · GPU: per call of back-to-back calls, the host's time to "
+             "enqueue it and its kernels' time on the GPU (ms; a row whose host time reaches its kernel time is "
+             f"bound by the host).{done}", "",
+             "| batch | fwd+bwd (ms) | cuDNN (ms) | ÷ cuDNN | other ratio | target | met | host · GPU (ms) "
+             "| kernels: fwd, key pass |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         k = r.get("kernels", {})
         kernels = ", ".join(f"`{k[s]}`" for s in ("training forward", "forward", "key pass") if s in k)
         met = {True: "met", False: "**missed**", None: "–"}[r.get("met")]
         lines.append(f"| {r['name']} | {_f(r.get('ms'), 3)} | {_f(r.get('cudnn_ms'), 3)} "
                      f"({r.get('cudnn_backend') or '–'}) | {_f(r.get('ratio_cudnn'))}× | {_other(r)} | "
-                     f"{_targets(r.get('targets', {}), r.get('group', ''))} | {met} | {kernels} |")
+                     f"{_targets(r.get('targets', {}), r.get('group', ''))} | {met} | {_split(r)} | {kernels} |")
     return "\n".join(lines)
 
 

@@ -50,7 +50,7 @@ def test_the_rows_are_the_issues(rb):
     assert [r.shape.dtype for r in rows.values()].count("float16") == 1
     assert {(r.shape.n, r.shape.h_kt) for r in rows.values() if r.shape.h_kt} >= {(8191, 8), (12345, 8)}
     assert [(r.shape.d, r.shape.d_s) for r in rows.values() if r.shape.d_s] == [(128, 64)]
-    assert sorted(r.pairs for r in rows.values() if r.host_time) == [1, 12]
+    assert sorted(r.pairs for r in rows.values() if r.against_sdpa_back_to_back) == [1, 12]
     assert [r.name for r in rb.rows(smoke=True)] == list(rows)  # the smoke runs the same rows
 
 
@@ -64,8 +64,9 @@ def _result(rb) -> dict:
                                                      "key pass": "gluon_key_pass_warp_specialised"}}
         if row.docs or row.window:
             rec.update(separate_ms=1.8, separate_elements=rec["allowed_elements"])
-        if row.host_time:
-            rec.update(host_us_per_call=900.0, sdpa_host_us_per_call=270.0)
+        rec.update(host_ms=0.5, back_to_back_ms=2.4 * row.pairs, kernels_ms=2.3)
+        if row.against_sdpa_back_to_back:
+            rec.update(sdpa_back_to_back_ms=0.3 * row.pairs)
         records.append(rec)
     records[4]["ms"] = "OOM"
     return {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "complete": True,
@@ -89,7 +90,8 @@ def test_a_result_renders_into_the_kernels_page(rb, tmp_path, monkeypatch):
     assert "| 1.25× |" in by_name[data["rows"][5]["name"]] and "| met |" in by_name[data["rows"][5]["name"]]
     padded = next(r for r in data["rows"] if r["targets"].get("ratio_same_work") == rb.SAME_WORK_TARGET)
     assert padded["met"] is False and "**missed**" in by_name[padded["name"]]
-    assert "host 900 µs/call, SDPA 270" in block and "`gluon_training_forward`" in block
+    assert "back to back 2400 µs per pair, SDPA 300" in block and "`gluon_training_forward`" in block
+    assert all("| 0.50 · 2.30 |" in line for line in lines[1:])
 
 
 def test_without_a_result_the_block_says_what_to_run(rb, tmp_path, monkeypatch):
@@ -113,9 +115,10 @@ def test_the_smoke_run_measures_every_row(rb, tmp_path):
         assert _positive(r["ms"]) and _positive(r["cudnn_ms"]), (name, r["ms"], r["cudnn_ms"], r["cudnn_note"])
         assert r["ratio_cudnn"] == pytest.approx(r["ms"] / r["cudnn_ms"]) and r["cudnn_backend"] == "math"
         assert r["kernels"]["backend"] == "triton" and "key pass" in r["kernels"], name
-        for key in ("ratio_separate", "ratio_same_work", "ratio_cudnn_same_work", "ratio_host", "host_us_per_call",
-                    "sdpa_host_us_per_call"):
+        for key in ("ratio_separate", "ratio_same_work", "ratio_cudnn_same_work", "ratio_back_to_back",
+                    "back_to_back_ms", "sdpa_back_to_back_ms"):
             assert key not in r or _positive(r[key]), (name, key, r.get(key))
+        assert _positive(r["back_to_back_ms"]) and r["host_ms"] is None and r["kernels_ms"] is None, name
         if r["targets"]:
             assert r["met"] == all(r[k] <= goal for k, goal in r["targets"].items()), name
         else:
@@ -130,5 +133,5 @@ def test_the_smoke_run_measures_every_row(rb, tmp_path):
     padded = [r for r in rows.values() if r["dense_row"]]
     assert sorted(round(r["allowed_fraction"], 2) for r in padded)[-1] == 1.0  # the all-True mask
     assert all(0 < r["allowed_fraction"] <= 1 and _positive(r["ratio_same_work"]) for r in padded)
-    assert all(_positive(r["host_us_per_call"]) for r in rows.values() if "BERT" in r["name"])
+    assert all(_positive(r["sdpa_back_to_back_ms"]) for r in rows.values() if "BERT" in r["name"])
     assert rb.table(data).count("\n| ") == len(rows) + 1
