@@ -4,9 +4,10 @@ Forward+backward of ``attention_kl(..., reduction="mean")`` (frozen teacher, tra
 bf16 unless a row says fp16), ``do_bench`` medians, for the headline reference rows and the "real batches" rows:
 lengths off the tile grid, D_t=128 -> D_s=64, 8 packed documents (offsets on the GPU, and on the CPU), a right-padded
 batch (and the same batch with an all-True key mask, both with the masks on the GPU and on the CPU, and without
-masks), fp16, a sliding window, GQA with odd lengths and the BERT shape (1 and 12 pairs). Every row records the
-kernels the dispatch table chose, where its time goes (:func:`time_split`: the host's time to enqueue a call against
-the GPU's kernel time, per call of back-to-back calls), and its baselines:
+masks), fp16, a sliding window, GQA with odd lengths and the BERT shape (1 and 12 pairs back to back, and 12 pairs
+as the engine runs them: one call on their heads concatenated, ``lightning_streamkl.terms.run_terms``). Every row
+records the kernels the dispatch table chose, where its time goes (:func:`time_split`: the host's time to enqueue a
+call against the GPU's kernel time, per call of back-to-back calls), and its baselines:
 
 * ``ratio_cudnn``: our time / torch SDPA forward+backward (random upstream gradients) with the cuDNN backend on the
   student's q, k and a v of k's shape, the same masks as SDPA takes them (causal; padding and the window as a bool
@@ -78,6 +79,7 @@ class Row:
     window: int = 0
     pairs: int = 1
     against_sdpa_back_to_back: bool = False  # also SDPA's back-to-back time per call (the BERT rows)
+    fused: bool = False  # the pairs as the engine runs them: one call on their heads concatenated (run_terms)
     on_cpu: bool = False  # packed rows' ``cu_seqlens``, padded rows' masks on the CPU, as a data collator makes them
     dense_row: str = ""  # padded rows: the row of the same batch without masks
     targets: tuple[tuple[str, float], ...] = (("ratio_cudnn", CUDNN_TARGET),)
@@ -129,6 +131,8 @@ def rows(smoke: bool = False) -> list[Row]:
                 pairs=2 if smoke and p > 1 else p, against_sdpa_back_to_back=True,
                 targets=(("ratio_cudnn", BERT_TARGET),) if p == 1 else ())
             for p in (1, 12)]
+    out.append(Row("BERT B=8 H=12 N=512 D=64, 12 pairs fused as the engine runs them", shape(8, 12, 512, 64, False),
+                   pairs=2 if smoke else 12, against_sdpa_back_to_back=True, fused=True, targets=()))
     return out
 
 
@@ -227,6 +231,25 @@ def ours_fwd_bwd(sets: list, kw: dict, package: Any = None) -> Callable[[], None
         for s in sets:
             kl = attention_kl(*s, reduction="mean", backend="triton", **kw)
             loss = kl if loss is None else loss + kl
+        torch.autograd.grad(loss, leaves)
+
+    return run
+
+
+def engine_fwd_bwd(sets: list, kw: dict) -> Callable[[], None]:
+    """One forward+backward of the pairs ``sets`` as the engine runs them (:func:`lightning_streamkl.terms.run_terms`:
+    pairs of one shape and mask as one call on their heads concatenated), each pair's mean summed."""
+    import torch
+
+    from lightning_streamkl.capture.masks import Masking
+    from lightning_streamkl.terms import TermCall, run_terms
+    from streamkl.options import AttentionKLOptions
+
+    calls = [TermCall(*s, Masking(causal=kw["causal"]), options=AttentionKLOptions(backend="triton")) for s in sets]
+    leaves = [x for s in sets for x in s if x.requires_grad]
+
+    def run() -> None:
+        loss = sum((r.kl_sums / r.rows).sum() for r in run_terms(calls))
         torch.autograd.grad(loss, leaves)
 
     return run
@@ -355,7 +378,7 @@ def measure(row: Row, device: str) -> dict[str, Any]:
     p = attempt(lambda: problem(row, device))
     if isinstance(p, str):
         return {**rec, "ms": p}
-    ours = ours_fwd_bwd(*p["ours"])
+    ours = (engine_fwd_bwd if row.fused else ours_fwd_bwd)(*p["ours"])
 
     def time_ours() -> float:
         with chosen_kernels() as kernels:
@@ -403,7 +426,8 @@ def ab_cases(device: str = "cuda", quick: bool = True) -> dict[str, Callable[[An
             return ours_fwd_bwd(sets, kw, package)
         return make
 
-    return {row.name: case(row) for row in rows(smoke=device == "cpu") if not quick or row.group == "real batches"}
+    return {row.name: case(row) for row in rows(smoke=device == "cpu")
+            if not row.fused and (not quick or row.group == "real batches")}
 
 
 # ---------------------------------------------------------------------------------------------- ratios

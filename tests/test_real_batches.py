@@ -50,7 +50,8 @@ def test_the_rows_are_the_issues(rb):
     assert [r.shape.dtype for r in rows.values()].count("float16") == 1
     assert {(r.shape.n, r.shape.h_kt) for r in rows.values() if r.shape.h_kt} >= {(8191, 8), (12345, 8)}
     assert [(r.shape.d, r.shape.d_s) for r in rows.values() if r.shape.d_s] == [(128, 64)]
-    assert sorted(r.pairs for r in rows.values() if r.against_sdpa_back_to_back) == [1, 12]
+    assert sorted((r.pairs, r.fused) for r in rows.values() if r.against_sdpa_back_to_back) == [
+        (1, False), (12, False), (12, True)]
     assert [r.name for r in rb.rows(smoke=True)] == list(rows)  # the smoke runs the same rows
 
 
