@@ -379,8 +379,10 @@ def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k
     if causal:
         right = 0
     if packed is not None:
-        nq = (packed.cu_seqlens_q[1:] - packed.cu_seqlens_q[:-1]).long()
-        nk = (packed.cu_seqlens_k[1:] - packed.cu_seqlens_k[:-1]).long()
+        # the offsets' host copies where the capture read them (no device synchronisation), else the offsets
+        cu_q = packed.cu_seqlens_q if packed.host_cu_seqlens_q is None else packed.host_cu_seqlens_q
+        cu_k = packed.cu_seqlens_k if packed.host_cu_seqlens_k is None else packed.host_cu_seqlens_k
+        nq, nk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
         reach_left = int((nk - 1).max()) if len(nk) else 0
         reach_right = int((nq - 1).max()) if len(nq) else 0
     else:
