@@ -178,8 +178,10 @@ def test_cpu_tensors_never_take_the_hopper_fused_forward():
     (_inputs(1, 2, 256, 128, dtype=torch.float16), KLSpec(0.1, 0.1), True),
     (_inputs(1, 2, 256, 128, dtype=torch.float32), KLSpec(0.1, 0.1), False),  # fp32: the portable kernel
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, softcap_b=30.0), False),
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=0), True),  # a causal sliding window
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=-1), False),  # a left bound alone
     (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1), False),
-], ids=["bf16", "bf16-causal", "fp16", "fp32", "softcap", "key-mask"])
+], ids=["bf16", "bf16-causal", "fp16", "fp32", "softcap", "sliding-window", "left-bound", "key-mask"])
 def test_fused_forward_scope(inputs, spec, expected):
     assert dispatch.in_scope("gluon_training_forward", Problem(inputs, spec)) is expected
 
@@ -335,7 +337,8 @@ def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
     (_inputs(1, 2, 256, 64, dtype=torch.float32), KLSpec(0.1, 0.1), (False, True), False),
     (_inputs(1, 2, 256, 96), KLSpec(0.1, 0.1), (False, True), False),
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, softcap_b=30.0), (False, True), False),
-    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=0), (False, True), False),
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=0), (False, True), True),
+    (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=4), (False, True), False),
     (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1),
      (False, True), False),
     (_inputs(1, 2, 256, 64, sink_a=torch.zeros(2), sink_b=torch.zeros(2)), KLSpec(0.1, 0.1), (False, True), False),
@@ -344,7 +347,7 @@ def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
     (_grouped(8, 2), KLSpec(0.1, 0.1), (False, True), True),  # a student key head spans 4 teacher key heads
     (_grouped(4, 6, heads=12), KLSpec(0.1, 0.1), (False, True), False),  # 3 and 2 query heads per key head
 ], ids=["bf16", "d128-causal", "teacher-grad", "teacher-only", "fp16", "fp16-per-row-gradient", "fp32", "d96",
-        "softcap", "window",
+        "softcap", "sliding-window", "two-sided-window",
         "key-mask", "sinks", "gqa-teacher", "gqa-both", "gqa-student-coarser", "groupings-that-do-not-divide"])
 def test_key_pass_scope(inputs, spec, grads, expected):
     problem = Problem(inputs, spec, *grads)
@@ -779,3 +782,96 @@ def test_packed_sequences_run_each_sequence_on_the_gluon_kernels(reduction, head
         torch.cuda.set_sync_debug_mode("default")
     assert len(fused_calls) == 2
     assert torch.equal(kl, split[0])
+
+
+SLIDING_CASES = [  # (case, loss): a causal sliding window, frozen teacher, trainable student
+    (replace(H, n_q=1000, n_k=1000, causal=True, window=(100, 0)), "mean"),  # one-warpgroup key pass, head dim 64
+    (replace(H, h=8, h_kt=2, h_ks=8, n_q=777, n_k=777, d_t=128, d_s=128, causal=True, window=(200, 0)), "mean"),
+    (replace(H, h=8, h_kt=8, h_ks=2, n_q=700, n_k=700, causal=True, window=(5, 0)), "weighted"),  # below a tile
+    (replace(H, n_q=513, n_k=513, d_t=128, d_s=64, causal=True, window=(0, 0)), "sum"),  # the diagonal alone
+    # keys far before the queries: key tiles no row's window reaches (their gradient is zero)
+    (replace(H, n_q=300, n_k=1100, causal=True, window=(150, 0)), "mean"),
+    (replace(H, n_q=300, n_k=1100, d_t=128, d_s=128, causal=True, window=(150, 0)), "mean"),
+    (replace(H, b=2, n_q=1030, n_k=1030, causal=True, window=(4096, 0), layout="bnhd"), "mean"),  # wider than N
+]
+
+
+def _sliding_spec(case: Case) -> KLSpec:
+    return KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_left=case.window[0], window_right=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("case", "loss"), [pytest.param(c, loss, id=f"{c.id}-{loss}") for c, loss in SLIDING_CASES])
+def test_a_causal_sliding_window_runs_on_the_gluon_training_kernels(case: Case, loss: str, monkeypatch):
+    """A causal sliding window, as users call it (``window=(left, 0)``, frozen teacher): the fused Gluon forward and a
+    Gluon key pass run; the training forward gives the portable one's KL and lse bits, and its dQ_s bits where both
+    decide the rescaling over the same rows (head dim 64: 64 rows; at 128 the portable kernel decides over 128, each
+    Gluon consumer over its 64, and rows whose windows start at different tiles round ``w`` differently), else dQ_s
+    as exact as the portable one's; both key passes (warp-specialised and one warpgroup) match the float64 oracle as
+    closely as the portable pass, the key tiles no row's window reaches included; the student's gradients of the call
+    match the oracle."""
+    from streamkl._triton.configs import forward_config
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    views, inputs, _, _, _, _, _ = _key_pass_problem(replace(case, window=None), "scalar")
+    spec = _sliding_spec(case)
+    for stage, problem in (("training forward", Problem(inputs, spec, fused=True)),
+                           ("key pass", Problem(inputs, spec, False, True, fused=True))):
+        with forced("gluon"):
+            assert dispatch.select(stage, problem).gluon, stage
+    dq_gluon, dq_portable = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
+    gluon = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_gluon), dq_gluon)
+    portable = (*attention_kl_fwd(inputs, spec, dq_b=dq_portable), dq_portable)
+    for name, x, y in zip(("kl", "lse_a", "lse_b"), gluon, portable):
+        assert torch.equal(x, y), f"{name} differs from the portable kernel's"
+    kl, lse_a, lse_b = portable[:3]
+    g = torch.rand(kl.shape, device="cuda")
+    q_s, k_s = views[2].double().requires_grad_(True), views[3].double().requires_grad_(True)
+    per_row = attention_kl(views[0].double(), views[1].double(), q_s, k_s, reduction="none", causal=True,
+                           window=case.window, backend="reference")
+    dk_ref = torch.autograd.grad((per_row * g.double()).sum(), k_s, retain_graph=True)[0]
+    if forward_config(case.d_t, case.d_s, fused_dq=True).block_m == _fused.fused_forward_config(
+            case.d_t, case.d_s).block_m:
+        assert torch.equal(dq_gluon, dq_portable), "dq_s differs from the portable kernel's"
+    else:  # per unit upstream gradient of the sum: the oracle's with g = 1
+        dq_unit = torch.autograd.grad(per_row.sum(), q_s)[0]
+        dq_err = lambda x: float((x.double() - dq_unit).norm() / dq_unit.norm())
+        assert dq_err(dq_gluon) <= 1.05 * dq_err(dq_portable) + 1e-6, (dq_err(dq_gluon), dq_err(dq_portable))
+    err = lambda x: float((x.double() - dk_ref).norm() / dk_ref.norm())
+    dk_portable = _run_portable_key_pass(g, inputs, spec, kl, lse_a, lse_b)
+    for specialised in (True, False):
+        dk = _backward.attention_kl_key_pass_hopper(g, inputs, spec, lse_a, lse_b, specialised=specialised,
+                                                    overlap=not specialised and case.d_s <= 64)
+        assert_close(dk, dk_ref, TOLERANCES[torch.bfloat16][1], f"dk_s (specialised={specialised})")
+        assert err(dk) <= 1.5 * err(dk_portable) + 1e-6, f"specialised={specialised}: less exact than portable"
+
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    ref_grads, grads = _student_grads(case, loss, torch.bfloat16)
+    assert (len(fused_calls), len(calls)) == (1, 1), "the Gluon training kernels did not run"
+    for i, name in enumerate(("dq_s", "dk_s")):
+        assert_close(grads["hopper"][i], ref_grads[i], TOLERANCES[torch.bfloat16][1], name)
+    assert torch.equal(grads["hopper"][0], grads["portable"][0])
+
+
+def _run_portable_key_pass(g, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b) -> torch.Tensor:
+    """Side b's key gradient from the portable key pass (the frozen teacher's two-pass backward)."""
+    from streamkl._triton.backward import attention_kl_bwd
+
+    return attention_kl_bwd(g, inputs, spec, kl, lse_a, lse_b, False, True, False)[3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+def test_fp16_sliding_window_on_the_gluon_training_kernels_matches_the_oracle(monkeypatch):
+    """fp16, a causal sliding window, ``reduction="mean"``: both Gluon training kernels run and the student's
+    gradients are within 1.5× the portable kernels' error against the float64 oracle."""
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    case = replace(H, n_q=1000, n_k=1000, causal=True, window=(300, 0))
+    ref_grads, grads = _student_grads(case, "mean", torch.float16)
+    assert (len(fused_calls), len(calls)) == (1, 1)
+    for i, name in enumerate(("dq_s", "dk_s")):
+        err = lambda x: float((x.double() - ref_grads[i]).norm() / ref_grads[i].norm())  # noqa: B023
+        assert err(grads["hopper"][i]) <= 1.5 * err(grads["portable"][i]) + 1e-6, f"{name}: less exact than portable"

@@ -24,16 +24,18 @@ same thing with
   either way; fp16 with one upstream gradient per row, whose range is unknown, stays on the portable pass);
 * with a causal mask, the program's diagonal tiles (masked) swept first, one at a time, then the full tiles through
   the pipelined loop, which never masks: both tile codes live in one loop would not fit 64-query steps in the
-  registers (v14).
+  registers (v14). A causal sliding window (``window_left >= 0``) ends the sweep at the last query tile whose
+  windows reach the program's keys; the tiles past the full ones (some rows' windows start after some of the keys)
+  are masked steps too, swept with the diagonal ones; a program whose keys no row's window reaches stores zeros.
 
-Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both
-sides, or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)``
-tensors TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only with
-``N_k >= N_q``, only side b's gradient, and key-head groupings that divide one another (a teacher that groups more
-query heads per key head than the student, or fewer: then each student key head is split over several programs, one
-per teacher key head, whose fp32 parts are summed in a fixed order, so the result stays deterministic,
-:func:`streamkl._problem.key_head_split`). Gluon kernels have no CPU interpreter: CI checks the selection, the GPU
-suite checks this pass against the portable one and the float64 oracle.
+Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both sides,
+or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)`` tensors TMA can address, head dims 64 or 128, no masks,
+sinks, soft-caps or packing, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), only
+side b's gradient, and key-head groupings that divide one another (a teacher that groups more query heads per key head
+than the student, or fewer: then each student key head is split over several programs, one per teacher key head, whose
+fp32 parts are summed in a fixed order, so the result stays deterministic, :func:`streamkl._problem.key_head_split`).
+Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this pass against the portable one
+and the float64 oracle.
 
 :func:`attention_kl_key_pass_hopper` launches this kernel or the warp-specialised one of
 :mod:`streamkl._hopper.key_pass_ws` (same scope; the dispatch table takes it with a causal mask and a head dim above
@@ -58,18 +60,26 @@ from .._triton_common.numerics import side_scales
 from .._triton_common.scheduling import l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
 from .forward import _allocate_tiles, _descriptor, _load_fixed, _longest_first, _tma_load
-from .key_pass_tiles import _ds_operand, _ds_tile, _row_state, _step_tile, _store_dk
+from .key_pass_tiles import (
+    _ds_operand,
+    _ds_tile,
+    _full_tiles_end,
+    _query_tile_bounds,
+    _row_state,
+    _step_tile,
+    _store_dk,
+)
 from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
 
 @gluon.jit
 def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, n_tiles, first_tile, masked_steps,
-                  n_masked, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PEELED: gl.constexpr):
+                  n_masked, n_diagonal, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PEELED: gl.constexpr):
     """Start the TMA copies of both sides' query tiles of ``step`` (its head and tile from :func:`_step_tile`) into
     its ring slot; nothing past the last step."""
     stage = step % STAGES
     pred = step < steps
-    h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED)
+    h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, PEELED)
     bar = bars.index(stage)
     mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes, pred=pred)
     _tma_load(qa_desc, [b, h, tile * BLOCK_M, 0], bar, qa_ring.index(stage), pred=pred)
@@ -77,10 +87,10 @@ def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, 
 
 
 @gluon.jit
-def _step_rows(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, offs_m,
-               BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
+def _step_rows(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
+               offs_m, BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
     """:func:`_row_state` of ``step``'s query rows."""
-    h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED)
+    h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, PEELED)
     return _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M, SCALAR_GRAD)
 
 
@@ -99,12 +109,13 @@ def _issue_scores(ka, kb, qa_ring, qb_ring, bars, step, zero,
 
 
 @gluon.jit
-def _fold_step(x, y, dk, qb_ring, step, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
+def _fold_step(x, y, dk, qb_ring, step, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left,
                dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
-               MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+               MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dK_b += dSᵀ · Q_b`` for one step whose score tiles ``x``, ``y`` are complete (``MASKED``: a causal
-    diagonal tile)."""
-    ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, MASKED, SCALAR_GRAD)
+    diagonal tile, or a tile some of whose rows' windows start after some of the keys)."""
+    ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left, MASKED,
+                  SCALAR_GRAD, HAS_LEFT)
     qb = qb_ring.index(step % STAGES).reshape([BLOCK_M, D_B])
     dk = warpgroup_mma(gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout), qb, dk, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -118,9 +129,10 @@ def _hopper_dk_kernel(
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, lengths, query heads per key head of each side
     SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
     order_chunk,  # (sequence, key head, part) triples per longest-first chunk (CAUSAL, see _longest_first)
+    window_left,  # HAS_LEFT (a causal sliding window): query i' = i + N_K - N_Q sees keys i' - window_left .. i'
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
-    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
     D_B: gl.constexpr = qb_desc.block_type.shape[3]
@@ -143,15 +155,21 @@ def _hopper_dk_kernel(
     h0 = hk_b * GROUP_B + part * heads  # the query heads h0 .. h0 + heads - 1 share this student key head
     hk_a = h0 // GROUP_A  # and one teacher key head (SPLIT makes it so, see key_head_split)
     offset = N_K - N_Q
-    q_tiles = gl.cdiv(N_Q, BLOCK_M)
-    if CAUSAL:  # query tiles from the first row that sees key n0; full from the first that sees the whole tile
-        first_tile = gl.maximum(n0 - offset, 0) // BLOCK_M
-        full_from = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), q_tiles)
+    if CAUSAL:  # query tiles from the first row that sees key n0 to the last that sees any key of the tile; full from
+        # the first that sees the whole tile, up to the last whose every row's window holds it (HAS_LEFT)
+        first_tile, end_tile = _query_tile_bounds(n0, BLOCK_N, N_Q, offset, window_left, BLOCK_M, HAS_LEFT)
+        full_from = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), end_tile)
+        full_end = _full_tiles_end(n0, end_tile, offset, window_left, BLOCK_M, HAS_LEFT)
     else:
         first_tile = 0
+        end_tile = gl.cdiv(N_Q, BLOCK_M)
         full_from = 0
-    n_tiles = q_tiles - first_tile  # >= 1: key n0 < N_K = N_Q + offset is seen by row N_Q - 1
-    n_masked = full_from - first_tile  # diagonal tiles per query head
+        full_end = end_tile
+    # without a window key n0 < N_K = N_Q + offset is seen by row N_Q - 1 (n_tiles >= 1); with one, maybe by no row
+    n_tiles = gl.maximum(end_tile - first_tile, 0)
+    n_diagonal = gl.minimum(gl.maximum(full_from - first_tile, 0), n_tiles)  # diagonal tiles per query head
+    n_full = gl.minimum(gl.maximum(full_end - full_from, 0), n_tiles - n_diagonal)
+    n_masked = n_tiles - n_full  # the diagonal tiles and those past the full ones (a window's), per query head
     masked_steps = heads * n_masked  # swept first, one at a time; then the full ones, pipelined
     steps = heads * n_tiles
 
@@ -159,7 +177,7 @@ def _hopper_dk_kernel(
     _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, n0, k_bar, ka_smem, kb_smem)
     for s in gl.static_range(STAGES):
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, h0, n_tiles, first_tile, masked_steps,
-                      n_masked, BLOCK_M, STAGES, CAUSAL)
+                      n_masked, n_diagonal, BLOCK_M, STAGES, CAUSAL)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -169,23 +187,25 @@ def _hopper_dk_kernel(
     mbarrier.wait(k_bar, 0)
     ka = ka_smem.reshape([BLOCK_N, D_A])
     kb = kb_smem.reshape([BLOCK_N, D_B])
-    # The causal diagonal first, one step at a time: its masked tile code is never live beside the pipelined loop's
-    # two register sets (with both, 64-query steps spill). Then the full steps: pipelined (OVERLAP), or also one at a
-    # time where two register sets of scores beside a wide dK accumulator would spill (head dim 128).
+    # The masked steps first (the causal diagonal, and a window's far edge), one step at a time: their masked tile
+    # code is never live beside the pipelined loop's two register sets (with both, 64-query steps spill). Then the full
+    # steps: pipelined (OVERLAP), or also one at a time where two register sets of scores beside a wide dK accumulator
+    # would spill (head dim 128).
     if CAUSAL:
         dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, 0, masked_steps, steps,
-                           qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL,
-                           True)
+                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, 0, masked_steps,
+                           steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
+                           SCALAR_GRAD, CAUSAL, True, HAS_LEFT)
         if masked_steps < steps:
             dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A,
-                                  LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps,
-                                  qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD,
-                                  CAUSAL, OVERLAP)
+                                  LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
+                                  steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B,
+                                  STAGES, SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
     else:
         dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B,
-                              GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a,
-                              qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL, OVERLAP)
+                              GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps,
+                              qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
+                              SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
     mbarrier.invalidate(k_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -196,54 +216,57 @@ def _hopper_dk_kernel(
 
 @gluon.jit
 def _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                     b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b, offset,
-                     dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
-                     STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr, OVERLAP: gl.constexpr):
+                     b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a,
+                     qk_scale_b, offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                     D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr,
+                     PEELED: gl.constexpr, OVERLAP: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dK_b`` after the unmasked steps ``masked_steps .. steps - 1`` (at least one): pipelined (:func:`_full_steps`)
     with ``OVERLAP``, else one at a time (:func:`_single_steps`)."""
     if OVERLAP:
         dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                         b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b,
-                         offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED)
+                         b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a,
+                         qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED,
+                         HAS_LEFT)
     else:
         dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, masked_steps, steps, steps,
-                           qk_scale_a, qk_scale_b, offset, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED,
-                           False)
+                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, masked_steps, steps,
+                           steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
+                           SCALAR_GRAD, PEELED, False, HAS_LEFT)
     return dk
 
 
 @gluon.jit
 def _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                  b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, start, stop, steps, qk_scale_a,
-                  qk_scale_b, offset, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
-                  D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr,
-                  MASKED: gl.constexpr):
+                  b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, start, stop, steps,
+                  qk_scale_a, qk_scale_b, offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr,
+                  PEELED: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dK_b`` after the steps ``start .. stop - 1``, one at a time: each step's score products are waited for
-    before its exponentials, so one register set of scores is live (``MASKED``: causal diagonal steps)."""
+    before its exponentials, so one register set of scores is live (``MASKED``: the masked steps)."""
     for t in range(start, stop):
         x, y = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t, zero, BLOCK_M, D_A, D_B, STAGES)
         lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
-                                             masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+                                             masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
         x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
         dk = _fold_step(x, y, dk, qb_ring, t, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
-                        dot_layout, BLOCK_M, D_B, STAGES, MASKED, SCALAR_GRAD)
+                        window_left, dot_layout, BLOCK_M, D_B, STAGES, MASKED, SCALAR_GRAD, HAS_LEFT)
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
-                      masked_steps, n_masked, BLOCK_M, STAGES, PEELED)
+                      masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
     return dk
 
 
 @gluon.jit
 def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, steps, qk_scale_a, qk_scale_b, offset,
-                dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
-                STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
+                b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a, qk_scale_b,
+                offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
+                D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr,
+                HAS_LEFT: gl.constexpr):
     """``dK_b`` after the unmasked steps ``masked_steps .. steps - 1`` (at least one), each step's score products
     issued before the previous step's exponentials."""
     start = masked_steps
     x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, start, zero, BLOCK_M, D_A, D_B, STAGES)
     lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, start, b, h0, H, N_Q, n_tiles, first_tile,
-                                             masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+                                             masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
     # Even steps in (x0, y0), odd ones in (x1, y1): the products in flight never share registers with the tiles
     # being folded (a loop-carried in-flight accumulator makes ptxas serialise every wgmma, its warning C7514).
     pairs = (steps - start - 1) // 2
@@ -252,31 +275,34 @@ def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys
         x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
         x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 1, zero, BLOCK_M, D_A, D_B, STAGES)
         lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, t + 1, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+                                                 masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
+                                                 PEELED)
         dk = _fold_step(x0, y0, dk, qb_ring, t, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
-                        dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+                        window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
-                      masked_steps, n_masked, BLOCK_M, STAGES, PEELED)
+                      masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
         x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
         x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 2, zero, BLOCK_M, D_A, D_B, STAGES)
         lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, t + 2, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+                                                 masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
+                                                 PEELED)
         dk = _fold_step(x1, y1, dk, qb_ring, t + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b, offset,
-                        dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+                        window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, h0, n_tiles, first_tile,
-                      masked_steps, n_masked, BLOCK_M, STAGES, PEELED)
+                      masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
     # One or two steps are left: step start + 2·pairs is in flight in (x0, y0); its successor, if any, is the last.
     last = start + 2 * pairs
     x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
     dk = _fold_step(x0, y0, dk, qb_ring, last, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
-                    dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+                    window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
     if last + 1 < steps:
         x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, last + 1, zero, BLOCK_M, D_A, D_B, STAGES)
         lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, last + 1, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 masked_steps, n_masked, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
+                                                 masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
+                                                 PEELED)
         x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
         dk = _fold_step(x1, y1, dk, qb_ring, last + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b,
-                        offset, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD)
+                        offset, window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
     return dk
 
 
@@ -341,8 +367,9 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b),
-        (heads, h_kb, n_q, n_k, group_a, group_b, split, order_chunk, qk_a, qk_b, spec.grad_scale("b")),
-        (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("BLOCK_M", cfg.block_m),
-         ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages)) + extra,
+        (heads, h_kb, n_q, n_k, group_a, group_b, split, order_chunk, max(spec.window_left, 0), qk_a, qk_b,
+         spec.grad_scale("b")),
+        (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("HAS_LEFT", spec.window_left >= 0),
+         ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages)) + extra,
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(dk_dtype)

@@ -24,6 +24,14 @@ step past a row's diagonal a consumer copies side b's key tile into its own scra
 replaced by 0 and takes the query-gradient products from there: a key a row must not see cannot reach it through
 ``0·inf``, and the ring slot, which the other consumer may need unchanged, is never written.
 
+A causal sliding window (``window_left >= 0``) starts the program at the tile of the first row's first key; each
+consumer masks the tiles that hold keys before some of its rows' windows (and contains them through the scratch copy,
+as past the diagonal), runs its full tiles unmasked, then its diagonal ones. A consumer's tiles wholly before its
+rows' windows add exact zeros. Where the portable kernel decides whether a frame moved over the same rows (head dim
+64: 64 rows), the outputs are bitwise its own; at head dim 128 it decides over 128 rows, each consumer over its 64, so
+rows whose windows start at different tiles round ``w`` differently: the query gradient then matches it within
+rounding (KL and both lse bitwise).
+
 What was measured (docs/concepts/kernels.md, tried and lost): one warpgroup per program (two
 programs per SM, v17a) was slower than the portable kernel with every schedule tried, with and without products in
 flight during the exponentials. In a scratch probe, consumers taking turns on the tensor cores (FlashAttention-3's
@@ -35,9 +43,9 @@ has its own, which moves only when it must, along with the softmax rescaling (:f
 match the portable kernel's within fp16's rounding, not bitwise.
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
-bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, windows, sinks, soft-caps or packing, causal only
-with ``N_k >= N_q``. Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel
-against the portable one (bf16: bitwise) and the float64 oracle.
+bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, sinks, soft-caps or packing, causal only with
+``N_k >= N_q`` (with or without a sliding window; no other window). Gluon kernels have no CPU interpreter: CI checks the
+selection, the GPU suite checks this kernel against the portable one (bf16: bitwise) and the float64 oracle.
 """
 
 from __future__ import annotations
@@ -94,7 +102,8 @@ def _fold_scores(
     keys, rows,  # key indices [BLOCK_N] and local query rows [BLOCK_M] of the tile
     m_a, z_a, acc, m_b, z_b, rho,  # [BLOCK_M] running state (see the portable kernel)
     qk_scale_a, qk_scale_b, n_k, offset,  # offset = n_k - n_q: the causal diagonal of query i is key i + offset
-    CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+    window_left,  # HAS_LEFT: query i sees keys from i + offset - window_left on
+    CAUSAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
 ):
     """The softmax work of one key tile: the running state after it, and what the query-gradient step needs, the
     tiles ``p_b`` and ``p_b·r − p_a`` (fp32), the rescalings of ``w`` and ``v`` and whether any row's frame moved."""
@@ -103,6 +112,8 @@ def _fold_scores(
         allowed = gl.expand_dims(keys, 0) < n_k
         if CAUSAL:
             allowed = allowed & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1) + offset)
+        if HAS_LEFT:
+            allowed = allowed & (gl.expand_dims(keys, 0) >= gl.expand_dims(rows, 1) + offset - window_left)
         x = gl.where(allowed, x, float("-inf"))
         y = gl.where(allowed, y, float("-inf"))
         diff = gl.where(allowed, diff, 0.0)
@@ -124,15 +135,17 @@ def _fold_scores(
 
 
 @gluon.jit
-def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, full,
-              CAUSAL: gl.constexpr):
+def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left, full,
+              CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr):
     """:func:`_fold_scores` without masks when the tile is ``full`` (every key allowed for every row), else masked."""
     if full:
         m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved = _fold_scores(
-            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, CAUSAL, False)
+            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left, CAUSAL,
+            False, HAS_LEFT)
     else:
         m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved = _fold_scores(
-            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, CAUSAL, True)
+            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left, CAUSAL,
+            True, HAS_LEFT)
     return m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved
 
 
@@ -190,17 +203,18 @@ def _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, 
 
 @gluon.jit
 def _ws_fwd_producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready, empty, q_bar,
-                     b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     b, h, hk_a, hk_b, m0, t0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
-    """Load both consumers' query tiles once, then every key tile of both sides, ``STAGES`` ahead of the slower
-    consumer."""
+    """Load both consumers' query tiles once, then key tiles ``t0 .. n_tiles - 1`` of both sides, ``STAGES`` ahead of
+    the slower consumer."""
     mbarrier.expect(q_bar, CONSUMERS * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
         _tma_load(qa_desc, [b, h, m0 + c * BLOCK_M, 0], q_bar, qa_smem.index(c))
         _tma_load(qb_desc, [b, h, m0 + c * BLOCK_M, 0], q_bar, qb_smem.index(c))
-    for t in range(n_tiles):
-        stage = t % STAGES
-        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+    for t in range(t0, n_tiles):
+        i = t - t0  # the ring's count
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         bar = ready.index(stage)
         mbarrier.expect(bar, ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
         _tma_load(ka_desc, [b, hk_a, t * BLOCK_N, 0], bar, ka_ring.index(stage))
@@ -219,23 +233,24 @@ def _finite_copy(kb_ring, stage, scratch, BLOCK_N: gl.constexpr, D_B: gl.constex
 
 
 @gluon.jit
-def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr,
+def _ws_fwd_steps(lo, hi, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr,
                   m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K,
-                  offset, p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  offset, window_left, p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  MASKED: gl.constexpr, SCRATCH: gl.constexpr):
-    """Key tiles ``[lo, hi)`` of consumer ``ME``, one step each: its score products, the softmax work, the rescaling
-    of ``v`` and ``w``, its two query-gradient products (from the scratch copy with ``SCRATCH``); each slot released
-    once this consumer's products are done with it. fp16 inputs keep each row of ``w`` in units of ``1/w_scale``
-    (:func:`_fp16_frame`, one power of two per row); bf16 ones leave ``w_scale`` at 1."""
+                  MASKED: gl.constexpr, SCRATCH: gl.constexpr, HAS_LEFT: gl.constexpr):
+    """Key tiles ``[lo, hi)`` of consumer ``ME`` (the ring's first is tile ``t0``), one step each: its score
+    products, the softmax work, the rescaling of ``v`` and ``w``, its two query-gradient products (from the scratch
+    copy with ``SCRATCH``); each slot released once this consumer's products are done with it. fp16 inputs keep each
+    row of ``w`` in units of ``1/w_scale`` (:func:`_fp16_frame`, one power of two per row); bf16 ones leave
+    ``w_scale`` at 1."""
     for t in range(lo, hi):
-        stage = t % STAGES
-        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        stage = (t - t0) % STAGES
+        mbarrier.wait(ready.index(stage), ((t - t0) // STAGES) & 1)
         x, y = _issue_scores(qa, qb, ka_ring, kb_ring, stage, zero, BLOCK_N, D_A, D_B)
         x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
         m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
             x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
-            not MASKED, CAUSAL)
+            window_left, not MASKED, CAUSAL, HAS_LEFT)
         if kb_ring.dtype == gl.float16:
             d, w_scale, frame_ratio, frame_moved = _fp16_frame(d, w_scale)
             coef = coef * w_scale
@@ -258,10 +273,11 @@ def _ws_fwd_steps(lo, hi, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: g
 
 @gluon.jit
 def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, ME: gl.constexpr,
-                     KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                     grad_scale_b, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
-    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over every key tile, then their outputs."""
+                     KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left, qk_scale_a,
+                     qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over the program's key tiles ``t0 .. n_tiles - 1``, then
+    their outputs."""
     D_A: gl.constexpr = qa_smem.type.shape[4]
     D_B: gl.constexpr = qb_smem.type.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -276,6 +292,12 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         n_full = gl.minimum(gl.minimum((row0 + offset + 1) // BLOCK_N, N_K // BLOCK_N), n_tiles)
     else:
         n_full = N_K // BLOCK_N
+    if HAS_LEFT:  # tiles before full_from hold keys before some row's window (for the second consumer's first tiles:
+        # before all of them)
+        full_from = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(row0 + BLOCK_M - 1 + offset - window_left, 0), BLOCK_N),
+                                          n_full), t0)
+    else:
+        full_from = t0
     rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_a = gl.full([BLOCK_M], NEG_BIG, gl.float32, row_layout)
@@ -296,16 +318,21 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         w_scale = gl.full([BLOCK_M], FP16_FRAME_UNSET, gl.float32, row_layout)  # one power of two per row, once set
     else:
         w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
+    if HAS_LEFT:  # the tiles before every row's window starts (contained through the scratch copy)
+        m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
+            t0, full_from, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v,
+            w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, p_layout, o_row_layout,
+            BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, True, HAS_LEFT)
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
-        0, n_full, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v, w,
-        w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A, D_B,
-        STAGES, CAUSAL, False, False)
+        full_from, n_full, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v,
+        w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, p_layout, o_row_layout,
+        BLOCK_N, D_A, D_B, STAGES, CAUSAL, False, False, HAS_LEFT)
     # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
     # past N_K the copy engine filled with zeros).
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
-        n_full, n_tiles, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho,
-        v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, p_layout, o_row_layout, BLOCK_N, D_A,
-        D_B, STAGES, CAUSAL, True, CAUSAL)
+        gl.maximum(n_full, full_from), n_tiles, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a,
+        acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left,
+        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL, HAS_LEFT)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
     _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
@@ -319,9 +346,10 @@ def _ws_fused_fwd_kernel(
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
+    window_left,  # HAS_LEFT (a causal sliding window): query i sees keys i + N_K - N_Q - window_left .. i + N_K - N_Q
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     m0, pid_bh = _row_tile_start(N_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
     b = pid_bh // H
@@ -334,6 +362,10 @@ def _ws_fused_fwd_kernel(
     else:
         hi = N_K
     n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
+    if HAS_LEFT:  # the first tile holding a key of the first row's window
+        t0 = gl.maximum(m0 + offset - window_left, 0) // BLOCK_N
+    else:
+        t0 = 0
 
     dtype: gl.constexpr = qa_desc.dtype
     qa_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + qa_desc.block_type.shape, qa_desc.layout)
@@ -352,13 +384,13 @@ def _ws_fused_fwd_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
-                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left, qk_scale_a,
+                            qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
-                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, n_tiles, offset, qk_scale_a, qk_scale_b,
-                            grad_scale_b, CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
+                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left, qk_scale_a,
+                            qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
         (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
-                            empty, q_bar, b, h, hk_a, hk_b, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+                            empty, q_bar, b, h, hk_a, hk_b, m0, t0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -410,9 +442,9 @@ def attention_kl_fused_fwd_hopper(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b),
-        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, qk_a, qk_b,
-         spec.grad_scale("b") * dq_scale),
-        (("CAUSAL", spec.window_right == 0), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
-         ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
+        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, max(spec.window_left, 0), qk_a,
+         qk_b, spec.grad_scale("b") * dq_scale),
+        (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0), ("BLOCK_M", cfg.block_m),
+         ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )
     return kl, lse_a, lse_b

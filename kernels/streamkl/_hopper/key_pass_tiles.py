@@ -1,7 +1,8 @@
 """Gluon pieces both Hopper key passes share (:mod:`streamkl._hopper.backward`, the one-warpgroup kernel, and
 :mod:`streamkl._hopper.key_pass_ws`, the warp-specialised one): the row state of a step's queries, a transposed
-``dSᵀ`` tile, the causal mask and the ``dK_b`` store. Keeping one copy keeps the two kernels' arithmetic the same,
-which is what makes their gradients bitwise equal."""
+``dSᵀ`` tile, the causal mask (with a sliding window's left bound), the query tiles a key tile meets and the ``dK_b``
+store. Keeping one copy keeps the two kernels' arithmetic the same, which is what makes their gradients bitwise
+equal."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from .._triton_common.numerics import FP16_DS_SCALE, LOG2E_C
 
 
 @gluon.jit
-def _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, PEELED: gl.constexpr):
+def _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, PEELED: gl.constexpr):
     """Query head and query tile of a program's ``step``: head by head from ``first_tile``, or, ``PEELED``, its
-    ``masked_steps`` (``n_masked`` causal diagonal tiles per query head, from ``first_tile``) first, then every head's
-    full tiles."""
+    ``masked_steps`` first (``n_masked`` masked tiles per query head: the ``n_diagonal`` causal diagonal tiles from
+    ``first_tile``, then, with a sliding window, the tiles past the full ones, whose last rows' windows start after
+    some of the keys), then every head's full tiles (from ``first_tile + n_diagonal``)."""
     if not PEELED:
         return h0 + step // n_tiles, first_tile + step % n_tiles
     n_full = n_tiles - n_masked
     rest = step - masked_steps
-    on_diagonal = step < masked_steps
-    h = gl.where(on_diagonal, step // gl.maximum(n_masked, 1), rest // gl.maximum(n_full, 1))
-    tile = gl.where(on_diagonal, step % gl.maximum(n_masked, 1), n_masked + rest % gl.maximum(n_full, 1))
+    on_masked = step < masked_steps
+    masked = step % gl.maximum(n_masked, 1)
+    h = gl.where(on_masked, step // gl.maximum(n_masked, 1), rest // gl.maximum(n_full, 1))
+    tile = gl.where(on_masked, masked + gl.where(masked < n_diagonal, 0, n_full),
+                    n_diagonal + rest % gl.maximum(n_full, 1))
     return h0 + h, first_tile + tile
 
 
@@ -43,17 +47,18 @@ def _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
-             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr):
-    """``dSᵀ`` of one transposed tile ([keys, queries], fp32): ``g·(P_b − P_a)``, zero where the causal mask forbids
-    the pair (``MASKED``); without ``SCALAR_GRAD`` the per-row ``g`` is applied here."""
+def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left,
+             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
+    """``dSᵀ`` of one transposed tile ([keys, queries], fp32): ``g·(P_b − P_a)``, zero where the causal mask (and, with
+    ``HAS_LEFT``, the window) forbids the pair (``MASKED``); without ``SCALAR_GRAD`` the per-row ``g`` is applied
+    here."""
     p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(lse2_a, 0))
     p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(lse2_b, 0))
     ds = p_b - p_a
     if not SCALAR_GRAD:
         ds = ds * gl.expand_dims(g, 0)
     if MASKED:
-        ds = _causal_mask(ds, keys, rows, offset)
+        ds = _causal_mask(ds, keys, rows, offset, window_left, HAS_LEFT)
     return ds
 
 
@@ -67,9 +72,38 @@ def _ds_operand(ds, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _causal_mask(ds, keys, rows, offset):
-    """``ds`` ([keys, queries]) with zeros where key ``keys[i]`` lies past query ``rows[j]``'s diagonal."""
-    return gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + offset, ds, 0.0)
+def _causal_mask(ds, keys, rows, offset, window_left, HAS_LEFT: gl.constexpr):
+    """``ds`` ([keys, queries]) with zeros where key ``keys[i]`` lies past query ``rows[j]``'s diagonal or, with
+    ``HAS_LEFT``, more than ``window_left`` keys before it."""
+    diagonal = gl.expand_dims(rows, 0) + offset
+    allowed = gl.expand_dims(keys, 1) <= diagonal
+    if HAS_LEFT:
+        allowed = allowed & (gl.expand_dims(keys, 1) >= diagonal - window_left)
+    return gl.where(allowed, ds, 0.0)
+
+
+@gluon.jit
+def _query_tile_bounds(k0, keys_per_program, N_Q, offset, window_left, BLOCK_M: gl.constexpr,
+                       HAS_LEFT: gl.constexpr):
+    """The query tiles a causal key pass over keys ``k0 .. k0 + keys_per_program - 1`` sweeps, ``(first, end)``:
+    from the first row whose diagonal reaches key ``k0`` to the last row that sees any of the keys (with ``HAS_LEFT``,
+    the last whose window starts at or before the last key; else the last row). ``end <= first`` where no row sees
+    them (a sliding window over keys far before the queries)."""
+    first = gl.maximum(k0 - offset, 0) // BLOCK_M
+    end = gl.cdiv(N_Q, BLOCK_M)
+    if HAS_LEFT:
+        last_row = k0 + keys_per_program - 1 + window_left - offset
+        end = gl.where(last_row < 0, 0, gl.minimum(end, gl.maximum(last_row, 0) // BLOCK_M + 1))
+    return first, end
+
+
+@gluon.jit
+def _full_tiles_end(k0, end, offset, window_left, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr):
+    """The end of the query tiles whose every row's window holds key ``k0`` (and so every key from ``k0`` up to the
+    rows' diagonals): ``end`` without ``HAS_LEFT``."""
+    if HAS_LEFT:
+        return gl.minimum(end, gl.maximum(k0 + window_left - offset + 1, 0) // BLOCK_M)
+    return end
 
 
 @gluon.jit

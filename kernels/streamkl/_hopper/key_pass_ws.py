@@ -17,6 +17,8 @@ Same result as :mod:`streamkl._hopper.backward` (the frozen teacher's key pass, 
 
 With a causal mask the two consumers' keys start at different query tiles: both sweep the first consumer's steps,
 and the second one's extra steps (query rows that see none of its keys) are masked to zero, a few steps per head.
+With a causal sliding window (``window_left >= 0``) the sweep ends at the last query tile whose windows reach the
+second consumer's keys; each consumer masks the tiles whose rows' windows start after some of its keys.
 Each consumer accumulates its keys' products in the same order as the one-warpgroup kernel, so the two give bitwise
 the same gradient. :func:`streamkl._hopper.backward.attention_kl_key_pass_hopper` launches it (:mod:`streamkl.dispatch`
 selects it for causal problems with a head dim above 64); tried without the turns and with the one-warpgroup kernel's
@@ -31,7 +33,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from .._triton_common.tiles import LaunchConfig
 from .forward import _longest_first, _tma_load
-from .key_pass_tiles import _causal_mask, _ds_operand, _ds_tile, _row_state, _store_dk
+from .key_pass_tiles import (
+    _causal_mask,
+    _ds_operand,
+    _ds_tile,
+    _full_tiles_end,
+    _query_tile_bounds,
+    _row_state,
+    _store_dk,
+)
 
 #: Registers per thread of each consumer warpgroup and of the producer (``setmaxnreg``); the kernel's limit is set
 #: so that one program (three warpgroups) fills the register file: 2·240 + 24 = 3·168.
@@ -63,24 +73,27 @@ def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_
 
 @gluon.jit
 def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
-                qk_scale_a, qk_scale_b, offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                SCALAR_GRAD: gl.constexpr):
+                full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles, masked on the steps before ``full_from``
-    (a consumer's steps are the first consumer's, so whether a step is masked is known only here)."""
-    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, first_tile + t % n_tiles, b, H, N_Q,
-                                         offs_m, BLOCK_M, SCALAR_GRAD)
-    ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, False, SCALAR_GRAD)
-    if CAUSAL and first_tile + t % n_tiles < full_from:
-        ds = _causal_mask(ds, keys, rows, offset)
+    and from ``full_end`` on (a consumer's steps are the first consumer's, so whether a step is masked is known only
+    here)."""
+    tile = first_tile + t % n_tiles
+    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, tile, b, H, N_Q, offs_m, BLOCK_M,
+                                         SCALAR_GRAD)
+    ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left, False,
+                  SCALAR_GRAD, HAS_LEFT)
+    if CAUSAL and (tile < full_from or tile >= full_end):
+        ds = _causal_mask(ds, keys, rows, offset, window_left, HAS_LEFT)
     return ds
 
 
 @gluon.jit
 def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, ME: gl.constexpr,
               LSE_A, LSE_B, GRAD, DK_B, b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset,
-              qk_scale_a, qk_scale_b, grad_scale_b,
-              CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
+              window_left, qk_scale_a, qk_scale_b, grad_scale_b,
+              CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` over every step, products issued in turn
     with the other consumer, stored at the end."""
     D_A: gl.constexpr = qa_ring.type.shape[4]
@@ -91,10 +104,13 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
                                                         instr_shape=[16, D_B, 16])
     dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
     k0 = n0 + ME * BLOCK_N
-    if CAUSAL:  # query tiles from this one see every key of this consumer (earlier ones: masked)
+    if CAUSAL:  # query tiles from this one see every key of this consumer (earlier ones: masked), up to full_end (a
+        # window's: later ones see only some, or none)
         full_from = gl.cdiv(gl.maximum(k0 + BLOCK_N - 1 - offset, 0), BLOCK_M)
+        full_end = _full_tiles_end(k0, first_tile + n_tiles, offset, window_left, BLOCK_M, HAS_LEFT)
     else:
         full_from = 0
+        full_end = first_tile + n_tiles
     keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
@@ -103,18 +119,21 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
     mbarrier.wait(k_bar, 0)
     ka = k_smem_a.index(ME).reshape([BLOCK_N, D_A])
     kb = k_smem_b.index(ME).reshape([BLOCK_N, D_B])
-    dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B, GRAD,
-                        b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, qk_scale_a, qk_scale_b,
-                        offset, BLOCK_M, D_A, D_B, STAGES, CAUSAL, SCALAR_GRAD)
+    if steps > 0:  # (none where a window's rows see none of the program's keys: their gradient is zero)
+        dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B,
+                            GRAD, b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
+                            qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_A, D_B, STAGES, CAUSAL,
+                            SCALAR_GRAD, HAS_LEFT)
     _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
               qb_ring.dtype == gl.float16)
 
 
 @gluon.jit
 def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constexpr, dk, zero, dot_layout: gl.constexpr,
-                   LSE_A, LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, qk_scale_a,
-                   qk_scale_b, offset, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+                   LSE_A, LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
+                   qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
+                   D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr,
+                   HAS_LEFT: gl.constexpr):
     """Every step of consumer ``ME``: wait for the query tiles and the turn, issue this step's score products and
     the previous step's ``dK`` product, hand the turn over, then the exponentials; returns ``dK_b`` (fp32)."""
     OTHER: gl.constexpr = 1 - ME
@@ -131,7 +150,7 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
     mbarrier.arrive(turns.index(OTHER))
     x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
     ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
-                  qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
+                     full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD, HAS_LEFT)
     ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     for t in range(1, steps):
         stage = t % STAGES
@@ -147,7 +166,8 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
         x, y, dk = warpgroup_mma_wait(num_outstanding=0, deps=(x, y, dk))
         mbarrier.arrive(empty.index(prev))  # both products of step t - 1 are done with its slot
         ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
-                      qk_scale_a, qk_scale_b, offset, BLOCK_M, CAUSAL, SCALAR_GRAD)
+                         full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD,
+                         HAS_LEFT)
         ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     last = (steps - 1) % STAGES
     dk = warpgroup_mma(ds, qb_ring.index(last).reshape([BLOCK_M, D_B]), dk, is_async=True)
@@ -160,10 +180,10 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
 def _ws_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     GRAD, LSE_A, LSE_B, DK_B,  # as in streamkl._hopper.backward._hopper_dk_kernel
-    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, SPLIT, order_chunk,
+    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, SPLIT, order_chunk, window_left,
     qk_scale_a, qk_scale_b, grad_scale_b,
-    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     if CAUSAL:  # the longest sweeps first (see streamkl._triton._helpers._longest_first)
         rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(N_K, 2 * BLOCK_N), order_chunk)
@@ -178,11 +198,12 @@ def _ws_dk_kernel(
     h0 = hk_b * GROUP_B + part * heads
     hk_a = h0 // GROUP_A
     offset = N_K - N_Q
-    if CAUSAL:
-        first_tile = gl.maximum(n0 - offset, 0) // BLOCK_M
+    if CAUSAL:  # (with a window, maybe no row sees the program's keys)
+        first_tile, end_tile = _query_tile_bounds(n0, 2 * BLOCK_N, N_Q, offset, window_left, BLOCK_M, HAS_LEFT)
     else:
         first_tile = 0
-    n_tiles = gl.cdiv(N_Q, BLOCK_M) - first_tile
+        end_tile = gl.cdiv(N_Q, BLOCK_M)
+    n_tiles = gl.maximum(end_tile - first_tile, 0)
     steps = heads * n_tiles
 
     dtype: gl.constexpr = qa_desc.dtype
@@ -204,11 +225,11 @@ def _ws_dk_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
-                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
-                     grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
+                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, window_left, qk_scale_a,
+                     qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
-                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, qk_scale_a, qk_scale_b,
-                     grad_scale_b, CAUSAL, SCALAR_GRAD, BLOCK_M, BLOCK_N, STAGES)),
+                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, window_left, qk_scale_a,
+                     qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
                      turns, b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
