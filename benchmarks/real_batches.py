@@ -4,7 +4,8 @@ Forward+backward of ``attention_kl(..., reduction="mean")`` (frozen teacher, tra
 bf16 unless a row says fp16), ``do_bench`` medians, for the headline reference rows and the "real batches" rows:
 lengths off the tile grid, D_t=128 -> D_s=64, 8 packed documents (offsets on the GPU, and on the CPU), a right-padded
 batch (and the same batch with an all-True key mask, both with the masks on the GPU and on the CPU, and without
-masks), fp16, a sliding window, GQA with odd lengths and the BERT shape (1 and 12 pairs back to back, and 12 pairs
+masks), fp16, a sliding window, sinks (gpt-oss's attention; cuDNN runs the same shapes without them), GQA with
+odd lengths and the BERT shape (1 and 12 pairs back to back, and 12 pairs
 as the engine runs them: one call on their heads concatenated, ``lightning_streamkl.terms.run_terms``). Every row
 records the kernels the dispatch table chose, where its time goes (:func:`time_split`: the host's time to enqueue a
 call against the GPU's kernel time, per call of back-to-back calls), and its baselines:
@@ -81,6 +82,7 @@ class Row:
     against_sdpa_back_to_back: bool = False  # also SDPA's back-to-back time per call (the BERT rows)
     fused: bool = False  # the pairs as the engine runs them: one call on their heads concatenated (run_terms)
     on_cpu: bool = False  # packed rows' ``cu_seqlens``, padded rows' masks on the CPU, as a data collator makes them
+    sinks: bool = False  # both sides' sink logits (gpt-oss), the student's trainable
     dense_row: str = ""  # padded rows: the row of the same batch without masks
     targets: tuple[tuple[str, float], ...] = (("ratio_cudnn", CUDNN_TARGET),)
 
@@ -127,6 +129,8 @@ def rows(smoke: bool = False) -> list[Row]:
             Row("window 4096 at N=32768, H=16 D=64 causal", shape(1, 16, 32768, 64, True),
                 window=tiny(4096), targets=packed)]
     out += [Row(f"GQA H=32/8 N={n} D=128 causal", shape(1, 32, n, 128, True, h_kt=8)) for n in (8191, 12345)]
+    out.append(Row("sinks (gpt-oss), GQA H=64/8 N=8192 D=64 causal", shape(1, 64, 8192, 64, True, h_kt=8),
+                   sinks=True))
     out += [Row(f"BERT B=8 H=12 N=512 D=64, {p} pair{'s' * (p > 1)}", shape(8, 12, 512, 64, False),
                 pairs=2 if smoke and p > 1 else p, against_sdpa_back_to_back=True,
                 targets=(("ratio_cudnn", BERT_TARGET),) if p == 1 else ())
@@ -194,6 +198,9 @@ def problem(row: Row, device: str) -> dict[str, Any]:
                   {"key_padding_mask": given, "query_mask": given.clone()})
         mask = real[:, None, None, :] & (idx[None, :] <= idx[:, None] if s.causal else True)
         out["sdpa"] = [_sdpa_args(sets[0][2], sets[0][3], mask)]
+    if row.sinks:
+        kw["sinks_t"] = torch.randn(s.h, device=device)
+        kw["sinks_s"] = torch.randn(s.h, device=device, requires_grad=True)
     if row.window:
         kw["window"] = (row.window - 1, 0)
         band = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - row.window)
@@ -372,8 +379,8 @@ def measure(row: Row, device: str) -> dict[str, Any]:
     """One row's record: our time and the kernels chosen, its baselines' times, and what its ratios need."""
     rec: dict[str, Any] = {"name": row.name, "group": row.group, "shape": asdict(row.shape), "pairs": row.pairs,
                            "lengths": list(row.lengths), "masks": list(row.masks), "docs": row.docs,
-                           "window": row.window, "dense_row": row.dense_row, "targets": dict(row.targets),
-                           "allowed_elements": allowed_elements(row)}
+                           "window": row.window, "sinks": row.sinks, "dense_row": row.dense_row,
+                           "targets": dict(row.targets), "allowed_elements": allowed_elements(row)}
     p = attempt(lambda: problem(row, device))
     if isinstance(p, str):
         return {**rec, "ms": p}

@@ -149,15 +149,14 @@ def _dense(p: Problem) -> bool:
     """What every Gluon kernel needs: dense ``(B, H, N, D)`` tensors a TMA descriptor can address, one dtype on both
     sides, head dims in :data:`GLUON_HEAD_DIMS`; no masks, sinks, packing, soft-caps or windows; causal only with
     ``N_k >= N_q`` (every row sees a key)."""
-    return p.spec.window_left < 0 and _dense_or_sliding(p)
+    return p.spec.window_left < 0 and p.inputs.sink_a is None and _training_dense(p)
 
 
-def _dense_or_sliding(p: Problem) -> bool:
-    """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``): what the
-    training kernels (the training forward and the key passes) compute."""
+def _training_dense(p: Problem) -> bool:
+    """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``), sinks,
+    or both (gpt-oss's layers): what the training kernels (the training forward and the key passes) compute."""
     i, spec = p.inputs, p.spec
-    if any(x is not None for x in (i.sink_a, i.sink_b, i.key_padding_mask, i.query_mask, i.cu_seqlens_q,
-                                   i.attn_mask)):
+    if any(x is not None for x in (i.key_padding_mask, i.query_mask, i.cu_seqlens_q, i.attn_mask)):
         return False
     if spec.softcap_a or spec.softcap_b or spec.window_right > 0 or (spec.window_left >= 0 and spec.window_right != 0):
         return False
@@ -182,7 +181,7 @@ def _key_pass_scope(p: Problem) -> bool:
     """The Gluon key passes compute side b's key gradient alone (side a frozen), never beside atomic query
     gradients; bf16, or fp16 with a scalar upstream gradient (their fixed fp16 scale bounds ``|dS|`` by 1), and each
     program's query heads must share a teacher key head (:func:`key_head_split`)."""
-    if p.need_a or not p.need_b or not (p.deterministic or p.fused) or not _dense_or_sliding(p):
+    if p.need_a or not p.need_b or not (p.deterministic or p.fused) or not _training_dense(p):
         return False
     if p.inputs.q_a.dtype == torch.float16 and not p.scalar_grad:
         return False
@@ -212,8 +211,8 @@ _LARGE = "B·H·N_q·N_k ≥ 2^28"
 _KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
-_DENSE_OR_SLIDING = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing or "
-                     "soft-caps; causal only with N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
+_TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, packing or soft-caps; "
+                   "sinks or none; causal only with N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
 
 #: The dispatch table: every stage's rows, in the order they are tried (see the module docstring).
 TABLE: tuple[Route, ...] = (
@@ -232,14 +231,14 @@ TABLE: tuple[Route, ...] = (
           impl=("_triton.forward", "attention_kl_fwd", ())),
     Route("training forward", "gluon_training_forward", "_hopper/fused_forward.py", _SM90,
           "bf16 or fp16, one dtype on both sides",
-          f"a training call with side a frozen (fuses_dq_b); {_DENSE_OR_SLIDING}; {_LARGE}",
-          impl=("_hopper.fused_forward", "attention_kl_fused_fwd_hopper", ()), scope=_dense_or_sliding,
+          f"a training call with side a frozen (fuses_dq_b); {_TRAINING_DENSE}; {_LARGE}",
+          impl=("_hopper.fused_forward", "attention_kl_fused_fwd_hopper", ()), scope=_training_dense,
           pays=_large, gluon=True),
     Route("training forward", "triton_training_forward", "_triton/forward.py", _PORTABLE, "fp16, bf16, fp32",
           "otherwise",
           impl=("_triton.forward", "attention_kl_fwd", ())),
     Route("key pass", "gluon_key_pass_warp_specialised", "_hopper/key_pass_ws.py", _SM90, _KEY_PASS_DTYPES,
-          f"a backward of side b alone (side a frozen), no atomic dQ; {_DENSE_OR_SLIDING}; key-head groupings that "
+          f"a backward of side b alone (side a frozen), no atomic dQ; {_TRAINING_DENSE}; key-head groupings that "
           f"divide each other; causal with a head dim above 64; {_LARGE}",
           impl=("_hopper.backward", "attention_kl_key_pass_hopper", (("specialised", True), ("overlap", False))),
           scope=_ws_key_pass_scope, pays=_large, gluon=True),

@@ -154,9 +154,10 @@ def test_the_key_pass_on_an_h100(hopper, d_t, d_s, causal, kernel):
         assert pick(_large(d_t, d_s, n=256, causal=causal, need_b=True)) == kernel
 
 
-def test_a_causal_sliding_window_takes_the_gluon_training_kernels(hopper):
-    """A causal sliding window (``window_left >= 0``, ``window_right == 0``) runs the training forward and the key
-    passes on Gluon; the metric forward, a two-sided window and a non-causal one with a left bound stay portable."""
+def test_a_causal_sliding_window_and_sinks_take_the_gluon_training_kernels(hopper):
+    """A causal sliding window (``window_left >= 0``, ``window_right == 0``) and sinks run the training forward and the
+    key passes on Gluon; the metric forward, a two-sided window and a non-causal one with a left bound stay
+    portable."""
     def windowed(d, left, right=0, **flags) -> Problem:
         p = _large(d, causal=True, **flags)
         return p._replace(spec=KLSpec(0.1, 0.1, window_left=left, window_right=right))
@@ -166,6 +167,11 @@ def test_a_causal_sliding_window_takes_the_gluon_training_kernels(hopper):
     assert dispatch.select("key pass", windowed(64, 4096, need_b=True)).kernel == "gluon_key_pass_pipelined"
     assert dispatch.select("key pass", windowed(128, 4096, need_b=True)).kernel == "gluon_key_pass_warp_specialised"
     assert dispatch.select("forward", windowed(128, 4096)).kernel == "triton_forward"
+    sinks = torch.zeros(1)
+    with_sinks = lambda p: p._replace(inputs=p.inputs._replace(sink_a=sinks, sink_b=sinks))  # gpt-oss
+    assert dispatch.select("training forward", with_sinks(windowed(64, 128))).kernel == "gluon_training_forward"
+    assert dispatch.select("key pass", with_sinks(windowed(64, 128, need_b=True))).kernel == "gluon_key_pass_pipelined"
+    assert dispatch.select("forward", with_sinks(_large(128))).kernel == "triton_forward"
     for left, right in ((4096, 16), (4096, -1), (-1, 16)):
         assert dispatch.select("training forward", windowed(64, left, right)).kernel == "triton_training_forward"
         assert dispatch.select("key pass", windowed(64, left, right, need_b=True)).kernel == "triton_key_pass"

@@ -180,8 +180,10 @@ def test_cpu_tensors_never_take_the_hopper_fused_forward():
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, softcap_b=30.0), False),
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=0), True),  # a causal sliding window
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=-1), False),  # a left bound alone
+    (_inputs(1, 2, 256, 64, sink_a=torch.zeros(2), sink_b=torch.zeros(2)), KLSpec(0.1, 0.1, window_left=16,
+                                                                                  window_right=0), True),
     (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1), False),
-], ids=["bf16", "bf16-causal", "fp16", "fp32", "softcap", "sliding-window", "left-bound", "key-mask"])
+], ids=["bf16", "bf16-causal", "fp16", "fp32", "softcap", "sliding-window", "left-bound", "sinks-window", "key-mask"])
 def test_fused_forward_scope(inputs, spec, expected):
     assert dispatch.in_scope("gluon_training_forward", Problem(inputs, spec)) is expected
 
@@ -341,7 +343,7 @@ def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
     (_inputs(1, 2, 256, 64), KLSpec(0.1, 0.1, window_left=16, window_right=4), (False, True), False),
     (_inputs(1, 2, 256, 64, key_padding_mask=torch.ones(1, 256, dtype=torch.bool)), KLSpec(0.1, 0.1),
      (False, True), False),
-    (_inputs(1, 2, 256, 64, sink_a=torch.zeros(2), sink_b=torch.zeros(2)), KLSpec(0.1, 0.1), (False, True), False),
+    (_inputs(1, 2, 256, 64, sink_a=torch.zeros(2), sink_b=torch.zeros(2)), KLSpec(0.1, 0.1), (False, True), True),
     (_grouped(2, 8), KLSpec(0.1, 0.1), (False, True), True),  # GQA teacher, MHA student
     (_grouped(2, 4), KLSpec(0.1, 0.1), (False, True), True),  # both grouped, the teacher coarser
     (_grouped(8, 2), KLSpec(0.1, 0.1), (False, True), True),  # a student key head spans 4 teacher key heads
@@ -875,3 +877,63 @@ def test_fp16_sliding_window_on_the_gluon_training_kernels_matches_the_oracle(mo
     for i, name in enumerate(("dq_s", "dk_s")):
         err = lambda x: float((x.double() - ref_grads[i]).norm() / ref_grads[i].norm())  # noqa: B023
         assert err(grads["hopper"][i]) <= 1.5 * err(grads["portable"][i]) + 1e-6, f"{name}: less exact than portable"
+
+
+SINK_CASES = [  # (case, train the student's sinks): gpt-oss's attention (sinks, and a sliding window on some layers)
+    (replace(H, n_q=1000, n_k=1000, causal=True, sinks=True), False),  # frozen sinks: gradients ahead
+    (replace(H, n_q=1000, n_k=1000, causal=True, sinks=True), True),  # trainable sinks: the two-pass backward
+    (replace(H, h=8, h_kt=2, h_ks=2, n_q=777, n_k=777, causal=True, sinks=True, window=(128, 0)), True),
+    (replace(H, h=8, h_kt=2, h_ks=8, n_q=1030, n_k=1030, d_t=128, d_s=128, causal=True, sinks=True), False),
+    (replace(H, b=2, n_q=700, n_k=700, sinks=True), True),  # not causal
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("case", "train_sinks"), [pytest.param(c, t, id=f"{c.id}-{'train' if t else 'frozen'}")
+                                                   for c, t in SINK_CASES])
+def test_sinks_run_on_the_gluon_training_kernels(case: Case, train_sinks: bool, monkeypatch):
+    """Sinks (gpt-oss), as users call them (``sinks_t``, ``sinks_s``, a frozen teacher, ``reduction="mean"``): the
+    fused Gluon forward and a Gluon key pass run; the training forward gives the portable one's KL and lse bits (and
+    its dQ_s bits where both decide their rescalings over the same rows); the student's query, key and, where they
+    train, sink gradients match the float64 oracle as closely as the portable kernels'."""
+    from streamkl._triton.configs import forward_config
+    from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
+
+    _, inputs, _, _, _, _, _ = _key_pass_problem(replace(case, window=None, sinks=False), "scalar")
+    sinks = make_inputs(case, torch.bfloat16, "cuda").tensors
+    inputs = inputs._replace(sink_a=sinks["sinks_t"].detach(), sink_b=sinks["sinks_s"].detach())
+    spec = KLSpec(case.d_t ** -0.5, case.d_s ** -0.5, window_left=case.window[0] if case.window else -1,
+                  window_right=0 if case.causal else -1)
+    with forced("gluon"):
+        assert dispatch.select("training forward", Problem(inputs, spec, fused=True)).gluon
+    dq_gluon, dq_portable = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
+    gluon = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_gluon), dq_gluon)
+    portable = (*attention_kl_fwd(inputs, spec, dq_b=dq_portable), dq_portable)
+    for name, x, y in zip(("kl", "lse_a", "lse_b"), gluon, portable):
+        assert torch.equal(x, y), f"{name} differs from the portable kernel's"
+    same_rows = forward_config(case.d_t, case.d_s, fused_dq=True).block_m == _fused.fused_forward_config(
+        case.d_t, case.d_s).block_m
+    if same_rows or case.window is None:
+        assert torch.equal(dq_gluon, dq_portable), "dq_s differs from the portable kernel's"
+
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    tensors = make_inputs(case, torch.bfloat16, "cuda").tensors
+    tensors["sinks_s"].requires_grad_(train_sinks)
+    wrt = ["q_s", "k_s"] + (["sinks_s"] if train_sinks else [])
+    ref_tensors = {n: x.detach().double().requires_grad_(n in wrt) for n, x in tensors.items()}
+    ref = attention_kl(**ref_tensors, backend="reference", **case.kwargs())
+    ref_grads = torch.autograd.grad(ref, [ref_tensors[n] for n in wrt])
+    grads = {}
+    for label, switch in (("hopper", "gluon"), ("portable", "portable")):
+        with forced(switch):
+            out = attention_kl(**tensors, backend="triton", **case.kwargs())
+            grads[label] = torch.autograd.grad(out, [tensors[n] for n in wrt])
+        if label == "hopper":
+            assert (len(fused_calls), len(calls)) == (1, 1), "the Gluon training kernels did not run"
+            assert_close(out, ref.detach(), TOLERANCES[torch.bfloat16][0], "loss")
+    for i, name in enumerate(wrt):
+        err = lambda x: float((x.double() - ref_grads[i]).norm() / ref_grads[i].norm())  # noqa: B023
+        assert_close(grads["hopper"][i], ref_grads[i], TOLERANCES[torch.bfloat16][1], f"d{name}")
+        assert err(grads["hopper"][i]) <= 1.5 * err(grads["portable"][i]) + 1e-6, f"d{name}: less exact than portable"

@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._problem import KLInputs, KLSpec
 from .._triton_common.launch import KernelLauncher
-from .._triton_common.numerics import LN2_C, NEG_BIG, side_scales
+from .._triton_common.numerics import LN2_C, LOG2E_C, NEG_BIG, side_scales
 from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
 
@@ -225,14 +225,33 @@ def _load_fixed(a_desc, b_desc, b, h_a, h_b, row, bar, a_smem, b_smem):
 
 
 @gluon.jit
-def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q, qk_scale_a, qk_scale_b):
+def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, qk_scale_a,
+                  qk_scale_b, HAS_SINKS: gl.constexpr):
     """Write the KL and both log-sum-exps of rows ``rows`` from their final running state (the portable kernel's
-    epilogue, without sinks); returns ``(valid, z_a_safe, out, row_in)``: which rows have a key, side a's sums with
-    1 elsewhere, the rows' flat output offsets and which rows exist."""
+    epilogue; ``HAS_SINKS``: head ``h``'s sink logits ``SINK_A[h]``, ``SINK_B[h]`` merged as one more outcome per side,
+    as the portable kernel merges them); returns ``(valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in)``: which
+    rows have a key, each side's sums (sinks included) with 1 elsewhere, how the sinks moved each side's frame (1
+    without), the rows' flat output offsets and which rows exist."""
     row_in = rows < N_Q
     valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
     mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
     mc_b = gl.maximum(m_b * qk_scale_b, NEG_BIG)
+    if HAS_SINKS:  # a sink has no key vector: it moves both frames and sums once more
+        s_a = gl.load(SINK_A + h).to(gl.float32) * LOG2E_C
+        s_b = gl.load(SINK_B + h).to(gl.float32) * LOG2E_C
+        mc_a_new = gl.maximum(mc_a, s_a)
+        alpha_a = gl.exp2(mc_a - mc_a_new)
+        w_a = gl.exp2(s_a - mc_a_new)
+        z_a = z_a * alpha_a + w_a
+        acc = acc * alpha_a + w_a * (s_a - s_b)
+        mc_b_new = gl.maximum(mc_b, s_b)
+        alpha_b = gl.exp2(mc_b - mc_b_new)
+        z_b = z_b * alpha_b + gl.exp2(s_b - mc_b_new)
+        mc_a = mc_a_new
+        mc_b = mc_b_new
+    else:
+        alpha_a = gl.full_like(z_a, 1.0)
+        alpha_b = alpha_a
     z_a_safe = gl.where(valid, z_a, 1.0)
     z_b_safe = gl.where(valid, z_b, 1.0)
     lse2_a = mc_a + gl.log2(z_a_safe)
@@ -242,7 +261,7 @@ def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q,
     gl.store(KL + out, kl, mask=row_in)
     gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
     gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
-    return valid, z_a_safe, out, row_in
+    return valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in
 
 
 @gluon.jit
@@ -329,7 +348,8 @@ def _hopper_fwd_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q, qk_scale_a, qk_scale_b)
+    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, None, None, b, h, H, N_Q, qk_scale_a, qk_scale_b,
+                  False)
 
 
 def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:

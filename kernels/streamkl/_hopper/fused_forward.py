@@ -43,9 +43,10 @@ has its own, which moves only when it must, along with the softmax rescaling (:f
 match the portable kernel's within fp16's rounding, not bitwise.
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
-bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, sinks, soft-caps or packing, causal only with
-``N_k >= N_q`` (with or without a sliding window; no other window). Gluon kernels have no CPU interpreter: CI checks the
-selection, the GPU suite checks this kernel against the portable one (bf16: bitwise) and the float64 oracle.
+bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, soft-caps or packing, causal only with
+``N_k >= N_q`` (with or without a sliding window; no other window), sinks or none (merged into each row's sums at its
+end, as the portable kernel merges them). Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite
+checks this kernel against the portable one (bf16: bitwise) and the float64 oracle.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .._problem import KLInputs, KLSpec
+from .._triton.forward import _contiguous
 from .._triton_common.launch import KernelLauncher
 from .._triton_common.numerics import FP16_TARGET_EXPONENT, NEG_BIG, side_scales
 from .._triton_common.tiles import LaunchConfig
@@ -185,13 +187,20 @@ def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
-                grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr):
-    """Write the KL, both log-sum-exps (:func:`streamkl._hopper.forward._store_kl_lse`) and side b's query gradient per
-    unit upstream gradient of rows ``rows`` from their final running state."""
+def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
+                N_Q, qk_scale_a, qk_scale_b, grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr,
+                HAS_SINKS: gl.constexpr):
+    """Write the KL, both log-sum-exps (:func:`streamkl._hopper.forward._store_kl_lse`, sinks merged there with
+    ``HAS_SINKS``) and side b's query gradient per unit upstream gradient of rows ``rows`` from their final running
+    state (``w`` in units of ``1/w_scale``; ``grad_scale_b`` already over it)."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    valid, z_a_safe, out, row_in = _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, b, h, H, N_Q,
-                                                 qk_scale_a, qk_scale_b)
+    valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in = _store_kl_lse(
+        m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
+        HAS_SINKS)
+    if HAS_SINKS:  # the sinks move the ratio of the sums and the frames once more (the portable kernel's epilogue)
+        coef = (z_a_safe / z_b_safe * alpha_b - rho * alpha_a) * w_scale
+        w = (w * gl.expand_dims(gl.convert_layout(alpha_a, o_row_layout), 1)
+             + gl.expand_dims(gl.convert_layout(coef, o_row_layout), 1) * v)
     # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j = grad_scale_b · w / z_a (0 on empty rows)
     scale = gl.expand_dims(gl.convert_layout(gl.where(valid, grad_scale_b / z_a_safe, 0.0), o_row_layout), 1)
     dq = w * scale
@@ -273,9 +282,9 @@ def _ws_fwd_steps(lo, hi, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, M
 
 @gluon.jit
 def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, ME: gl.constexpr,
-                     KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left, qk_scale_a,
-                     qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left,
+                     qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_SINKS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over the program's key tiles ``t0 .. n_tiles - 1``, then
     their outputs."""
     D_A: gl.constexpr = qa_smem.type.shape[4]
@@ -335,8 +344,8 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL, HAS_LEFT)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
-    _store_rows(m_a, z_a, acc, m_b, z_b, w, rows, KL, LSE_A, LSE_B, DQ_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
-                grad_scale_b, D_B, o_layout)
+    _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
+                N_Q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout, HAS_SINKS)
 
 
 @gluon.jit
@@ -344,12 +353,13 @@ def _ws_fused_fwd_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
+    SINK_A, SINK_B,  # HAS_SINKS: [H] contiguous sink logits (nats) of each side; else None
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     window_left,  # HAS_LEFT (a causal sliding window): query i sees keys i + N_K - N_Q - window_left .. i + N_K - N_Q
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
-    CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_SINKS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     m0, pid_bh = _row_tile_start(N_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
     b = pid_bh // H
@@ -384,11 +394,13 @@ def _ws_fused_fwd_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
-                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left, qk_scale_a,
-                            qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
+                            LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset,
+                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, BLOCK_M,
+                            BLOCK_N, STAGES)),
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
-                            LSE_A, LSE_B, DQ_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left, qk_scale_a,
-                            qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
+                            LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset,
+                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, BLOCK_M,
+                            BLOCK_N, STAGES)),
         (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
                             empty, q_bar, b, h, hk_a, hk_b, m0, t0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -441,10 +453,12 @@ def attention_kl_fused_fwd_hopper(
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b),
+         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, _contiguous(inputs.sink_a),
+         _contiguous(inputs.sink_b)),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, max(spec.window_left, 0), qk_a,
          qk_b, spec.grad_scale("b") * dq_scale),
-        (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0), ("BLOCK_M", cfg.block_m),
+        (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0),
+         ("HAS_SINKS", inputs.sink_a is not None), ("BLOCK_M", cfg.block_m),
          ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
     )
     return kl, lse_a, lse_b
