@@ -894,10 +894,9 @@ SINK_CASES = [  # (case, train the student's sinks): gpt-oss's attention (sinks,
                                                    for c, t in SINK_CASES])
 def test_sinks_run_on_the_gluon_training_kernels(case: Case, train_sinks: bool, monkeypatch):
     """Sinks (gpt-oss), as users call them (``sinks_t``, ``sinks_s``, a frozen teacher, ``reduction="mean"``): the
-    fused Gluon forward and a Gluon key pass run; the training forward gives the portable one's KL and lse bits (and
-    its dQ_s bits where both decide their rescalings over the same rows); the student's query, key and, where they
-    train, sink gradients match the float64 oracle as closely as the portable kernels'."""
-    from streamkl._triton.configs import forward_config
+    fused Gluon forward and a Gluon key pass run; the training forward gives the portable one's KL, lse and dQ_s within
+    fp32 rounding (its epilogue, where the sinks are merged, rounds differently), and a dQ_s as exact; the student's
+    query, key and, where they train, sink gradients match the float64 oracle as closely as the portable kernels'."""
     from streamkl._triton.forward import attention_kl_fwd, new_dq_b_buffer
 
     _, inputs, _, _, _, _, _ = _key_pass_problem(replace(case, window=None, sinks=False), "scalar")
@@ -910,12 +909,16 @@ def test_sinks_run_on_the_gluon_training_kernels(case: Case, train_sinks: bool, 
     dq_gluon, dq_portable = new_dq_b_buffer(inputs), new_dq_b_buffer(inputs)
     gluon = (*_fused.attention_kl_fused_fwd_hopper(inputs, spec, dq_gluon), dq_gluon)
     portable = (*attention_kl_fwd(inputs, spec, dq_b=dq_portable), dq_portable)
-    for name, x, y in zip(("kl", "lse_a", "lse_b"), gluon, portable):
-        assert torch.equal(x, y), f"{name} differs from the portable kernel's"
-    same_rows = forward_config(case.d_t, case.d_s, fused_dq=True).block_m == _fused.fused_forward_config(
-        case.d_t, case.d_s).block_m
-    if same_rows or case.window is None:
-        assert torch.equal(dq_gluon, dq_portable), "dq_s differs from the portable kernel's"
+    for name, x, y in zip(("kl", "lse_a", "lse_b", "dq_s"), gluon, portable):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"{name} differs from the portable kernel's")
+    q_t, k_t, q_s, k_s = (x.detach().double() for x in inputs[:4])
+    q_s.requires_grad_(True)
+    ref = attention_kl(q_t, k_t, q_s, k_s, causal=case.causal, window=case.window, scale_t=spec.scale_a,
+                       scale_s=spec.scale_b, sinks_t=inputs.sink_a.double(), sinks_s=inputs.sink_b.double(),
+                       reduction="sum", backend="reference")
+    (dq_ref,) = torch.autograd.grad(ref, (q_s,))
+    dq_err = lambda x: float((x.double() - dq_ref).norm() / dq_ref.norm())
+    assert dq_err(dq_gluon) <= 1.05 * dq_err(dq_portable) + 1e-6, (dq_err(dq_gluon), dq_err(dq_portable))
 
     calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
