@@ -153,10 +153,14 @@ def _dense(p: Problem) -> bool:
 
 
 def _training_dense(p: Problem) -> bool:
-    """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``), sinks,
-    or both (gpt-oss's layers): what the training kernels (the training forward and the key passes) compute."""
+    """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``), bf16
+    sinks, or both (gpt-oss's layers): what the training kernels (the training forward and the key passes) compute.
+    (fp16 with sinks, whose epilogue meets the fp16 query gradient's per-row scale, stays on the portable kernels: the
+    GPU suite has not checked it.)"""
     i, spec = p.inputs, p.spec
     if any(x is not None for x in (i.key_padding_mask, i.query_mask, i.cu_seqlens_q, i.attn_mask)):
+        return False
+    if i.sink_a is not None and i.q_a.dtype != torch.bfloat16:
         return False
     if spec.softcap_a or spec.softcap_b or spec.window_right > 0 or (spec.window_left >= 0 and spec.window_right != 0):
         return False
@@ -212,7 +216,8 @@ _KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
 _TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, packing or soft-caps; "
-                   "sinks or none; causal only with N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
+                   "sinks (bf16) or none; causal only with N_k ≥ N_q, with or without a sliding window "
+                   "(window_left ≥ 0)")
 
 #: The dispatch table: every stage's rows, in the order they are tried (see the module docstring).
 TABLE: tuple[Route, ...] = (

@@ -172,6 +172,10 @@ def test_a_causal_sliding_window_and_sinks_take_the_gluon_training_kernels(hoppe
     assert dispatch.select("training forward", with_sinks(windowed(64, 128))).kernel == "gluon_training_forward"
     assert dispatch.select("key pass", with_sinks(windowed(64, 128, need_b=True))).kernel == "gluon_key_pass_pipelined"
     assert dispatch.select("forward", with_sinks(_large(128))).kernel == "triton_forward"
+    fp16 = with_sinks(windowed(64, 128))
+    fp16 = fp16._replace(inputs=fp16.inputs._replace(**{n: x.half() for n, x in zip(("q_a", "k_a", "q_b", "k_b"),
+                                                                                    fp16.inputs[:4])}))
+    assert dispatch.select("training forward", fp16).kernel == "triton_training_forward"  # fp16 with sinks: unchecked
     for left, right in ((4096, 16), (4096, -1), (-1, 16)):
         assert dispatch.select("training forward", windowed(64, left, right)).kernel == "triton_training_forward"
         assert dispatch.select("key pass", windowed(64, left, right, need_b=True)).kernel == "triton_key_pass"
