@@ -44,8 +44,8 @@ match the portable kernel's within fp16's rounding, not bitwise.
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
 bf16 or fp16 inputs TMA can address, head dims 64 or 128, no masks, soft-caps or packing, causal only with
-``N_k >= N_q`` (with or without a sliding window; no other window), sinks or none (merged into each row's sums at its
-end, as the portable kernel merges them; the outputs then match it within fp32 rounding). Gluon kernels have no CPU
+``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or none (merged into each row's sums at
+its end, as the portable kernel merges them; the outputs then match it within fp32 rounding). Gluon kernels have no CPU
 interpreter: CI checks the selection, the GPU suite checks this kernel against the portable one (bf16 without sinks:
 bitwise) and the float64 oracle.
 """
