@@ -63,8 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .._problem import KLInputs, KLSpec
-from .._triton.forward import _contiguous
-from .._triton_common.launch import KernelLauncher
+from .._triton_common.launch import KernelLauncher, contiguous_or_none
 from .._triton_common.numerics import FP16_TARGET_EXPONENT, NEG_BIG, side_scales
 from .._triton_common.tiles import LaunchConfig
 from .forward import (
@@ -454,8 +453,8 @@ def attention_kl_fused_fwd_hopper(
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, _contiguous(inputs.sink_a),
-         _contiguous(inputs.sink_b)),
+         _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, contiguous_or_none(inputs.sink_a),
+         contiguous_or_none(inputs.sink_b)),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, max(spec.window_left, 0), qk_a,
          qk_b, spec.grad_scale("b") * dq_scale),
         (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0),

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .._problem import KLInputs, KLSpec
 from .._triton_common.interpreter import triton_interpreter_enabled
-from .._triton_common.launch import KernelLauncher, tensor_geometry
+from .._triton_common.launch import KernelLauncher, contiguous_or_none, tensor_geometry
 from .._triton_common.numerics import LN2_C, LOG2E_C, NEG_BIG, side_scales
 from .._triton_common.scheduling import key_bytes_per_head, l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
@@ -391,10 +391,6 @@ def _attention_kl_fwd_kernel(
         )
 
 
-def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.contiguous()
-
-
 @functools.lru_cache(maxsize=512)
 def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple, sequences: int, allow_tf32: bool,
                   config: LaunchConfig | None, fused_dq: bool = False, l2_bytes: int = 50 << 20,
@@ -478,7 +474,7 @@ def attention_kl_fwd(
     grid, scalars, meta = _forward_plan(geometry, (q_a.dtype, q_b.dtype), spec, (inputs.sink_a is not None, varlen),
                                         sequences, allow_tf32, config, dq_b is not None,
                                         l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1), dq_scale)
-    tensors = (q_a, k_a, q_b, k_b, _contiguous(inputs.sink_a), _contiguous(inputs.sink_b), km, qm, cu_q,
+    tensors = (q_a, k_a, q_b, k_b, contiguous_or_none(inputs.sink_a), contiguous_or_none(inputs.sink_b), km, qm, cu_q,
                inputs.cu_seqlens_k, am, kl, lse_a, lse_b, dq_b)
     _launch_forward(grid, tensors, scalars, meta)
     return kl, lse_a, lse_b

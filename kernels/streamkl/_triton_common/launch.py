@@ -84,6 +84,16 @@ def _signature(t) -> tuple | None:
     return (t.dtype, t.data_ptr() % 16 == 0)
 
 
+def contiguous_or_none(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` made contiguous (a copy only where it is not), or None for a missing optional tensor (the sinks).
+
+    Example:
+        >>> contiguous_or_none(None) is None, contiguous_or_none(torch.zeros(2, 3).t()).is_contiguous()
+        (True, True)
+    """
+    return None if x is None else x.contiguous()
+
+
 def tensor_geometry(*tensors: torch.Tensor | None) -> tuple:
     """``(shape, strides)`` of each tensor (None for a missing one): the hashable part of a launch plan's key."""
     return tuple(None if t is None else (t.shape, t.stride()) for t in tensors)
