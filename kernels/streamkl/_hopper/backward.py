@@ -30,13 +30,12 @@ same thing with
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both sides,
 or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)`` tensors TMA can address, head dims 64 or 128, no masks,
-soft-caps or packing, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), sinks or
-none (they reach the pass through the saved log-sum-exps only), only
-side b's gradient, and key-head groupings that divide one another (a teacher that groups more query heads per key head
-than the student, or fewer: then each student key head is split over several programs, one per teacher key head, whose
-fp32 parts are summed in a fixed order, so the result stays deterministic, :func:`streamkl._problem.key_head_split`).
-Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this pass against the portable one
-and the float64 oracle.
+soft-caps or packing, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or
+none (they reach the pass through the saved log-sum-exps only), only side b's gradient, and key-head groupings that
+divide one another (a teacher that groups more query heads per key head than the student, or fewer: then each student
+key head is split over several programs, one per teacher key head, whose fp32 parts are summed in a fixed order, so the
+result stays deterministic, :func:`streamkl._problem.key_head_split`). Gluon kernels have no CPU interpreter: CI checks
+the selection, the GPU suite checks this pass against the portable one and the float64 oracle.
 
 :func:`attention_kl_key_pass_hopper` launches this kernel or the warp-specialised one of
 :mod:`streamkl._hopper.key_pass_ws` (same scope; the dispatch table takes it with a causal mask and a head dim above
