@@ -49,11 +49,12 @@ def forward_impl(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool,
         return dispatch.forward(inputs, spec, backend, allow_tf32, dq_b, dq_scale)
 
 
-def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_scale: float = 1.0):
+def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, dq_scale: float = 1.0,
+                  dtype: torch.dtype | None = None):
     """``(kl, lse_a, lse_b, dq_b)``: the forward that also accumulates side b's query gradient per unit upstream
-    gradient, times ``dq_scale`` (Triton), ``dq_b`` shaped like ``q_b`` in the dtype it is saved in
-    (:func:`streamkl.dispatch.saved_dq_b_dtype`)."""
-    buffer = dispatch.new_dq_b_buffer(inputs)
+    gradient, times ``dq_scale`` (Triton), ``dq_b`` shaped like ``q_b`` in ``dtype`` (default: the dtype it is saved
+    in, :func:`streamkl.dispatch.saved_dq_b_dtype`)."""
+    buffer = dispatch.new_dq_b_buffer(inputs, dtype)
     return (*forward_impl(inputs, spec, backend, allow_tf32, buffer, dq_scale), buffer)
 
 
@@ -68,8 +69,11 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     training forward applies it to ``dq_b`` before its store rounds, and the key pass at its store: no pass over
     ``dq_b`` follows. A mean whose count is taken on the device multiplies ``dq_b`` by it afterwards."""
     host_scale = 1.0 if reduction == "sum" else None if rows is None else 1.0 / rows
+    grad_dtype = dispatch.ahead_gradient_dtype(inputs.q_b.dtype)
+    # a final dq_b is written in the dtype it is kept in (one rounding, as a copy to it would round): no copy follows
     kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32,
-                                              1.0 if host_scale is None else host_scale)
+                                              1.0 if host_scale is None else host_scale,
+                                              None if host_scale is None else grad_dtype)
     loss, divisor = _reduce(kl, lse_a, reduction, rows)
     if host_scale is None:  # counted on the device
         per_row = divisor.to(torch.float32).reciprocal()
@@ -78,8 +82,7 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     # one number for every row (stride 0), as the backward of a reduced loss hands it to the kernels
     with no_autocast(inputs.q_a.device):
         _, _, dq_b, dk_b = dispatch.backward(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True,
-                                             backend, allow_tf32, deterministic, dq_unit,
-                                             dispatch.ahead_gradient_dtype(inputs.q_b.dtype),
+                                             backend, allow_tf32, deterministic, dq_unit, grad_dtype,
                                              dq_b_final=host_scale is not None)
     return loss, lse_a, lse_b, dq_b, dk_b
 

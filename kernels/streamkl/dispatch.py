@@ -472,16 +472,47 @@ def select(stage: str, query: Any) -> Route:
     """The row of :data:`TABLE` that runs ``stage`` for ``query`` (a :class:`BackendQuery` for ``"backend"``, else a
     :class:`Problem`).
 
+    A stage with Gluon rows remembers its choice for a problem they may take (from :data:`GLUON_MIN_SCORES` score
+    elements, or forced) by :func:`_conditions_read`: their scopes read the four tensors' strides and alignment,
+    several times over a stage, which cost a training call about a tenth of its host time.
+
     Example:
         >>> q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)  # CPU tensors: never a Gluon kernel
         >>> select("key pass", Problem(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125), need_b=True)).kernel
         'triton_key_pass'
     """
     forcing = _forced[-1] if _forced else None
+    # below the size threshold no Gluon row pays and the walk reads shapes only: nothing worth remembering
+    remembered = stage in _REMEMBERED_STAGES and (forcing == "gluon" or _large(query))
+    key = _conditions_read(stage, query, forcing) if remembered else None
+    route = _CHOSEN.get(key) if key is not None else None
+    if route is not None:
+        return route
     for route in _STAGES[stage]:
         if _applies(route, query, forcing):
+            if key is not None:
+                if len(_CHOSEN) >= _MAX_CHOSEN:  # shapes that change every call (packed pieces): stay bounded
+                    _CHOSEN.clear()
+                _CHOSEN[key] = route
             return route
     raise AssertionError(f"no row of stage {stage!r} applies")  # the last row of every stage always does
+
+
+#: The stages whose choice :func:`select` remembers: those with Gluon rows, whose scopes read strides.
+_REMEMBERED_STAGES = frozenset(r.stage for r in TABLE if r.gluon)
+#: Remembered choices (:func:`select`); emptied when full.
+_CHOSEN: dict[tuple, Route] = {}
+_MAX_CHOSEN = 4096
+
+
+def _conditions_read(stage: str, p: Problem, forcing: str | None) -> tuple:
+    """Everything the conditions of ``stage``'s rows read from ``p``, as a hashable key: the four tensors' dtypes,
+    shapes, strides and 16-byte alignment, which optional tensors are present, the options, the flags, whether the
+    device runs Gluon kernels, the override and the size threshold."""
+    i = p.inputs
+    return (stage, forcing, GLUON_MIN_SCORES, _gluon_device(i.q_a),
+            *[(x.dtype, x.shape, x.stride(), x.data_ptr() % 16) for x in (i.q_a, i.k_a, i.q_b, i.k_b)],
+            *[x is None for x in i[4:]], p.spec, *p[2:])
 
 
 def in_scope(kernel: str, query: Any) -> bool:
@@ -648,10 +679,10 @@ def indexer_backward(grad_kl, q, k, q_idx, k_idx, w_idx, lse_h, lse_index, psum,
               scale)
 
 
-def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
+def new_dq_b_buffer(inputs: KLInputs, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The buffer the training forward fills with side b's query gradient
     (:func:`streamkl._triton.forward.new_dq_b_buffer`)."""
-    return _module("_triton.forward").new_dq_b_buffer(inputs)
+    return _module("_triton.forward").new_dq_b_buffer(inputs, dtype)
 
 
 def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:

@@ -251,6 +251,41 @@ def test_a_reduced_training_loss_keeps_only_the_students_gradients(dtype, reduct
         assert_close(got, want, TOLERANCES[dtype][1], name)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_reduced_bf16_loss_writes_its_query_gradient_once_in_bf16(reduction):
+    """A loss whose gradient the host knows (a sum, a mean over rows it counts): the training forward scales the
+    student's query gradient by it and writes it in bf16 itself, at any size: no fp32 buffer of it and no copy kernel
+    follow, and the bits are the fp32 buffer's rounded to nearest even (the copy it replaces)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from streamkl._problem import KLInputs
+    from streamkl.autograd import fused_forward
+
+    g = torch.Generator().manual_seed(11)
+    q_t, q_s = (torch.randn(1, 4, 37, 16, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    k_t, k_s = (torch.randn(1, 2, 37, 16, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    student = [x.clone().requires_grad_(True) for x in (q_s, k_s)]
+    ops = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q_s.shape):
+                ops.append((func.__name__, out.dtype))
+            return out
+
+    with Log():
+        loss = attention_kl(q_t, k_t, *student, causal=True, reduction=reduction, backend="triton")
+    assert not any(dtype == torch.float32 for _, dtype in ops), ops
+    assert not any(name.startswith("_to_copy") for name, _ in ops), ops
+    (dq_s,) = torch.autograd.grad(loss, student[:1])
+    spec = KLSpec(0.25, 0.25, window_right=0)
+    scale = 1.0 if reduction == "sum" else 1.0 / q_s[..., 0].numel()
+    *_, wide = fused_forward(KLInputs(q_t, k_t, q_s, k_s, *[None] * 6), spec, "triton", False, scale)
+    assert wide.dtype == torch.float32 and wide.abs().max() > 0
+    assert torch.equal(dq_s, wide.to(torch.bfloat16))
+
+
 def test_fp16_gradients_computed_ahead_survive_a_gradient_scalers_factor():
     """fp16 under a gradient scaler: a student close to its teacher, a mean over many rows. Its gradients per unit of
     the loss lie below fp16's smallest subnormal, so saving them in fp16 would flush them to zero; the scaler's factor

@@ -191,3 +191,41 @@ def test_the_override_nests_and_restores(hopper):
     with pytest.raises(RuntimeError), forced("portable"):
         raise RuntimeError
     assert pick() == "gluon_forward"
+
+
+def _walked(stage: str, p: Problem) -> str:
+    """The row the table gives ``p``, walked afresh (what :func:`dispatch.select` remembers must equal it)."""
+    forcing = dispatch._forced[-1] if dispatch._forced else None
+    return next(r for r in dispatch._STAGES[stage] if dispatch._applies(r, p, forcing)).kernel
+
+
+def test_a_remembered_choice_is_made_again_when_anything_its_rows_read_differs(hopper, monkeypatch):
+    """``select`` remembers each choice of a stage with Gluon rows; a problem of the same shapes that differs in what
+    the rows read (a base 2 bytes off 16, a row stride TMA cannot address, a dtype, a window, the gradients asked for,
+    the override, the size threshold) is chosen afresh, and every answer is the table's."""
+    dispatch._CHOSEN.clear()
+    n, d = 16384, 64
+    base = _large(d, causal=True, need_b=True)
+    flat = torch.zeros(n * d + 8, dtype=torch.bfloat16)
+    off_16 = flat[1:1 + n * d].view(1, 1, n, d)  # same shape and strides, base not 16-byte aligned
+    wide_rows = torch.zeros(1, 1, n, 68, dtype=torch.bfloat16)[..., :d]  # a 136-byte row stride
+    variants = [
+        base,
+        base._replace(inputs=base.inputs._replace(q_b=off_16)),
+        base._replace(inputs=base.inputs._replace(k_b=wide_rows)),
+        _large(d, causal=True, need_b=True, dtype=torch.float32),
+        base._replace(spec=KLSpec(0.1, 0.1, softcap_a=30.0, window_right=0)),
+        base._replace(need_a=True),
+    ]
+    for stage in ("training forward", "key pass"):
+        chosen = [dispatch.select(stage, p).kernel for p in variants + variants]
+        assert chosen == [_walked(stage, p) for p in variants + variants], stage
+        # only the base problem is Gluon's (and the one asking for side a's gradients, which no forward reads)
+        gluon = [True, False, False, False, False, stage == "training forward"]
+        assert [k.startswith("gluon") for k in chosen] == gluon + gluon, stage
+        with forced("portable"):
+            assert dispatch.select(stage, base).kernel.startswith("triton")
+        monkeypatch.setattr(dispatch, "GLUON_MIN_SCORES", 2 * n * n)
+        assert dispatch.select(stage, base).kernel.startswith("triton")
+        monkeypatch.setattr(dispatch, "GLUON_MIN_SCORES", n * n)
+        assert dispatch.select(stage, base).kernel == chosen[0]

@@ -506,10 +506,10 @@ def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
     return torch.float32
 
 
-def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
-    """The buffer :func:`attention_kl_fwd` fills with side b's query gradient per unit upstream gradient, in the dtype
-    it is saved in (:func:`saved_dq_b_dtype`), contiguous, shaped like ``q_b`` (zeroed for packed inputs, whose tokens
-    outside every sequence are never written).
+def new_dq_b_buffer(inputs: KLInputs, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The buffer :func:`attention_kl_fwd` fills with side b's query gradient per unit upstream gradient, in ``dtype``
+    (default: the dtype it is saved in, :func:`saved_dq_b_dtype`), contiguous, shaped like ``q_b`` (zeroed for packed
+    inputs, whose tokens outside every sequence are never written).
 
     Example:
         >>> q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
@@ -518,4 +518,5 @@ def new_dq_b_buffer(inputs: KLInputs) -> torch.Tensor:
     """
     q_b = inputs.q_b
     alloc = torch.zeros if inputs.cu_seqlens_q is not None else torch.empty
-    return alloc(q_b.shape, dtype=saved_dq_b_dtype(q_b.dtype, q_b.numel()), device=q_b.device)
+    dtype = dtype or saved_dq_b_dtype(q_b.dtype, q_b.numel())
+    return alloc(q_b.shape, dtype=dtype, device=q_b.device)
