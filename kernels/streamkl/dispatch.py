@@ -17,7 +17,8 @@ kernel of each stage of the op:
 Every stage's rows are tried in order and the first that applies runs. A row applies when its device requirement
 holds (the Gluon kernels: a CUDA sm_90 device and a Triton whose Gluon API imports), its ``scope`` (what the kernel
 can compute) holds and its ``pays`` (where it measured faster than the next row) holds; the last row of a stage
-always applies. :func:`table_markdown` renders the table (docs/concepts/architecture.md shows it).
+always applies. A stage with Gluon rows remembers its choice for a problem they may take, by everything its rows read
+(:func:`select`). :func:`table_markdown` renders the table (docs/concepts/architecture.md shows it).
 
 The one override, :func:`forced`, is for tests and benchmarks: ``forced("portable")`` keeps every call on the portable
 kernels, ``forced("gluon")`` takes a Gluon kernel wherever one can compute the call, whatever its size and head dims.
