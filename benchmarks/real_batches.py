@@ -7,8 +7,9 @@ batch (and the same batch with an all-True key mask, both with the masks on the 
 masks), fp16, a sliding window, sinks (gpt-oss's attention; cuDNN runs the same shapes without them), GQA with
 odd lengths and the BERT shape (1 and 12 pairs back to back, and 12 pairs
 as the engine runs them: one call on their heads concatenated, ``lightning_streamkl.terms.run_terms``). Every row
-records the kernels the dispatch table chose, where its time goes (:func:`time_split`: the host's time to enqueue a
-call against the GPU's kernel time, per call of back-to-back calls), and its baselines:
+records the kernels the dispatch table chose, where its time goes (:func:`time_split`, :func:`kernel_ms`: the host's
+time to enqueue a call against the GPU's kernel time, per call of back-to-back calls; the kernel times are taken
+after every row is timed, since torch's profiler slows the host path of every call after it), and its baselines:
 
 * ``ratio_cudnn``: our time / torch SDPA forward+backward (random upstream gradients) with the cuDNN backend on the
   student's q, k and a v of k's shape, the same masks as SDPA takes them (causal; padding and the window as a bool
@@ -331,19 +332,18 @@ SPLIT_MS = 200.0
 def time_split(fn: Callable[[], object], ms: float, device: str) -> dict[str, float | None]:
     """Where one call's time goes (``ms``: its ``do_bench`` time, which sets how many calls are timed):
     ``host_ms``, the host's time to enqueue one call of back-to-back calls (the GPU not waited for);
-    ``back_to_back_ms``, the wall time per call of those calls, synchronised at the end; ``kernels_ms``, the GPU's
-    kernel time per call (the CUDA activity torch's profiler records). A call whose host time reaches its kernel
-    time is bound by the host. On the CPU (the smoke, whose ``ms`` is one call's wall time) only
-    ``back_to_back_ms``: ``ms`` itself, so the interpreter runs no call again.
+    ``back_to_back_ms``, the wall time per call of those calls, synchronised at the end. A call whose host time reaches
+    its kernel time (:func:`kernel_ms`) is bound by the host. On the CPU (the smoke, whose ``ms`` is one call's wall
+    time) only ``back_to_back_ms``: ``ms`` itself, so the interpreter runs no call again.
 
     Example:
         >>> time_split(lambda: None, 1.5, "cpu")
-        {'host_ms': None, 'back_to_back_ms': 1.5, 'kernels_ms': None}
+        {'host_ms': None, 'back_to_back_ms': 1.5}
     """
     import torch
 
     if device != "cuda":
-        return {"host_ms": None, "back_to_back_ms": ms, "kernels_ms": None}
+        return {"host_ms": None, "back_to_back_ms": ms}
     calls = max(3, round(SPLIT_MS / max(ms, 1e-3)))
     for _ in range(3):
         fn()
@@ -354,13 +354,24 @@ def time_split(fn: Callable[[], object], ms: float, device: str) -> dict[str, fl
     host = time.perf_counter() - start
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    profiled = max(2, calls // 4)
+    return {"host_ms": host / calls * 1e3, "back_to_back_ms": wall / calls * 1e3}
+
+
+def kernel_ms(fn: Callable[[], object], ms: float) -> float:
+    """The GPU's kernel time per call of ``fn`` (ms; the CUDA activity torch's profiler records over back-to-back
+    calls, about :data:`SPLIT_MS` / 4 of them by ``ms``, its ``do_bench`` time). torch's profiler, once it has run in
+    a process, leaves the host path of every later call slower (measured: a host-bound call's host time rose by about
+    half and stayed there), so :func:`run` takes it only after every row is timed."""
+    import torch
+
+    calls = max(2, round(SPLIT_MS / max(ms, 1e-3)) // 4)
+    fn()
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(profiled):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / profiled / 1e3  # µs -> ms
-    return {"host_ms": host / calls * 1e3, "back_to_back_ms": wall / calls * 1e3, "kernels_ms": kernels}
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3  # µs -> ms
 
 
 def attempt(fn: Callable[[], Any]) -> Any:
@@ -375,8 +386,14 @@ def attempt(fn: Callable[[], Any]) -> Any:
         return f"error: {type(err).__name__}: {str(err).strip()[:200]}"
 
 
+def ours_call(row: Row, p: dict[str, Any]) -> Callable[[], None]:
+    """The forward+backward of ``row`` through the op, on its problem ``p`` (:func:`problem`)."""
+    return (engine_fwd_bwd if row.fused else ours_fwd_bwd)(*p["ours"])
+
+
 def measure(row: Row, device: str) -> dict[str, Any]:
-    """One row's record: our time and the kernels chosen, its baselines' times, and what its ratios need."""
+    """One row's record: our time and the kernels chosen, its baselines' times, and what its ratios need (all but
+    ``kernels_ms``, which :func:`add_kernel_time` adds once every row is timed)."""
     rec: dict[str, Any] = {"name": row.name, "group": row.group, "shape": asdict(row.shape), "pairs": row.pairs,
                            "lengths": list(row.lengths), "masks": list(row.masks), "docs": row.docs,
                            "window": row.window, "sinks": row.sinks, "dense_row": row.dense_row,
@@ -384,7 +401,7 @@ def measure(row: Row, device: str) -> dict[str, Any]:
     p = attempt(lambda: problem(row, device))
     if isinstance(p, str):
         return {**rec, "ms": p}
-    ours = (engine_fwd_bwd if row.fused else ours_fwd_bwd)(*p["ours"])
+    ours = ours_call(row, p)
 
     def time_ours() -> float:
         with chosen_kernels() as kernels:
@@ -414,6 +431,16 @@ def measure(row: Row, device: str) -> dict[str, Any]:
         split = attempt(lambda: time_split(sdpa[0], rec["cudnn_ms"], device))
         rec["sdpa_back_to_back_ms"] = split["back_to_back_ms"] if isinstance(split, dict) else split
     return rec
+
+
+def add_kernel_time(rec: dict[str, Any], row: Row, device: str) -> dict[str, Any]:
+    """``rec`` with ``kernels_ms``, our call's GPU kernel time (:func:`kernel_ms`; None on the CPU or without a timed
+    call)."""
+    if device != "cuda" or not isinstance(rec.get("ms"), float):
+        return {**rec, "kernels_ms": None}
+    p = attempt(lambda: problem(row, device))
+    timed = p if isinstance(p, str) else attempt(lambda: kernel_ms(ours_call(row, p), rec["ms"]))
+    return {**rec, "kernels_ms": timed}
 
 
 def ab_cases(device: str = "cuda", quick: bool = True) -> dict[str, Callable[[Any], Callable[[], None]]]:
@@ -496,6 +523,13 @@ def run(smoke: bool, out: str) -> dict[str, Any]:
               f"/cuDNN {r['ratio_cudnn'] and round(r['ratio_cudnn'], 2)} ({r.get('cudnn_backend')}), "
               f"met {r['met']} ({time.perf_counter() - start:.1f} s)", flush=True)
         common.write_json(out, data)
+    # the kernels' time last: torch's profiler slows every later call's host path (kernel_ms)
+    for i, row in enumerate(rows(smoke)):
+        data["rows"][i] = add_kernel_time(data["rows"][i], row, device)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    common.write_json(out, data)
     data["complete"], data["wall_s"] = True, time.perf_counter() - began
     common.write_json(out, data)
     return data

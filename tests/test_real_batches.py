@@ -95,6 +95,28 @@ def test_a_result_renders_into_the_kernels_page(rb, tmp_path, monkeypatch):
     assert all("| 0.50 · 2.30 |" in line for line in lines[1:])
 
 
+def test_every_row_is_timed_before_the_profiler_takes_any_kernel_time(rb, tmp_path, monkeypatch):
+    """torch's profiler leaves every later call's host path slower, so a run times every row (``measure``) before it
+    takes the first kernel time (``add_kernel_time``), and every row gets one."""
+    order = []
+    made_up = {r["name"]: r for r in _result(rb)["rows"]}
+
+    def measure(row, device):
+        order.append("time")
+        return {k: v for k, v in made_up[row.name].items() if k != "kernels_ms"}
+
+    def add_kernel_time(rec, row, device):
+        order.append("kernels")
+        return {**rec, "kernels_ms": 1.0}
+
+    monkeypatch.setattr(rb, "measure", measure)
+    monkeypatch.setattr(rb, "add_kernel_time", add_kernel_time)
+    data = rb.run(smoke=True, out=str(tmp_path / "rb.json"))
+    n = len(rb.rows(smoke=True))
+    assert order == ["time"] * n + ["kernels"] * n
+    assert data["complete"] and all(r["kernels_ms"] == 1.0 for r in data["rows"])
+
+
 def test_without_a_result_the_block_says_what_to_run(rb, tmp_path, monkeypatch):
     monkeypatch.setattr(rb, "RESULT", str(tmp_path / "missing.json"))
     assert rb.load() is None
