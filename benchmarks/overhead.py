@@ -108,7 +108,7 @@ def measure_gpu(profile: bool) -> dict:
     result["breakdown_us"] = host_breakdown(sync)
     result["bert_shape"] = {**BERT, "dtype": "bfloat16"}
     result["bert_fwd_bwd_ms"] = bert_wall_times()
-    if profile:  # last: torch.profiler, once used, leaves every later call's host path slower
+    if profile:  # last: no timing follows a use of torch's profiler (benchmarks/real_batches.py, kernel_ms)
         result["profile_fwd_bwd"] = profile_top(fwd_bwd, 200, sync)
         result["torch_profile_fwd_bwd"] = torch_profile_table(fwd_bwd, 100, sync)
     return result

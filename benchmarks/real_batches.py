@@ -9,7 +9,8 @@ odd lengths and the BERT shape (1 and 12 pairs back to back, and 12 pairs
 as the engine runs them: one call on their heads concatenated, ``lightning_streamkl.terms.run_terms``). Every row
 records the kernels the dispatch table chose, where its time goes (:func:`time_split`, :func:`kernel_ms`: the host's
 time to enqueue a call against the GPU's kernel time, per call of back-to-back calls; the kernel times are taken
-after every row is timed, since torch's profiler slows the host path of every call after it), and its baselines:
+after every row is timed, so no timing follows a use of torch's profiler: :func:`host_after_profiler` checks what
+that use does to the host path), and its baselines:
 
 * ``ratio_cudnn``: our time / torch SDPA forward+backward (random upstream gradients) with the cuDNN backend on the
   student's q, k and a v of k's shape, the same masks as SDPA takes them (causal; padding and the window as a bool
@@ -359,9 +360,9 @@ def time_split(fn: Callable[[], object], ms: float, device: str) -> dict[str, fl
 
 def kernel_ms(fn: Callable[[], object], ms: float) -> float:
     """The GPU's kernel time per call of ``fn`` (ms; the CUDA activity torch's profiler records over back-to-back
-    calls, about :data:`SPLIT_MS` / 4 of them by ``ms``, its ``do_bench`` time). torch's profiler, once it has run in
-    a process, leaves the host path of every later call slower (measured: a host-bound call's host time rose by about
-    half and stayed there), so :func:`run` takes it only after every row is timed."""
+    calls, about :data:`SPLIT_MS` / 4 of them by ``ms``, its ``do_bench`` time). :func:`run` takes it only after every
+    row is timed, so that no timing follows a use of the profiler (a scratch probe once saw a host-bound call's host
+    time rise after it; :func:`host_after_profiler` checks it in every run)."""
     import torch
 
     calls = max(2, round(SPLIT_MS / max(ms, 1e-3)) // 4)
@@ -441,6 +442,20 @@ def add_kernel_time(rec: dict[str, Any], row: Row, device: str) -> dict[str, Any
     p = attempt(lambda: problem(row, device))
     timed = p if isinstance(p, str) else attempt(lambda: kernel_ms(ours_call(row, p), rec["ms"]))
     return {**rec, "kernels_ms": timed}
+
+
+#: The row whose host time :func:`host_after_profiler` takes again once the profiler has run (a host-bound one).
+PROFILER_PROBE_ROW = "H=16 N=5000 D=64 causal"
+
+
+def host_after_profiler(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the profiler's use did to the host path: :data:`PROFILER_PROBE_ROW`'s host time per call
+    (:func:`time_split`), timed before the profiler first ran (its record's) and again now, after it ran for every
+    row's kernel time."""
+    row = next(r for r in rows() if r.name == PROFILER_PROBE_ROW)
+    before = next(r for r in records if r["name"] == row.name)
+    after = time_split(ours_call(row, problem(row, "cuda")), before["ms"], "cuda")
+    return {"row": row.name, "host_ms_before": before.get("host_ms"), "host_ms_after": after["host_ms"]}
 
 
 def ab_cases(device: str = "cuda", quick: bool = True) -> dict[str, Callable[[Any], Callable[[], None]]]:
@@ -523,12 +538,14 @@ def run(smoke: bool, out: str) -> dict[str, Any]:
               f"/cuDNN {r['ratio_cudnn'] and round(r['ratio_cudnn'], 2)} ({r.get('cudnn_backend')}), "
               f"met {r['met']} ({time.perf_counter() - start:.1f} s)", flush=True)
         common.write_json(out, data)
-    # the kernels' time last: torch's profiler slows every later call's host path (kernel_ms)
+    # the kernels' time last: no timing follows a use of torch's profiler (kernel_ms)
     for i, row in enumerate(rows(smoke)):
         data["rows"][i] = add_kernel_time(data["rows"][i], row, device)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+    if device == "cuda":
+        data["after_profiler"] = attempt(lambda: host_after_profiler(data["rows"]))
     common.write_json(out, data)
     data["complete"], data["wall_s"] = True, time.perf_counter() - began
     common.write_json(out, data)
@@ -577,6 +594,11 @@ def table(data: dict[str, Any]) -> str:
              "| batch | fwd+bwd (ms) | cuDNN (ms) | ÷ cuDNN | other ratio | target | met | host · GPU (ms) "
              "| kernels: fwd, key pass |",
              "|---|---|---|---|---|---|---|---|---|"]
+    probe = data.get("after_profiler")
+    if isinstance(probe, dict):
+        lines[0] += (f" The kernels' times are taken after every row is timed; the {probe['row']} row's host time "
+                     f"per call was {_f(probe['host_ms_before'])} ms before torch's profiler first ran and "
+                     f"{_f(probe['host_ms_after'])} ms after.")
     for r in data["rows"]:
         k = r.get("kernels", {})
         kernels = ", ".join(f"`{k[s]}`" for s in ("training forward", "forward", "key pass") if s in k)

@@ -93,11 +93,14 @@ def test_a_result_renders_into_the_kernels_page(rb, tmp_path, monkeypatch):
     assert padded["met"] is False and "**missed**" in by_name[padded["name"]]
     assert "back to back 2400 µs per pair, SDPA 300" in block and "`gluon_training_forward`" in block
     assert all("| 0.50 · 2.30 |" in line for line in lines[1:])
+    data["after_profiler"] = {"row": rb.PROFILER_PROBE_ROW, "host_ms_before": 0.6, "host_ms_after": 0.9}
+    assert f"the {rb.PROFILER_PROBE_ROW} row's host time per call was 0.60 ms before" in rb.table(data)
+    assert "and 0.90 ms after" in rb.table(data)
 
 
 def test_every_row_is_timed_before_the_profiler_takes_any_kernel_time(rb, tmp_path, monkeypatch):
-    """torch's profiler leaves every later call's host path slower, so a run times every row (``measure``) before it
-    takes the first kernel time (``add_kernel_time``), and every row gets one."""
+    """No timing follows a use of torch's profiler: a run times every row (``measure``) before it takes the first
+    kernel time (``add_kernel_time``), and every row gets one."""
     order = []
     made_up = {r["name"]: r for r in _result(rb)["rows"]}
 
@@ -115,6 +118,7 @@ def test_every_row_is_timed_before_the_profiler_takes_any_kernel_time(rb, tmp_pa
     n = len(rb.rows(smoke=True))
     assert order == ["time"] * n + ["kernels"] * n
     assert data["complete"] and all(r["kernels_ms"] == 1.0 for r in data["rows"])
+    assert rb.PROFILER_PROBE_ROW in [r.name for r in rb.rows()]
 
 
 def test_without_a_result_the_block_says_what_to_run(rb, tmp_path, monkeypatch):
