@@ -1,5 +1,6 @@
 """The documentation stays true to the code: config listings equal the shipped config files, example excerpts are
-lines of the example files, relative links point at files that exist, and every page is in the mkdocs nav.
+lines of the example files, relative links point at files that exist, every page is in the mkdocs nav, and every
+test the reliability page names exists.
 (CI also builds the site with `mkdocs build --strict`.)"""
 
 from __future__ import annotations
@@ -210,3 +211,36 @@ def test_the_recipes_guide_documents_what_a_step_gives_back():
     text = (DOCS / "guides" / "recipes.md").read_text()
     for field in ("`total`", "`per_pair`", "`kl_sums`", "`rows`", "kd.terms", "end_step"):
         assert field in text, field
+
+
+def _reliability_references() -> list[tuple[str, str]]:
+    """``(cell, test)`` for every test the reliability page names: ``file.py::test`` (a path below ``tests/``, or its
+    tail) and the bare ``test_...`` names after it in the same cell, which are in the same file."""
+    refs = []
+    for line in (DOCS / "reliability.md").read_text().splitlines():
+        if not line.startswith("| ") or line.startswith("|---"):
+            continue
+        cell, file = line.rstrip().rstrip("|").split(" | ")[-1], None
+        for token in re.findall(r"`([^`]+)`", re.sub(r"\[[^\]`]*\]", "", cell)):
+            named = re.fullmatch(r"([\w/]+\.py)::(?:\w+::)?(\w+)", token)
+            if named:
+                file, test = named.groups()
+            elif file is None or not re.fullmatch(r"test_\w+", token):
+                continue
+            else:
+                test = token
+            refs.append((file, test))
+    return refs
+
+
+def test_every_test_the_reliability_page_names_exists():
+    """docs/reliability.md ties each behaviour to tests by name: each of them is defined in a file below ``tests/``
+    whose path ends as the page writes it (a renamed or removed test fails here, not silently in the page)."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "tests").rglob("*.py")}
+    refs = _reliability_references()
+    assert len(refs) > 50  # the page's tables were read
+    for file, test in refs:
+        files = [f for f in sources if f == file or f.endswith("/" + file)]
+        assert files, f"reliability.md names {file}, which is no test file"
+        assert any(re.search(rf"^\s*(?:def|class) {test}\b", sources[f], flags=re.M) for f in files), (
+            f"reliability.md names {file}::{test}, which is not defined there")
