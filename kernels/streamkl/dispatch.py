@@ -475,7 +475,7 @@ def select(stage: str, query: Any) -> Route:
 
     A stage with Gluon rows remembers its choice for a problem they may take (from :data:`GLUON_MIN_SCORES` score
     elements, or forced) by :func:`_conditions_read`: their scopes read the four tensors' strides and alignment,
-    several times over a stage, which cost a training call about a tenth of its host time.
+    several times over a stage, on every call of a training loop otherwise.
 
     Example:
         >>> q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)  # CPU tensors: never a Gluon kernel
