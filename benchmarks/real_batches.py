@@ -530,9 +530,7 @@ def run(smoke: bool, out: str) -> dict[str, Any]:
         start = time.perf_counter()
         data["rows"].append(measure(row, device))
         data["rows"] = derive(data["rows"])
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
         r = data["rows"][-1]
         print(f"{row.name}: {r['ms'] if isinstance(r['ms'], str) else round(r['ms'], 3)} ms, "
               f"/cuDNN {r['ratio_cudnn'] and round(r['ratio_cudnn'], 2)} ({r.get('cudnn_backend')}), "
@@ -541,15 +539,21 @@ def run(smoke: bool, out: str) -> dict[str, Any]:
     # the kernels' time last: no timing follows a use of torch's profiler (kernel_ms)
     for i, row in enumerate(rows(smoke)):
         data["rows"][i] = add_kernel_time(data["rows"][i], row, device)
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
     if device == "cuda":
         data["after_profiler"] = attempt(lambda: host_after_profiler(data["rows"]))
-    common.write_json(out, data)
     data["complete"], data["wall_s"] = True, time.perf_counter() - began
     common.write_json(out, data)
     return data
+
+
+def _release(device: str) -> None:
+    """Free what the last row left (its tensors, and on the GPU the allocator's cached blocks) before the next."""
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- the table
