@@ -332,7 +332,10 @@ def prepare_problem(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor, k_s
         longest_q, longest_k = _longest(offsets_q), _longest(offsets_k)
         host_offsets = (offsets_q, offsets_k) if offsets_q is not None and offsets_k is not None and all(
             cu.device.type == "cpu" for cu in (cu_seqlens_q, cu_seqlens_k)) else None
-        cu_seqlens_q, cu_seqlens_k = (cu.to(device, non_blocking=True) for cu in (cu_seqlens_q, cu_seqlens_k))
+        same = cu_seqlens_q is cu_seqlens_k or (offsets_q is not None and offsets_q == offsets_k)
+        cu_seqlens_q = cu_seqlens_q.to(device, non_blocking=True)
+        # equal offsets are one device tensor, as self-attention passes them (the Gluon training kernels need that)
+        cu_seqlens_k = cu_seqlens_q if same else cu_seqlens_k.to(device, non_blocking=True)
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(
                 f"Expected `cu_seqlens_q` and `cu_seqlens_k` to describe the same number of sequences, but got "

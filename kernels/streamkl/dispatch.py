@@ -132,8 +132,10 @@ def _picks_reference(q: BackendQuery) -> bool:
 
 
 def _scores(p: Problem) -> int:
+    """``B·H·N_q·N_k``; packed sequences: ``H·N_q·max_seqlen_k``, a bound on their score elements."""
     q_a, k_a = p.inputs.q_a, p.inputs.k_a
-    return q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * k_a.shape[2]
+    keys = k_a.shape[2] if p.inputs.cu_seqlens_q is None else p.spec.max_seqlen_k
+    return q_a.shape[0] * q_a.shape[1] * q_a.shape[2] * keys
 
 
 def _large(p: Problem) -> bool:
@@ -150,16 +152,21 @@ def _dense(p: Problem) -> bool:
     """What every Gluon kernel needs: dense ``(B, H, N, D)`` tensors a TMA descriptor can address, one dtype on both
     sides, head dims in :data:`GLUON_HEAD_DIMS`; no masks, sinks, packing, soft-caps or windows; causal only with
     ``N_k >= N_q`` (every row sees a key)."""
-    return p.spec.window_left < 0 and p.inputs.sink_a is None and _training_dense(p)
+    return (p.spec.window_left < 0 and p.inputs.sink_a is None and p.inputs.cu_seqlens_q is None
+            and _training_dense(p))
 
 
 def _training_dense(p: Problem) -> bool:
     """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``), bf16
-    sinks, or both (gpt-oss's layers): what the training kernels (the training forward and the key passes) compute.
-    (fp16 with sinks, whose epilogue meets the fp16 query gradient's per-row scale, stays on the portable kernels: the
-    GPU suite has not checked it.)"""
+    sinks, packed sequences, or any of them together (gpt-oss's layers; long-context packs): what the training kernels
+    (the training forward and the key passes) compute. Packed sequences need one offsets tensor for queries and keys
+    (``cu_seqlens_q is cu_seqlens_k``, as self-attention passes them; offsets given on the CPU are one device tensor
+    where their values agree), so that every sequence has as many keys as rows. (fp16 with sinks, whose epilogue meets
+    the fp16 query gradient's per-row scale, stays on the portable kernels: the GPU suite has not checked it.)"""
     i, spec = p.inputs, p.spec
-    if any(x is not None for x in (i.key_padding_mask, i.query_mask, i.cu_seqlens_q, i.attn_mask)):
+    if any(x is not None for x in (i.key_padding_mask, i.query_mask, i.attn_mask)):
+        return False
+    if i.cu_seqlens_q is not None and i.cu_seqlens_q is not i.cu_seqlens_k:
         return False
     if i.sink_a is not None and i.q_a.dtype != torch.bfloat16:
         return False
@@ -212,13 +219,13 @@ def _stepwise_key_pass_scope(p: Problem) -> bool:
 
 _PORTABLE = "any CUDA GPU; the CPU under TRITON_INTERPRET=1"
 _SM90 = "CUDA sm_90 (Hopper), Gluon available"
-_LARGE = "B·H·N_q·N_k ≥ 2^28"
+_LARGE = "B·H·N_q·N_k ≥ 2^28 (packed: H·N_q·max_seqlen_k)"
 _KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
-_TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, packing or soft-caps; "
-                   "sinks (bf16) or none; causal only with N_k ≥ N_q, with or without a sliding window "
-                   "(window_left ≥ 0)")
+_TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, or packed sequences with one offsets tensor for queries "
+                   "and keys, head dims 64 or 128, no masks or soft-caps; sinks (bf16) or none; causal only with "
+                   "N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
 
 #: The dispatch table: every stage's rows, in the order they are tried (see the module docstring).
 TABLE: tuple[Route, ...] = (
@@ -339,8 +346,9 @@ def _pieces_pay(heads: int, pieces: tuple[Piece, ...]) -> bool:
 
 def read_offsets(problem: AttentionKLProblem) -> tuple[Piece, ...] | None:
     """The dense problem each packed sequence of ``problem`` is (:func:`streamkl._pieces.packed_pieces`), where running
-    them so pays: the pieces are large on average (:func:`_pieces_pay`) and the largest takes a Gluon kernel
-    (the packed layout runs on the portable kernels, the dense one on Gluon where it is large enough); else None.
+    them so pays: the packed call's own forward is not a Gluon kernel's (the Gluon training kernels take packed
+    sequences in one launch, without reading the offsets), the pieces are large on average (:func:`_pieces_pay`) and
+    the largest takes a Gluon kernel (the dense one runs on Gluon where it is large enough); else None.
 
     Only on CUDA problems whose heads times tokens times longest sequence, over the number of sequences (a bound,
     known without reading the offsets, on the score elements per sequence) reach :data:`GLUON_MIN_SCORES`: reading
@@ -357,7 +365,7 @@ def read_offsets(problem: AttentionKLProblem) -> tuple[Piece, ...] | None:
         >>> read_offsets(prepare_problem(q, q, q, q, opts)) is None  # a CPU tensor: the packed layout
         True
     """
-    if not _reads_offsets(problem):
+    if not _reads_offsets(problem) or _forward_takes_gluon(*problem.kernel_problem()):
         return None
     offsets_q, offsets_k = problem.host_offsets or torch.stack([problem.cu_seqlens_q, problem.cu_seqlens_k]).tolist()
     pieces = packed_pieces(problem, offsets_q, offsets_k)
@@ -393,6 +401,11 @@ def _sequences_could_pay(problem: AttentionKLProblem) -> bool:
 def _largest_takes_gluon(problem: AttentionKLProblem, pieces: tuple[Piece, ...]) -> bool:
     """Whether the largest of ``pieces`` runs its forward on a Gluon kernel, called in the current grad mode."""
     _, inputs, spec = piece_problems(problem, (max(pieces, key=lambda p: p.n_q * p.n_k),))[0]
+    return _forward_takes_gluon(inputs, spec)
+
+
+def _forward_takes_gluon(inputs: KLInputs, spec: KLSpec) -> bool:
+    """Whether a call on ``inputs`` runs its forward on a Gluon kernel, called in the current grad mode."""
     grad = torch.is_grad_enabled()
     fused = fuses_dq_b("triton", *(grad and x.requires_grad for x in (inputs.q_a, inputs.k_a, inputs.q_b)))
     return select("training forward" if fused else "forward", Problem(inputs, spec, fused=fused)).gluon

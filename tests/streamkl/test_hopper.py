@@ -324,6 +324,42 @@ def test_the_size_threshold():
     assert not forward_row.pays(Problem(_inputs(1, 1, 1 << 14, 64), KLSpec(0.1, 0.1)))
 
 
+def test_packed_sequences_take_the_gluon_training_kernels_with_one_offsets_tensor():
+    """Packed sequences whose queries and keys share one offsets tensor are in the training kernels' scope (one launch
+    over every sequence), not in the plain forward's; two offsets tensors are not (a sequence could have fewer keys
+    than rows); the size condition bounds the score elements by the longest sequence."""
+    cu = torch.tensor([0, 100, 101, 256], dtype=torch.int32)
+    one = _inputs(1, 4, 256, 64, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    two = _inputs(1, 4, 256, 64, cu_seqlens_q=cu, cu_seqlens_k=cu.clone())
+    spec = KLSpec(0.125, 0.125, window_right=0, max_seqlen_q=155, max_seqlen_k=155)
+    rows = ("gluon_training_forward", "gluon_key_pass_pipelined")
+    for row in rows:
+        assert dispatch.in_scope(row, Problem(one, spec, need_b=True)), row
+        assert not dispatch.in_scope(row, Problem(two, spec, need_b=True)), row
+    assert not dispatch.in_scope("gluon_forward", Problem(one, spec))
+    (training,) = [r for r in dispatch.TABLE if r.kernel == "gluon_training_forward"]
+    longest = 1 << 14
+    packed = _inputs(1, 1, 1 << 14, 128, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert training.pays(Problem(packed, replace(spec, max_seqlen_q=longest, max_seqlen_k=longest)))
+    assert not training.pays(Problem(packed, replace(spec, max_seqlen_q=longest // 4, max_seqlen_k=longest // 4)))
+
+
+def test_equal_offsets_become_one_device_tensor():
+    """Offsets the host reads (on the CPU, or read because no maximum was given) that are equal for queries and keys
+    reach the kernels as one tensor, which the Gluon training kernels need; unequal ones stay two."""
+    from streamkl._validation import prepare_problem
+    from streamkl.options import AttentionKLOptions
+
+    q = torch.randn(10, 2, 16)
+    cu, same_values = torch.tensor([0, 6, 10], dtype=torch.int32), torch.tensor([0, 6, 10], dtype=torch.int32)
+    problem = prepare_problem(q, q, q, q, AttentionKLOptions(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=same_values))
+    assert problem.cu_seqlens_k is problem.cu_seqlens_q
+    other = torch.tensor([0, 4, 10], dtype=torch.int32)
+    problem = prepare_problem(q, q, q, q, AttentionKLOptions(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=other))
+    assert problem.cu_seqlens_k is not problem.cu_seqlens_q
+    assert problem.cu_seqlens_k.tolist() == [0, 4, 10]
+
+
 def _grouped(h_kt: int, h_ks: int, heads: int = 8) -> KLInputs:
     q = torch.randn(1, heads, 256, 64).to(torch.bfloat16)
     return KLInputs(q, q[:, :h_kt], q, q[:, :h_ks], None, None, None, None, None, None)
@@ -410,13 +446,14 @@ def _student_grads(case: Case, loss: str, dtype: torch.dtype, after_call=lambda 
     inputs.tensors["q_s"].requires_grad_(True)
     inputs.tensors["k_s"].requires_grad_(True)
     ref_tensors = inputs.float64_copies()
-    weights = torch.rand(case.b, case.h, case.n_q, dtype=torch.float64, device="cuda")
+    reduction = "none" if loss == "weighted" else loss
+    ref_out = attention_kl(**ref_tensors, **inputs.extras, reduction=reduction, backend="reference", **case.kwargs())
+    weights = torch.rand(ref_out.shape, dtype=torch.float64, device="cuda")
 
     def loss_of(out):
         return (out * weights.to(out.dtype)).sum() if loss == "weighted" else out
 
-    reduction = "none" if loss == "weighted" else loss
-    ref = loss_of(attention_kl(**ref_tensors, reduction=reduction, backend="reference", **case.kwargs()))
+    ref = loss_of(ref_out)
     ref_grads = torch.autograd.grad(ref, (ref_tensors["q_s"], ref_tensors["k_s"]))
     grads = {}
     for label, switch in (("hopper", "gluon"), ("portable", "portable")):
@@ -751,13 +788,14 @@ def _split_matches_unsplit(run, gate: str, fused_calls: list, fused: int, monkey
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_packed_sequences_run_each_sequence_on_the_gluon_kernels(reduction, head_dim, monkeypatch):
-    """Packed sequences (``layout="thd"``) whose largest sequence takes the Gluon kernels run one dense call per
-    sequence (:func:`streamkl.dispatch.read_offsets`), on strided views of the packed tensors: the large ones on the
-    fused Gluon forward, the short one on the portable kernels. Loss (or per-row KL) and gradients are the packed
-    call's on the portable kernels, within the tolerance of kernels that sum in different orders, under a real
-    upstream gradient; a GQA student, an odd sequence length."""
+def test_packed_sequences_run_in_one_gluon_launch_without_a_synchronisation(reduction, head_dim, monkeypatch):
+    """Packed sequences (``layout="thd"``, one offsets tensor on the GPU, the maxima given) run in one launch of the
+    fused Gluon forward and one of the Gluon key pass, with no host synchronisation; a GQA student, odd sequence
+    lengths. Loss (or per-row KL) and gradients are the packed call's on the portable kernels, within the tolerance of
+    kernels that sum in different orders, under a real upstream gradient; the same offsets on the CPU (as a data
+    collator makes them, two tensors of equal values) give the same bits."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    key_pass_calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
     offsets = [0, 9000, 9100, 17000]
     cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
     total, heads = offsets[-1], 16
@@ -765,25 +803,66 @@ def test_packed_sequences_run_each_sequence_on_the_gluon_kernels(reduction, head
     q_s = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k_s = torch.randn(total, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     packing = {"layout": "thd", "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 9000, "max_seqlen_k": 9000}
+    upstream = torch.randn((total, heads) if reduction == "none" else (), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
 
     def run():
         kl = attention_kl(q_t, k_t, q_s, k_s, causal=True, reduction=reduction, **packing)
-        upstream = torch.randn(kl.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         return (kl, *torch.autograd.grad(kl, (q_s, k_s), upstream.to(kl.dtype)))
 
-    split = _split_matches_unsplit(run, "_reads_offsets", fused_calls, 2, monkeypatch)
-    monkeypatch.undo()
-    # the offsets on the CPU (as a data collator makes them): the same split, read without a synchronisation
-    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
-    packing.update(cu_seqlens_q=cu.cpu(), cu_seqlens_k=cu.cpu())
+    run()  # compile outside the check
     torch.cuda.synchronize()
+    fused_calls.clear()
+    key_pass_calls.clear()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kl = attention_kl(q_t, k_t, q_s, k_s, causal=True, reduction=reduction, **packing)
+        gluon = run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(fused_calls) == 2
-    assert torch.equal(kl, split[0])
+    assert (len(fused_calls), len(key_pass_calls)) == (1, 1)
+    with forced("portable"):
+        portable = run()
+    assert (len(fused_calls), len(key_pass_calls)) == (1, 1)
+    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(gluon[0], portable[0], rtol_fwd, "kl")
+    for got, want, name in zip(gluon[1:], portable[1:], ("dq_s", "dk_s")):
+        assert_close(got, want, rtol_grad, name)
+    packing.update(cu_seqlens_q=cu.cpu(), cu_seqlens_k=cu.cpu().clone())
+    on_cpu = run()
+    assert (len(fused_calls), len(key_pass_calls)) == (2, 2)
+    for got, want in zip(on_cpu, gluon):
+        assert torch.equal(got, want)
+
+
+PACKED_CASES = [  # (case, loss): packed sequences (one offsets tensor), frozen teacher, trainable student
+    (replace(H, seqlens=(300, 1, 0, 64, 700, 129), causal=True), "mean"),  # one-warpgroup key pass, head dim 64
+    (replace(H, h=8, h_kt=2, h_ks=8, seqlens=(513, 200, 77), d_t=128, d_s=128, causal=True), "sum"),  # warp-specialised
+    (replace(H, seqlens=(450, 130, 65), d_t=128, d_s=64), "weighted"),  # not causal, D_t -> D_s
+    (replace(H, h=8, h_kt=8, h_ks=2, seqlens=(333, 500), d_t=128, d_s=128), "mean"),  # one step at a time, GQA student
+    (replace(H, seqlens=(400, 90, 611), causal=True, window=(100, 0)), "mean"),  # a causal sliding window
+    (replace(H, seqlens=(700, 300), causal=True, sinks=True), "mean"),  # sinks
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("case", "loss"), [pytest.param(c, loss, id=f"{c.id}-{loss}") for c, loss in PACKED_CASES])
+def test_packed_training_call_on_the_gluon_kernels_matches_the_oracle(case: Case, loss: str, monkeypatch):
+    """Packed sequences of odd lengths (one of a single token, an empty one), forced onto the Gluon training kernels at
+    these small shapes: one fused forward and one key pass over every sequence, and the student's gradients match
+    the float64 oracle as closely as the portable kernels' do (within 1.5× their error)."""
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+
+    def ran_once(label):
+        assert (len(fused_calls), len(calls)) == (1, 1), f"after the {label} call: {len(fused_calls)}, {len(calls)}"
+
+    ref_grads, grads = _student_grads(case, loss, torch.bfloat16, ran_once)
+    _, rtol_grad = TOLERANCES[torch.bfloat16]
+    for i, name in enumerate(("dq_s", "dk_s")):
+        assert_close(grads["hopper"][i], ref_grads[i], rtol_grad, name)
+        err = lambda x: float((x.double() - ref_grads[i]).norm() / ref_grads[i].norm())  # noqa: B023
+        assert err(grads["hopper"][i]) <= 1.5 * err(grads["portable"][i]) + 1e-6, f"{name}: less exact than portable"
 
 
 SLIDING_CASES = [  # (case, loss): a causal sliding window, frozen teacher, trainable student

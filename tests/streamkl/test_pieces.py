@@ -304,13 +304,16 @@ def test_packed_sequences_on_the_portable_kernels_under_autocast(reads_every_off
 
 def test_packed_sequences_split_only_where_the_largest_takes_a_gluon_kernel(monkeypatch):
     """Packed sequences already run on kernels that skip what no sequence sees: splitting them pays only where the
-    dense pieces take the Gluon kernels, which a CPU tensor never does."""
+    dense pieces take the Gluon kernels, which a CPU tensor never does, and the packed call does not."""
     monkeypatch.setattr(dispatch, "_reads_offsets", lambda problem: problem.packed)
     monkeypatch.setattr(dispatch, "_pieces_pay", lambda heads, pieces: True)
     inputs, packing = make_packed([0, 5, 14])
     assert dispatch.read_offsets(_problem(inputs, **packing)) is None
     monkeypatch.setattr(dispatch, "_largest_takes_gluon", lambda problem, pieces: True)
     assert [p.sizes for p in dispatch.read_offsets(_problem(inputs, **packing))] == [(5, 5), (9, 9)]
+    # where the packed call itself takes the Gluon training kernels (one launch over every sequence), nothing is read
+    monkeypatch.setattr(dispatch, "_forward_takes_gluon", lambda inputs, spec: True)
+    assert dispatch.read_offsets(_problem(inputs, **packing)) is None
 
 
 def test_offsets_given_on_the_cpu_are_read_on_the_host(monkeypatch):

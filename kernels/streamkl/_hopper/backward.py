@@ -59,7 +59,7 @@ from .._triton_common.launch import KernelLauncher
 from .._triton_common.numerics import side_scales
 from .._triton_common.scheduling import l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
-from .forward import _allocate_tiles, _descriptor, _load_fixed, _longest_first, _tma_load
+from .forward import _allocate_tiles, _descriptor, _load_fixed, _longest_first, _sequence_of, _tma_load, sequence_grid
 from .key_pass_tiles import (
     _ds_operand,
     _ds_tile,
@@ -73,7 +73,7 @@ from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
 
 @gluon.jit
-def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, n_tiles, first_tile, masked_steps,
+def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, q0, h0, n_tiles, first_tile, masked_steps,
                   n_masked, n_diagonal, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PEELED: gl.constexpr):
     """Start the TMA copies of both sides' query tiles of ``step`` (its head and tile from :func:`_step_tile`) into
     its ring slot; nothing past the last step."""
@@ -82,16 +82,16 @@ def _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, step, steps, b, h0, 
     h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, PEELED)
     bar = bars.index(stage)
     mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes, pred=pred)
-    _tma_load(qa_desc, [b, h, tile * BLOCK_M, 0], bar, qa_ring.index(stage), pred=pred)
-    _tma_load(qb_desc, [b, h, tile * BLOCK_M, 0], bar, qb_ring.index(stage), pred=pred)
+    _tma_load(qa_desc, [b, h, q0 + tile * BLOCK_M, 0], bar, qa_ring.index(stage), pred=pred)
+    _tma_load(qb_desc, [b, h, q0 + tile * BLOCK_M, 0], bar, qb_ring.index(stage), pred=pred)
 
 
 @gluon.jit
-def _step_rows(LSE_A, LSE_B, GRAD, step, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
-               offs_m, BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
+def _step_rows(LSE_A, LSE_B, GRAD, step, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked,
+               n_diagonal, offs_m, BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr):
     """:func:`_row_state` of ``step``'s query rows."""
     h, tile = _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, PEELED)
-    return _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M, SCALAR_GRAD)
+    return _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, q0, n_q, offs_m, BLOCK_M, SCALAR_GRAD)
 
 
 @gluon.jit
@@ -126,13 +126,16 @@ def _hopper_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     GRAD, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous (GRAD: one number when SCALAR_GRAD); lse in nats
     DK_B,  # [B, H_KB, SPLIT, N_K, D_B] contiguous: the input dtype when SPLIT == 1, else fp32 parts to sum over SPLIT
-    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, lengths, query heads per key head of each side
+    CU_Q, CU_K,  # VARLEN: [S + 1] int32 offsets of the packed sequences (one tensor for both); else None
+    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, tokens per batch row, query heads per key head
+    MAX_K,  # keys of the grid per sequence: N_K, or the longest packed sequence (VARLEN)
     SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
     order_chunk,  # (sequence, key head, part) triples per longest-first chunk (CAUSAL, see _longest_first)
-    window_left,  # HAS_LEFT (a causal sliding window): query i' = i + N_K - N_Q sees keys i' - window_left .. i'
+    window_left,  # HAS_LEFT (a causal sliding window): query i' = i + n_k - n_q sees keys i' - window_left .. i'
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
-    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
     D_B: gl.constexpr = qb_desc.block_type.shape[3]
@@ -143,30 +146,31 @@ def _hopper_dk_kernel(
     dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
 
     if CAUSAL:  # key tile 0 is seen by every query row: the longest sweeps first, over all heads of a chunk
-        rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(N_K, BLOCK_N), order_chunk)
+        rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(MAX_K, BLOCK_N), order_chunk)
         n0 = rank * BLOCK_N
     else:
         n0 = gl.program_id(0) * BLOCK_N
         pid_bh = gl.program_id(1)
     part = pid_bh % SPLIT
     hk_b = (pid_bh // SPLIT) % H_KB
-    b = pid_bh // (SPLIT * H_KB)
+    b, q0, n_q, k0, n_k = _sequence_of(CU_Q, CU_K, pid_bh // (SPLIT * H_KB), N_Q, N_K, VARLEN)
     heads = GROUP_B // SPLIT
     h0 = hk_b * GROUP_B + part * heads  # the query heads h0 .. h0 + heads - 1 share this student key head
     hk_a = h0 // GROUP_A  # and one teacher key head (SPLIT makes it so, see key_head_split)
-    offset = N_K - N_Q
+    offset = n_k - n_q
     if CAUSAL:  # query tiles from the first row that sees key n0 to the last that sees any key of the tile; full from
         # the first that sees the whole tile, up to the last whose every row's window holds it (HAS_LEFT)
-        first_tile, end_tile = _query_tile_bounds(n0, BLOCK_N, N_Q, offset, window_left, BLOCK_M, HAS_LEFT)
+        first_tile, end_tile = _query_tile_bounds(n0, BLOCK_N, n_q, offset, window_left, BLOCK_M, HAS_LEFT)
         full_from = gl.minimum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), end_tile)
         full_end = _full_tiles_end(n0, end_tile, offset, window_left, BLOCK_M, HAS_LEFT)
     else:
         first_tile = 0
-        end_tile = gl.cdiv(N_Q, BLOCK_M)
+        end_tile = gl.cdiv(n_q, BLOCK_M)
         full_from = 0
         full_end = end_tile
-    # without a window key n0 < N_K = N_Q + offset is seen by row N_Q - 1 (n_tiles >= 1); with one, maybe by no row
-    n_tiles = gl.maximum(end_tile - first_tile, 0)
+    # without a window key n0 < n_k = n_q + offset is seen by row n_q - 1 (n_tiles >= 1); with one, maybe by no row;
+    # none past a packed sequence's keys
+    n_tiles = gl.where(n0 < n_k, gl.maximum(end_tile - first_tile, 0), 0)
     n_diagonal = gl.minimum(gl.maximum(full_from - first_tile, 0), n_tiles)  # diagonal tiles per query head
     n_full = gl.minimum(gl.maximum(full_end - full_from, 0), n_tiles - n_diagonal)
     n_masked = n_tiles - n_full  # the diagonal tiles and those past the full ones (a window's), per query head
@@ -174,9 +178,9 @@ def _hopper_dk_kernel(
     steps = heads * n_tiles
 
     ka_smem, kb_smem, qa_ring, qb_ring, k_bar, bars = _allocate_tiles(ka_desc, kb_desc, qa_desc, qb_desc, STAGES)
-    _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, n0, k_bar, ka_smem, kb_smem)
+    _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, k0 + n0, k_bar, ka_smem, kb_smem)
     for s in gl.static_range(STAGES):
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, h0, n_tiles, first_tile, masked_steps,
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, q0, h0, n_tiles, first_tile, masked_steps,
                       n_masked, n_diagonal, BLOCK_M, STAGES, CAUSAL)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -193,30 +197,30 @@ def _hopper_dk_kernel(
     # would spill (head dim 128).
     if CAUSAL:
         dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, 0, masked_steps,
-                           steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
-                           SCALAR_GRAD, CAUSAL, True, HAS_LEFT)
+                           b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, 0,
+                           masked_steps, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A,
+                           D_B, STAGES, SCALAR_GRAD, CAUSAL, True, HAS_LEFT)
         if masked_steps < steps:
             dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A,
-                                  LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
-                                  steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B,
-                                  STAGES, SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
-    else:
+                                  LSE_B, GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked,
+                                  n_diagonal, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M,
+                                  D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
+    elif steps > 0:  # (none past a packed sequence's keys)
         dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B,
-                              GRAD, b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps,
-                              qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
+                              GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
+                              steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
                               SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
     mbarrier.invalidate(k_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_dk(dk, DK_B, pid_bh, N_K, n0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
-              qb_desc.dtype == gl.float16)
+    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, n0, grad_scale_b, GRAD, BLOCK_N, D_B,
+              dk_layout, SCALAR_GRAD, qb_desc.dtype == gl.float16)
 
 
 @gluon.jit
 def _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                     b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a,
+                     b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a,
                      qk_scale_b, offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                      D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr,
                      PEELED: gl.constexpr, OVERLAP: gl.constexpr, HAS_LEFT: gl.constexpr):
@@ -224,20 +228,20 @@ def _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero,
     with ``OVERLAP``, else one at a time (:func:`_single_steps`)."""
     if OVERLAP:
         dk = _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                         b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a,
-                         qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED,
-                         HAS_LEFT)
+                         b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps,
+                         qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
+                         SCALAR_GRAD, PEELED, HAS_LEFT)
     else:
         dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                           b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, masked_steps, steps,
-                           steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
-                           SCALAR_GRAD, PEELED, False, HAS_LEFT)
+                           b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
+                           masked_steps, steps, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout,
+                           BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED, False, HAS_LEFT)
     return dk
 
 
 @gluon.jit
 def _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                  b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, start, stop, steps,
+                  b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, start, stop, steps,
                   qk_scale_a, qk_scale_b, offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                   D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr,
                   PEELED: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr):
@@ -245,27 +249,27 @@ def _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, ke
     before its exponentials, so one register set of scores is live (``MASKED``: the masked steps)."""
     for t in range(start, stop):
         x, y = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
+        lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile,
                                              masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
         x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
         dk = _fold_step(x, y, dk, qb_ring, t, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
                         window_left, dot_layout, BLOCK_M, D_B, STAGES, MASKED, SCALAR_GRAD, HAS_LEFT)
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, q0, h0, n_tiles, first_tile,
                       masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
     return dk
 
 
 @gluon.jit
 def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                b, h0, H, N_Q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a, qk_scale_b,
-                offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
+                b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, steps, qk_scale_a,
+                qk_scale_b, offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
                 D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr,
                 HAS_LEFT: gl.constexpr):
     """``dK_b`` after the unmasked steps ``masked_steps .. steps - 1`` (at least one), each step's score products
     issued before the previous step's exponentials."""
     start = masked_steps
     x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, start, zero, BLOCK_M, D_A, D_B, STAGES)
-    lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, start, b, h0, H, N_Q, n_tiles, first_tile,
+    lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, start, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile,
                                              masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
     # Even steps in (x0, y0), odd ones in (x1, y1): the products in flight never share registers with the tiles
     # being folded (a loop-carried in-flight accumulator makes ptxas serialise every wgmma, its warning C7514).
@@ -274,21 +278,21 @@ def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys
         t = start + 2 * p
         x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
         x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 1, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, t + 1, b, h0, H, N_Q, n_tiles, first_tile,
+        lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, t + 1, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile,
                                                  masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
                                                  PEELED)
         dk = _fold_step(x0, y0, dk, qb_ring, t, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
                         window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, h0, n_tiles, first_tile,
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, q0, h0, n_tiles, first_tile,
                       masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
         x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
         x0, y0 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t + 2, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, t + 2, b, h0, H, N_Q, n_tiles, first_tile,
+        lse2_a0, lse2_b0, g0, rows0 = _step_rows(LSE_A, LSE_B, GRAD, t + 2, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile,
                                                  masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
                                                  PEELED)
         dk = _fold_step(x1, y1, dk, qb_ring, t + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b, offset,
                         window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
-        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, h0, n_tiles, first_tile,
+        _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, q0, h0, n_tiles, first_tile,
                       masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
     # One or two steps are left: step start + 2·pairs is in flight in (x0, y0); its successor, if any, is the last.
     last = start + 2 * pairs
@@ -297,9 +301,9 @@ def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys
                     window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
     if last + 1 < steps:
         x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, last + 1, zero, BLOCK_M, D_A, D_B, STAGES)
-        lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, last + 1, b, h0, H, N_Q, n_tiles, first_tile,
-                                                 masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
-                                                 PEELED)
+        lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, last + 1, b, q0, h0, H, N_Q, n_q, n_tiles,
+                                                 first_tile, masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M,
+                                                 SCALAR_GRAD, PEELED)
         x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
         dk = _fold_step(x1, y1, dk, qb_ring, last + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b,
                         offset, window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
@@ -344,9 +348,10 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     group_a, group_b = heads // k_a.shape[1], heads // h_kb
     split = key_head_split(group_a, group_b)
     dk_dtype = dk_dtype or k_b.dtype
-    # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below
-    dk_b = torch.empty((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32,
-                       device=k_b.device)
+    # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below;
+    # packed keys outside every sequence (none where the offsets cover every token) are never written
+    alloc = torch.empty if inputs.cu_seqlens_k is None else torch.zeros
+    dk_b = alloc((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32, device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(dk_dtype)
     causal = spec.window_right == 0
@@ -357,19 +362,22 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
         launch, cfg = _launch_dk, config or hopper_key_pass_config(d_a, d_b, causal)
         keys_per_program, extra = cfg.block_n, (("OVERLAP", overlap), ("num_warps", cfg.num_warps))
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
-    grid = (triton.cdiv(n_k, keys_per_program), batch * h_kb * split)
+    sequences, rows_per_sequence, keys_per_sequence = sequence_grid(inputs, spec)
+    grid = (triton.cdiv(keys_per_sequence, keys_per_program), sequences * h_kb * split)
     order_chunk = 1
     if causal:  # one-dimensional, longest sweeps first (_longest_first)
         grid = (grid[0] * grid[1], 1)
-        query_bytes = (group_b // split) * n_q * (d_a + d_b) * q_a.element_size()  # the queries one program sweeps
+        # the queries one program sweeps
+        query_bytes = (group_b // split) * rows_per_sequence * (d_a + d_b) * q_a.element_size()
         order_chunk = longest_first_chunk(query_bytes, l2_cache_bytes(q_a.device.index))
     launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b),
-        (heads, h_kb, n_q, n_k, group_a, group_b, split, order_chunk, max(spec.window_left, 0), qk_a, qk_b,
-         spec.grad_scale("b")),
+         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, inputs.cu_seqlens_q, inputs.cu_seqlens_k),
+        (heads, h_kb, n_q, n_k, group_a, group_b, keys_per_sequence, split, order_chunk, max(spec.window_left, 0),
+         qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("HAS_LEFT", spec.window_left >= 0),
-         ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages)) + extra,
+         ("VARLEN", inputs.cu_seqlens_q is not None), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
+         ("STAGES", cfg.num_stages)) + extra,
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(dk_dtype)

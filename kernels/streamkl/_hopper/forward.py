@@ -153,7 +153,9 @@ def _row_tile_start(N_Q, ROWS: gl.constexpr, CAUSAL: gl.constexpr, order_chunk):
 
 def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """``(kl, lse_a, lse_b, empty)``: the ``[B, H, N_q]`` fp32 outputs of a Gluon forward, and whether the problem has
-    no query row or no key, in which case they are already final (KL 0, both lse +inf) and no kernel launches.
+    no query row or no key, in which case they are already final (KL 0, both lse +inf) and no kernel launches. Packed
+    outputs start as empty rows: tokens outside every sequence (none where the offsets cover every token) are never
+    written.
 
     Example:
         >>> q = torch.randn(1, 2, 0, 64)
@@ -166,7 +168,7 @@ def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch
     lse_a = torch.empty_like(kl)
     lse_b = torch.empty_like(kl)
     empty = kl.numel() == 0 or inputs.k_a.shape[2] == 0
-    if empty:
+    if empty or inputs.cu_seqlens_q is not None:
         kl.zero_()
         lse_a.fill_(float("inf"))
         lse_b.fill_(float("inf"))
@@ -188,11 +190,12 @@ def row_tile_grid(inputs: KLInputs, spec: KLSpec, rows: int) -> tuple[tuple[int,
         ((1024, 1), 12)
     """
     q_a, k_a, k_b = inputs.q_a, inputs.k_a, inputs.k_b
-    batch, heads, n_q, _ = q_a.shape
-    grid = (triton.cdiv(n_q, rows), batch * heads)
+    sequences, n_q, n_k = sequence_grid(inputs, spec, check=False)
+    heads = q_a.shape[1]
+    grid = (triton.cdiv(n_q, rows), sequences * heads)
     if spec.window_right != 0:
         return grid, 1
-    key_bytes = key_bytes_per_head(k_a.shape[2], heads, (k_a.shape[-1], k_a.dtype, k_a.shape[1]),
+    key_bytes = key_bytes_per_head(n_k, heads, (k_a.shape[-1], k_a.dtype, k_a.shape[1]),
                                    (k_b.shape[-1], k_b.dtype, k_b.shape[1]))
     l2_bytes = l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1)
     return (grid[0] * grid[1], 1), longest_first_chunk(key_bytes, l2_bytes)
@@ -225,14 +228,35 @@ def _load_fixed(a_desc, b_desc, b, h_a, h_b, row, bar, a_smem, b_smem):
 
 
 @gluon.jit
-def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, qk_scale_a,
-                  qk_scale_b, HAS_SINKS: gl.constexpr):
-    """Write the KL and both log-sum-exps of rows ``rows`` from their final running state (the portable kernel's
-    epilogue; ``HAS_SINKS``: head ``h``'s sink logits ``SINK_A[h]``, ``SINK_B[h]`` merged as one more outcome per side,
-    as the portable kernel merges them); returns ``(valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in)``: which
-    rows have a key, each side's sums (sinks included) with 1 elsewhere, how the sinks moved each side's frame (1
+def _sequence_of(CU_Q, CU_K, s, N_Q, N_K, VARLEN: gl.constexpr):
+    """``(b, q0, n_q, k0, n_k)`` of a program's sequence ``s``: with ``VARLEN``, packed sequence ``s`` (batch row 0,
+    queries ``q0 .. q0 + n_q - 1`` and keys ``k0 .. k0 + n_k - 1`` from the offsets ``CU_Q``, ``CU_K``); else batch
+    row ``s``, all its ``N_Q`` queries and ``N_K`` keys."""
+    if VARLEN:
+        q0 = gl.load(CU_Q + s)
+        n_q = gl.load(CU_Q + s + 1) - q0
+        k0 = gl.load(CU_K + s)
+        n_k = gl.load(CU_K + s + 1) - k0
+        b = s * 0
+    else:
+        q0 = s * 0
+        n_q = q0 + N_Q
+        k0 = q0
+        n_k = q0 + N_K
+        b = s
+    return b, q0, n_q, k0, n_k
+
+
+@gluon.jit
+def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q,
+                  qk_scale_a, qk_scale_b, HAS_SINKS: gl.constexpr):
+    """Write the KL and both log-sum-exps of rows ``rows`` (of the sequence whose ``n_q`` rows start at token ``q0``
+    of a batch row of ``N_Q`` tokens) from their final running state (the portable kernel's epilogue;
+    ``HAS_SINKS``: head ``h``'s sink logits ``SINK_A[h]``, ``SINK_B[h]`` merged as one more outcome per side, as the
+    portable kernel merges them); returns ``(valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in)``: which rows
+    have a key, each side's sums (sinks included) with 1 elsewhere, how the sinks moved each side's frame (1
     without), the rows' flat output offsets and which rows exist."""
-    row_in = rows < N_Q
+    row_in = rows < n_q
     valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
     mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
     mc_b = gl.maximum(m_b * qk_scale_b, NEG_BIG)
@@ -257,7 +281,7 @@ def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_
     lse2_a = mc_a + gl.log2(z_a_safe)
     lse2_b = mc_b + gl.log2(z_b_safe)
     kl = gl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
-    out = (b.to(gl.int64) * H + h) * N_Q + rows
+    out = (b.to(gl.int64) * H + h) * N_Q + q0 + rows
     gl.store(KL + out, kl, mask=row_in)
     gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
     gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
@@ -348,8 +372,8 @@ def _hopper_fwd_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, None, None, b, h, H, N_Q, qk_scale_a, qk_scale_b,
-                  False)
+    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, None, None, b, h, H, N_Q, 0, N_Q, qk_scale_a,
+                  qk_scale_b, False)
 
 
 def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
@@ -358,6 +382,28 @@ def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
     if max(d_a, d_b) <= 64:
         return LaunchConfig(64, 64, 4, 3)
     return LaunchConfig(64, 64, 4, 2)
+
+
+def sequence_grid(inputs: KLInputs, spec: KLSpec, check: bool = True) -> tuple[int, int, int]:
+    """``(sequences, n_q, n_k)`` a Gluon kernel's grid spans: the batch rows and their lengths, or, for packed
+    sequences (``cu_seqlens``), their number and the longest query and key sequence (``spec.max_seqlen_*``; programs
+    past a shorter sequence's end do nothing). With ``check``, a packed call checks on the device, without a
+    synchronisation, that no sequence is longer than that: one that were would have rows no program computes, and
+    the check fails the call (a CUDA device-side assert) instead.
+
+    Example:
+        >>> q = torch.randn(2, 4, 100, 64)
+        >>> sequence_grid(KLInputs(q, q, q, q, *[None] * 6), KLSpec(0.125, 0.125))
+        (2, 100, 100)
+    """
+    cu_q = inputs.cu_seqlens_q  # (the Gluon kernels take packed sequences with one offsets tensor for both sides)
+    if cu_q is None:
+        return inputs.q_a.shape[0], inputs.q_a.shape[2], inputs.k_a.shape[2]
+    longest = min(spec.max_seqlen_q, spec.max_seqlen_k)
+    if check:
+        torch._assert_async(torch.diff(cu_q).max() <= longest,
+                            f"a packed sequence is longer than max_seqlen_q/max_seqlen_k ({longest})")
+    return cu_q.shape[0] - 1, spec.max_seqlen_q, spec.max_seqlen_k
 
 
 @functools.lru_cache(maxsize=64)

@@ -70,10 +70,12 @@ from .forward import (
     _descriptor,
     _issue_scores,
     _row_tile_start,
+    _sequence_of,
     _store_kl_lse,
     _tma_load,
     forward_outputs,
     row_tile_grid,
+    sequence_grid,
 )
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
@@ -188,15 +190,16 @@ def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
 
 @gluon.jit
 def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
-                N_Q, qk_scale_a, qk_scale_b, grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr,
+                N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr,
                 HAS_SINKS: gl.constexpr):
     """Write the KL, both log-sum-exps (:func:`streamkl._hopper.forward._store_kl_lse`, sinks merged there with
-    ``HAS_SINKS``) and side b's query gradient per unit upstream gradient of rows ``rows`` from their final running
-    state (``w`` in units of ``1/w_scale``; ``grad_scale_b`` already over it)."""
+    ``HAS_SINKS``) and side b's query gradient per unit upstream gradient of rows ``rows`` of the sequence whose
+    ``n_q`` rows start at token ``q0`` from their final running state (``w`` in units of ``1/w_scale``;
+    ``grad_scale_b`` already over it)."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in = _store_kl_lse(
-        m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, qk_scale_a, qk_scale_b,
-        HAS_SINKS)
+        m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, qk_scale_a,
+        qk_scale_b, HAS_SINKS)
     if HAS_SINKS:  # the sinks move the ratio of the sums and the frames once more (the portable kernel's epilogue)
         coef = (z_a_safe / z_b_safe * alpha_b - rho * alpha_a) * w_scale
         w = (w * gl.expand_dims(gl.convert_layout(alpha_a, o_row_layout), 1)
@@ -212,22 +215,22 @@ def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LS
 
 @gluon.jit
 def _ws_fwd_producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready, empty, q_bar,
-                     b, h, hk_a, hk_b, m0, t0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     b, h, hk_a, hk_b, q0, k0, m0, t0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
     """Load both consumers' query tiles once, then key tiles ``t0 .. n_tiles - 1`` of both sides, ``STAGES`` ahead of
-    the slower consumer."""
+    the slower consumer (the sequence's queries from token ``q0``, its keys from token ``k0``)."""
     mbarrier.expect(q_bar, CONSUMERS * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
-        _tma_load(qa_desc, [b, h, m0 + c * BLOCK_M, 0], q_bar, qa_smem.index(c))
-        _tma_load(qb_desc, [b, h, m0 + c * BLOCK_M, 0], q_bar, qb_smem.index(c))
+        _tma_load(qa_desc, [b, h, q0 + m0 + c * BLOCK_M, 0], q_bar, qa_smem.index(c))
+        _tma_load(qb_desc, [b, h, q0 + m0 + c * BLOCK_M, 0], q_bar, qb_smem.index(c))
     for t in range(t0, n_tiles):
         i = t - t0  # the ring's count
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         bar = ready.index(stage)
         mbarrier.expect(bar, ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
-        _tma_load(ka_desc, [b, hk_a, t * BLOCK_N, 0], bar, ka_ring.index(stage))
-        _tma_load(kb_desc, [b, hk_b, t * BLOCK_N, 0], bar, kb_ring.index(stage))
+        _tma_load(ka_desc, [b, hk_a, k0 + t * BLOCK_N, 0], bar, ka_ring.index(stage))
+        _tma_load(kb_desc, [b, hk_b, k0 + t * BLOCK_N, 0], bar, kb_ring.index(stage))
 
 
 @gluon.jit
@@ -282,11 +285,12 @@ def _ws_fwd_steps(lo, hi, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, M
 
 @gluon.jit
 def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, ME: gl.constexpr,
-                     KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset, window_left,
-                     qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_SINKS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` over the program's key tiles ``t0 .. n_tiles - 1``, then
-    their outputs."""
+                     KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, N_K, m0, t0, n_tiles, offset,
+                     window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_SINKS: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` of the sequence (``n_q`` rows from token ``q0`` of a
+    batch row of ``N_Q``; ``N_K`` keys) over the program's key tiles ``t0 .. n_tiles - 1``, then their outputs."""
     D_A: gl.constexpr = qa_smem.type.shape[4]
     D_B: gl.constexpr = qb_smem.type.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -299,8 +303,8 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
     row0 = m0 + ME * BLOCK_M
     if CAUSAL:  # tiles from n_full on hold keys past some row's diagonal (for the first consumer: past all of them)
         n_full = gl.minimum(gl.minimum((row0 + offset + 1) // BLOCK_N, N_K // BLOCK_N), n_tiles)
-    else:
-        n_full = N_K // BLOCK_N
+    else:  # (none in a program past its packed sequence's rows, which has no tile)
+        n_full = gl.minimum(N_K // BLOCK_N, n_tiles)
     if HAS_LEFT:  # tiles before full_from hold keys before some row's window (for the second consumer's first tiles:
         # before all of them)
         full_from = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(row0 + BLOCK_M - 1 + offset - window_left, 0), BLOCK_N),
@@ -337,15 +341,15 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, p_layout, o_row_layout,
         BLOCK_N, D_A, D_B, STAGES, CAUSAL, False, False, HAS_LEFT)
     # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
-    # past N_K the copy engine filled with zeros).
+    # past N_K the copy engine filled with zeros; a packed sequence's are the next one's: contained too).
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         gl.maximum(n_full, full_from), n_tiles, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a,
         acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left,
-        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL, HAS_LEFT)
+        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL or VARLEN, HAS_LEFT)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
     _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
-                N_Q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout, HAS_SINKS)
+                N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout, HAS_SINKS)
 
 
 @gluon.jit
@@ -354,26 +358,29 @@ def _ws_fused_fwd_kernel(
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
     SINK_A, SINK_B,  # HAS_SINKS: [H] contiguous sink logits (nats) of each side; else None
-    H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, sequence lengths, query heads per key head of each side
+    CU_Q, CU_K,  # VARLEN: [S + 1] int32 offsets of the packed sequences (one tensor for both); else None
+    H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, tokens per batch row, query heads per key head of each side
+    MAX_Q,  # query rows of the grid per sequence: N_Q, or the longest packed sequence (VARLEN)
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     window_left,  # HAS_LEFT (a causal sliding window): query i sees keys i + N_K - N_Q - window_left .. i + N_K - N_Q
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
-    CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_SINKS: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_SINKS: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    m0, pid_bh = _row_tile_start(N_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
-    b = pid_bh // H
+    m0, pid_bh = _row_tile_start(MAX_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
     h = pid_bh % H
+    b, q0, n_q, k0, n_k = _sequence_of(CU_Q, CU_K, pid_bh // H, N_Q, N_K, VARLEN)
     hk_a = h // GROUP_A
     hk_b = h // GROUP_B
-    offset = N_K - N_Q
+    offset = n_k - n_q
     if CAUSAL:
-        hi = gl.minimum(N_K, m0 + CONSUMERS * BLOCK_M + offset)
+        hi = gl.minimum(n_k, m0 + CONSUMERS * BLOCK_M + offset)
     else:
-        hi = N_K
-    n_tiles = gl.cdiv(hi, BLOCK_N)  # >= 1: every row has a key (N_K >= N_Q when causal)
+        hi = n_k
+    # >= 1 where the program has rows: every row has a key (n_k >= n_q when causal); none past a packed sequence's end
+    n_tiles = gl.where(m0 < n_q, gl.cdiv(hi, BLOCK_N), 0)
     if HAS_LEFT:  # the first tile holding a key of the first row's window
-        t0 = gl.maximum(m0 + offset - window_left, 0) // BLOCK_N
+        t0 = gl.minimum(gl.maximum(m0 + offset - window_left, 0) // BLOCK_N, n_tiles)
     else:
         t0 = 0
 
@@ -394,15 +401,15 @@ def _ws_fused_fwd_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
-                            LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset,
-                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, BLOCK_M,
-                            BLOCK_N, STAGES)),
+                            LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_k, m0, t0, n_tiles, offset,
+                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, VARLEN,
+                            BLOCK_M, BLOCK_N, STAGES)),
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
-                            LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, N_K, m0, t0, n_tiles, offset,
-                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, BLOCK_M,
-                            BLOCK_N, STAGES)),
+                            LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_k, m0, t0, n_tiles, offset,
+                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, VARLEN,
+                            BLOCK_M, BLOCK_N, STAGES)),
         (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
-                            empty, q_bar, b, h, hk_a, hk_b, m0, t0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+                            empty, q_bar, b, h, hk_a, hk_b, q0, k0, m0, t0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -450,15 +457,17 @@ def attention_kl_fused_fwd_hopper(
     cfg = config or fused_forward_config(d_a, d_b)
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid, order_chunk = row_tile_grid(inputs, spec, CONSUMERS * cfg.block_m)
+    rows_per_sequence = sequence_grid(inputs, spec)[1]
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, contiguous_or_none(inputs.sink_a),
-         contiguous_or_none(inputs.sink_b)),
-        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], order_chunk, max(spec.window_left, 0), qk_a,
-         qk_b, spec.grad_scale("b") * dq_scale),
+         contiguous_or_none(inputs.sink_b), inputs.cu_seqlens_q, inputs.cu_seqlens_k),
+        (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], rows_per_sequence, order_chunk,
+         max(spec.window_left, 0), qk_a, qk_b, spec.grad_scale("b") * dq_scale),
         (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0),
-         ("HAS_SINKS", inputs.sink_a is not None), ("BLOCK_M", cfg.block_m),
-         ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", 4), ("maxnreg", KERNEL_REGS)),
+         ("HAS_SINKS", inputs.sink_a is not None), ("VARLEN", inputs.cu_seqlens_q is not None),
+         ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", 4),
+         ("maxnreg", KERNEL_REGS)),
     )
     return kl, lse_a, lse_b

@@ -31,12 +31,14 @@ def _step_tile(step, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal
 
 
 @gluon.jit
-def _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, offs_m, BLOCK_M: gl.constexpr, SCALAR_GRAD: gl.constexpr):
+def _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, q0, n_q, offs_m, BLOCK_M: gl.constexpr,
+               SCALAR_GRAD: gl.constexpr):
     """Base-2 log-sum-exps of both sides and the upstream gradient of the query rows of head ``h``'s query tile
-    ``tile`` (a column of the transposed tile); rows past ``N_Q`` read lse = +inf (P = 0) and g = 0."""
+    ``tile`` (a column of the transposed tile) of the sequence whose ``n_q`` rows start at token ``q0`` of a batch row
+    of ``N_Q``; rows past ``n_q`` read lse = +inf (P = 0) and g = 0."""
     rows = tile * BLOCK_M + offs_m
-    row_in = rows < N_Q
-    at = (b.to(gl.int64) * H + h) * N_Q + rows
+    row_in = rows < n_q
+    at = (b.to(gl.int64) * H + h) * N_Q + q0 + rows
     lse2_a = gl.load(LSE_A + at, mask=row_in, other=float("inf")) * LOG2E_C
     lse2_b = gl.load(LSE_B + at, mask=row_in, other=float("inf")) * LOG2E_C
     if SCALAR_GRAD:  # applied once to dK at the end
@@ -107,11 +109,11 @@ def _full_tiles_end(k0, end, offset, window_left, BLOCK_M: gl.constexpr, HAS_LEF
 
 
 @gluon.jit
-def _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
+def _store_dk(dk, DK_B, pair, N_K, start, n_k, k0, grad_scale_b, GRAD, BLOCK_N: gl.constexpr, D_B: gl.constexpr,
               dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr, FP16: gl.constexpr):
-    """Store ``dK_b`` of keys ``k0 ..`` (fp32 ``dk``, ``dk_layout``) times side b's scale and, with
-    ``SCALAR_GRAD``, the one upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys past
-    ``N_K`` are left out."""
+    """Store ``dK_b`` of keys ``k0 ..`` (fp32 ``dk``, ``dk_layout``) of the sequence whose ``n_k`` keys start at token
+    ``start`` of row ``pair`` (of ``N_K`` tokens) of ``DK_B``, times side b's scale and, with ``SCALAR_GRAD``, the one
+    upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys past ``n_k`` are left out."""
     scale = grad_scale_b
     if FP16:
         scale = scale / FP16_DS_SCALE
@@ -119,5 +121,5 @@ def _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N: gl.constex
         scale = scale * gl.load(GRAD)
     out_keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
     cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
-    at = (pid_bh.to(gl.int64) * N_K + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
-    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < N_K, 1))
+    at = (pair.to(gl.int64) * N_K + start + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
+    gl.store(DK_B + at, (dk * scale).to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < n_k, 1))

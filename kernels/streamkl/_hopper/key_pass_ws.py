@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .._triton_common.tiles import LaunchConfig
-from .forward import _longest_first, _tma_load
+from .forward import _longest_first, _sequence_of, _tma_load
 from .key_pass_tiles import (
     _causal_mask,
     _ds_operand,
@@ -52,19 +52,19 @@ KERNEL_REGS = 168
 
 @gluon.jit
 def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns,
-              b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps,
+              b, q0, k0, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Load both consumers' key tiles once, then every step's query tiles of both sides, ``STAGES`` ahead of the
-    slower consumer."""
+    slower consumer (the sequence's queries from token ``q0``, its keys from token ``k0``)."""
     mbarrier.expect(k_bar, 2 * (ka_desc.block_type.nbytes + kb_desc.block_type.nbytes))
     for c in gl.static_range(2):
-        _tma_load(ka_desc, [b, hk_a, n0 + c * BLOCK_N, 0], k_bar, k_smem_a.index(c))
-        _tma_load(kb_desc, [b, hk_b, n0 + c * BLOCK_N, 0], k_bar, k_smem_b.index(c))
+        _tma_load(ka_desc, [b, hk_a, k0 + n0 + c * BLOCK_N, 0], k_bar, k_smem_a.index(c))
+        _tma_load(kb_desc, [b, hk_b, k0 + n0 + c * BLOCK_N, 0], k_bar, k_smem_b.index(c))
     for t in range(steps):
         stage = t % STAGES
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         h = h0 + t // n_tiles
-        m0 = (first_tile + t % n_tiles) * BLOCK_M
+        m0 = q0 + (first_tile + t % n_tiles) * BLOCK_M
         bar = ready.index(stage)
         mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes)
         _tma_load(qa_desc, [b, h, m0, 0], bar, qa_ring.index(stage))
@@ -72,15 +72,15 @@ def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_
 
 
 @gluon.jit
-def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys, offs_m, full_from,
                 full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
                 SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles, masked on the steps before ``full_from``
     and from ``full_end`` on (a consumer's steps are the first consumer's, so whether a step is masked is known only
     here)."""
     tile = first_tile + t % n_tiles
-    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, tile, b, H, N_Q, offs_m, BLOCK_M,
-                                         SCALAR_GRAD)
+    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, tile, b, H, N_Q, q0, n_q, offs_m,
+                                         BLOCK_M, SCALAR_GRAD)
     ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left, False,
                   SCALAR_GRAD, HAS_LEFT)
     if CAUSAL and (tile < full_from or tile >= full_end):
@@ -90,12 +90,13 @@ def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile,
 
 @gluon.jit
 def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, ME: gl.constexpr,
-              LSE_A, LSE_B, GRAD, DK_B, b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset,
-              window_left, qk_scale_a, qk_scale_b, grad_scale_b,
+              LSE_A, LSE_B, GRAD, DK_B, b, q0, h0, H, N_Q, n_q, N_K, k_start, n_k, n0, pair, n_tiles, first_tile,
+              steps, offset, window_left, qk_scale_a, qk_scale_b, grad_scale_b,
               CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` over every step, products issued in turn
-    with the other consumer, stored at the end."""
+    """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` of the sequence (``n_q`` queries from token
+    ``q0``, ``n_k`` keys from token ``k_start`` of batch rows of ``N_Q`` and ``N_K`` tokens) over every step,
+    products issued in turn with the other consumer, stored at the end (into row ``pair`` of ``DK_B``)."""
     D_A: gl.constexpr = qa_ring.type.shape[4]
     D_B: gl.constexpr = qb_ring.type.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -121,17 +122,17 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
     kb = k_smem_b.index(ME).reshape([BLOCK_N, D_B])
     if steps > 0:  # (none where a window's rows see none of the program's keys: their gradient is zero)
         dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B,
-                            GRAD, b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
+                            GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
                             qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_A, D_B, STAGES, CAUSAL,
                             SCALAR_GRAD, HAS_LEFT)
-    _store_dk(dk, DK_B, pid_bh, N_K, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
+    _store_dk(dk, DK_B, pair, N_K, k_start, n_k, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
               qb_ring.dtype == gl.float16)
 
 
 @gluon.jit
 def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constexpr, dk, zero, dot_layout: gl.constexpr,
-                   LSE_A, LSE_B, GRAD, b, h0, H, N_Q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
-                   qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
+                   LSE_A, LSE_B, GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m, full_from,
+                   full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
                    D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr,
                    HAS_LEFT: gl.constexpr):
     """Every step of consumer ``ME``: wait for the query tiles and the turn, issue this step's score products and
@@ -149,7 +150,7 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
                       is_async=True)
     mbarrier.arrive(turns.index(OTHER))
     x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-    ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
+    ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys, offs_m, full_from,
                      full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD, HAS_LEFT)
     ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     for t in range(1, steps):
@@ -165,8 +166,8 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
         mbarrier.arrive(turns.index(OTHER))
         x, y, dk = warpgroup_mma_wait(num_outstanding=0, deps=(x, y, dk))
         mbarrier.arrive(empty.index(prev))  # both products of step t - 1 are done with its slot
-        ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, h0, H, N_Q, n_tiles, first_tile, keys, offs_m, full_from,
-                         full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD,
+        ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys, offs_m,
+                         full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD,
                          HAS_LEFT)
         ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     last = (steps - 1) % STAGES
@@ -179,31 +180,33 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
 @gluon.jit
 def _ws_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
-    GRAD, LSE_A, LSE_B, DK_B,  # as in streamkl._hopper.backward._hopper_dk_kernel
-    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, SPLIT, order_chunk, window_left,
+    GRAD, LSE_A, LSE_B, DK_B, CU_Q, CU_K,  # as in streamkl._hopper.backward._hopper_dk_kernel
+    H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, MAX_K, SPLIT, order_chunk, window_left,
     qk_scale_a, qk_scale_b, grad_scale_b,
-    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     if CAUSAL:  # the longest sweeps first (see streamkl._triton._helpers._longest_first)
-        rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(N_K, 2 * BLOCK_N), order_chunk)
+        rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(MAX_K, 2 * BLOCK_N), order_chunk)
         n0 = rank * 2 * BLOCK_N
     else:
         n0 = gl.program_id(0) * 2 * BLOCK_N
         pid_bh = gl.program_id(1)
     part = pid_bh % SPLIT
     hk_b = (pid_bh // SPLIT) % H_KB
-    b = pid_bh // (SPLIT * H_KB)
+    b, q0, n_q, k0, n_k = _sequence_of(CU_Q, CU_K, pid_bh // (SPLIT * H_KB), N_Q, N_K, VARLEN)
+    pair = (b * H_KB + hk_b) * SPLIT + part
     heads = GROUP_B // SPLIT
     h0 = hk_b * GROUP_B + part * heads
     hk_a = h0 // GROUP_A
-    offset = N_K - N_Q
+    offset = n_k - n_q
     if CAUSAL:  # (with a window, maybe no row sees the program's keys)
-        first_tile, end_tile = _query_tile_bounds(n0, 2 * BLOCK_N, N_Q, offset, window_left, BLOCK_M, HAS_LEFT)
+        first_tile, end_tile = _query_tile_bounds(n0, 2 * BLOCK_N, n_q, offset, window_left, BLOCK_M, HAS_LEFT)
     else:
         first_tile = 0
-        end_tile = gl.cdiv(N_Q, BLOCK_M)
-    n_tiles = gl.maximum(end_tile - first_tile, 0)
+        end_tile = gl.cdiv(n_q, BLOCK_M)
+    # (none past a packed sequence's keys)
+    n_tiles = gl.where(n0 < n_k, gl.maximum(end_tile - first_tile, 0), 0)
     steps = heads * n_tiles
 
     dtype: gl.constexpr = qa_desc.dtype
@@ -225,13 +228,13 @@ def _ws_dk_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
-                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, window_left, qk_scale_a,
-                     qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
+                     b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n0, pair, n_tiles, first_tile, steps, offset, window_left,
+                     qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
-                     b, h0, H, N_Q, N_K, n0, pid_bh, n_tiles, first_tile, steps, offset, window_left, qk_scale_a,
-                     qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
+                     b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n0, pair, n_tiles, first_tile, steps, offset, window_left,
+                     qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
-                     turns, b, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
+                     turns, b, q0, k0, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
