@@ -99,7 +99,8 @@ def attention_kl(
         max_seqlen_q: the longest query sequence (layout "thd"). Default: ``None``: read from ``cu_seqlens_q``,
             which costs a device synchronisation for offsets on the GPU and checks the offsets. With both maxima
             given, offsets on the GPU are trusted, as in flash-attn (the kernels still never read outside the
-            tensors).
+            tensors); the Gluon training kernels check on the device that no sequence is longer, and fail the call
+            (a CUDA device-side assert) where one is.
         max_seqlen_k: the longest key sequence (layout "thd"). Default: ``None``.
         attn_mask: any other mask, ``[B or 1, H or 1, N_q, N_k]`` bool, True = the query may see the key (e.g. a
             prefix-LM or custom block mask a model built); combined with every other mask. It costs an ``N_q × N_k``

@@ -223,9 +223,9 @@ _LARGE = "B·H·N_q·N_k ≥ 2^28 (packed: H·N_q·max_seqlen_k)"
 _KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
-_TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, or packed sequences with one offsets tensor for queries "
-                   "and keys, head dims 64 or 128, no masks or soft-caps; sinks (bf16) or none; causal only with "
-                   "N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
+_TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, or packed sequences with one offsets tensor for "
+                   "queries and keys, head dims 64 or 128, no masks or soft-caps; sinks (bf16) or none; causal only "
+                   "with N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
 
 #: The dispatch table: every stage's rows, in the order they are tried (see the module docstring).
 TABLE: tuple[Route, ...] = (

@@ -29,8 +29,10 @@ same thing with
   are masked steps too, swept with the diagonal ones; a program whose keys no row's window reaches stores zeros.
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both sides,
-or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)`` tensors TMA can address, head dims 64 or 128, no masks,
-soft-caps or packing, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or
+or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)`` tensors TMA can address, or packed sequences with one
+offsets tensor (each program reads its sequence's on the device, as the fused forward does; query rows past a
+sequence's end read lse = +inf, so they add nothing, and keys past it are not stored), head dims 64 or 128, no masks or
+soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or
 none (they reach the pass through the saved log-sum-exps only), only side b's gradient, and key-head groupings that
 divide one another (a teacher that groups more query heads per key head than the student, or fewer: then each student
 key head is split over several programs, one per teacher key head, whose fp32 parts are summed in a fixed order, so the
