@@ -120,7 +120,7 @@ def _piece(problem: AttentionKLProblem, piece: Piece) -> AttentionKLProblem:
     return replace(problem, q_t=cut(problem.q_t, q0, n_q), k_t=cut(problem.k_t, k0, n_k),
                    q_s=cut(problem.q_s, q0, n_q), k_s=cut(problem.k_s, k0, n_k), key_padding_mask=None,
                    query_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=n_q, max_seqlen_k=n_k,
-                   host_offsets=None, host_masks=None)
+                   host_offsets=None, host_masks=None, lengths=None)
 
 
 def piece_problems(problem: AttentionKLProblem,

@@ -40,6 +40,9 @@ class KLInputs(NamedTuple):
     cu_seqlens_q: torch.Tensor | None  # [S + 1] int32 offsets of packed sequences
     cu_seqlens_k: torch.Tensor | None
     attn_mask: torch.Tensor | None = None  # [B or 1, H or 1, N_q, N_k] bool, True = allowed (any mask)
+    # [2, B] int32 on the inputs' device, a right-padded batch's: the query rows and keys each batch row's masks keep
+    # (a prefix of each; the masks stay for the kernels that read them)
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,9 @@ class AttentionKLProblem:
     reverse: bool
     reduction: str
     layout: str
+    #: A right-padded batch's query rows and keys per batch row (:attr:`KLInputs.lengths`), set by
+    #: :func:`streamkl.dispatch.read_masks` where the kernels take them
+    lengths: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -153,7 +159,8 @@ class AttentionKLProblem:
         if self.reverse:
             teacher, student, spec = student, teacher, spec.swapped()
         inputs = KLInputs(teacher[0], teacher[1], student[0], student[1], teacher[2], student[2],
-                          self.key_padding_mask, self.query_mask, self.cu_seqlens_q, self.cu_seqlens_k, self.attn_mask)
+                          self.key_padding_mask, self.query_mask, self.cu_seqlens_q, self.cu_seqlens_k, self.attn_mask,
+                          self.lengths)
         return inputs, spec
 
     def every_row_counts(self) -> bool:

@@ -180,9 +180,10 @@ def _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, nee
 class AttentionKLFunction(torch.autograd.Function):
     """Eager autograd of the op: ``apply(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask,
     cu_seqlens_q, cu_seqlens_k, attn_mask, spec, backend, allow_tf32, deterministic[, reduction, rows, fuse_dq_b,
-    ahead]) -> (kl, lse_a, lse_b)``; only ``kl`` is differentiable. With ``reduction`` "sum" or "mean" (default "none")
-    the first output is the reduced loss instead of the per-row KL (see :func:`attention_kl_per_row`). ``fuse_dq_b``
-    (see :func:`fuses_dq_b`; decided by the caller, since grad mode is always off inside ``forward``) makes the forward
+    ahead, lengths]) -> (kl, lse_a, lse_b)`` (``lengths``: :attr:`KLInputs.lengths`); only ``kl`` is differentiable.
+    With ``reduction`` "sum" or "mean" (default "none") the first output is the reduced loss instead of the per-row KL
+    (see :func:`attention_kl_per_row`). ``fuse_dq_b`` (see :func:`fuses_dq_b`; decided by the caller, since grad mode
+    is always off inside ``forward``) makes the forward
     accumulate side b's query gradient, which is then saved for the backward; ``ahead`` (see
     :func:`streamkl.dispatch.gradients_ahead`) makes it compute both of side b's gradients and save only them.
 
@@ -199,9 +200,9 @@ class AttentionKLFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
                 attn_mask, spec, backend, allow_tf32, deterministic, reduction="none", rows=None, fuse_dq_b=False,
-                ahead=False):
+                ahead=False, lengths=None):
         inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
-                          cu_seqlens_k, attn_mask)
+                          cu_seqlens_k, attn_mask, lengths)
         # lse_a/lse_b never get gradients: leave theirs None instead of materialising two zero tensors per backward
         ctx.set_materialize_grads(False)
         ctx.ahead = ahead
@@ -375,7 +376,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _compiled_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
                        allow_tf32, deterministic, dq_b=None):
-    return attention_kl_bwd_op(grad_kl, *inputs, kl, lse_a, lse_b, *dataclasses.astuple(spec),
+    return attention_kl_bwd_op(grad_kl, *_op_tensors(inputs), kl, lse_a, lse_b, *dataclasses.astuple(spec),
                                need_a, need_b, need_sink_a, need_sink_b, backend, allow_tf32, deterministic, dq_b)
 
 
@@ -474,18 +475,25 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
     """
     fuse, ahead = _training_path(inputs, backend, reduction)
     if ahead and torch.compiler.is_compiling():
-        loss, lse_a, lse_b, _, _ = attention_kl_loss_ahead_op(*inputs, *dataclasses.astuple(spec), backend,
-                                                              allow_tf32, deterministic, reduction, rows or 0)
+        loss, lse_a, lse_b, _, _ = attention_kl_loss_ahead_op(*_op_tensors(inputs), *dataclasses.astuple(spec),
+                                                              backend, allow_tf32, deterministic, reduction, rows or 0)
         return loss, lse_a, lse_b
     if torch.compiler.is_compiling():
-        kl, lse_a, lse_b, _ = attention_kl_fwd_op(*inputs, *dataclasses.astuple(spec), backend, allow_tf32,
+        kl, lse_a, lse_b, _ = attention_kl_fwd_op(*_op_tensors(inputs), *dataclasses.astuple(spec), backend, allow_tf32,
                                                   deterministic, fuse)
         if reduction == "none":
             return kl, lse_a, lse_b
         if reduction == "mean" and rows is not None:  # every row counts
             return _mean_of_all(kl, rows), lse_a, lse_b
         return reduce_per_row_kl(kl, ~torch.isposinf(lse_a), reduction), lse_a, lse_b
-    return AttentionKLFunction.apply(*inputs, spec, backend, allow_tf32, deterministic, reduction, rows, fuse, ahead)
+    return AttentionKLFunction.apply(*_op_tensors(inputs), spec, backend, allow_tf32, deterministic, reduction, rows,
+                                     fuse, ahead, inputs.lengths)
+
+
+def _op_tensors(inputs: KLInputs) -> tuple:
+    """The fields of ``inputs`` the custom ops take, all but :attr:`KLInputs.lengths`: masks are not read while
+    ``torch.compile`` traces (:func:`streamkl.dispatch.read_masks`), so a compiled call never has lengths."""
+    return tuple(inputs)[:-1]
 
 
 # ------------------------------------------------------------------------------ a batch as dense pieces

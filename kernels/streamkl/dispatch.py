@@ -153,18 +153,20 @@ def _dense(p: Problem) -> bool:
     sides, head dims in :data:`GLUON_HEAD_DIMS`; no masks, sinks, packing, soft-caps or windows; causal only with
     ``N_k >= N_q`` (every row sees a key)."""
     return (p.spec.window_left < 0 and p.inputs.sink_a is None and p.inputs.cu_seqlens_q is None
-            and _training_dense(p))
+            and p.inputs.lengths is None and _training_dense(p))
 
 
 def _training_dense(p: Problem) -> bool:
     """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``), bf16
-    sinks, packed sequences, or any of them together (gpt-oss's layers; long-context packs): what the training kernels
-    (the training forward and the key passes) compute. Packed sequences need one offsets tensor for queries and keys
-    (``cu_seqlens_q is cu_seqlens_k``, as self-attention passes them; offsets given on the CPU are one device tensor
-    where their values agree), so that every sequence has as many keys as rows. (fp16 with sinks, whose epilogue meets
-    the fp16 query gradient's per-row scale, stays on the portable kernels: the GPU suite has not checked it.)"""
+    sinks, packed sequences, a right-padded batch, or any of them together (gpt-oss's layers; long-context packs; a
+    Hugging Face batch of unequal sequences): what the training kernels (the training forward and the key passes)
+    compute. Packed sequences need one offsets tensor for queries and keys (``cu_seqlens_q is cu_seqlens_k``, as
+    self-attention passes them; offsets given on the CPU are one device tensor where their values agree), so that
+    every sequence has as many keys as rows; masks need the lengths of the prefixes they keep (:attr:`KLInputs.lengths`,
+    which :func:`read_masks` sets). (fp16 with sinks, whose epilogue meets the fp16 query gradient's per-row scale,
+    stays on the portable kernels: the GPU suite has not checked it.)"""
     i, spec = p.inputs, p.spec
-    if any(x is not None for x in (i.key_padding_mask, i.query_mask, i.attn_mask)):
+    if i.attn_mask is not None or (i.lengths is None and (i.key_padding_mask is not None or i.query_mask is not None)):
         return False
     if i.cu_seqlens_q is not None and i.cu_seqlens_q is not i.cu_seqlens_k:
         return False
@@ -224,8 +226,9 @@ _KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
 _TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, or packed sequences with one offsets tensor for "
-                   "queries and keys, head dims 64 or 128, no masks or soft-caps; sinks (bf16) or none; causal only "
-                   "with N_k ≥ N_q, with or without a sliding window (window_left ≥ 0)")
+                   "queries and keys, head dims 64 or 128, no masks but a right-padded batch's (read_masks), no "
+                   "soft-caps; sinks (bf16) or none; causal only with N_k ≥ N_q, with or without a sliding window "
+                   "(window_left ≥ 0)")
 
 #: The dispatch table: every stage's rows, in the order they are tried (see the module docstring).
 TABLE: tuple[Route, ...] = (
@@ -285,10 +288,12 @@ for _route in TABLE:
 # ---------------------------------------------------------------------------------- masks and offsets read on the host
 def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[Piece, ...] | None]:
     """``(problem, pieces)``: ``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every
-    key and row, and, where every mask left keeps a prefix of each batch row (a right-padded batch), the dense
-    problem each batch row is (:func:`streamkl._pieces.padded_pieces`; else None). A mask sends the call to the
-    portable kernels and costs a load per tile; the Hugging Face batch of equal-length sequences carries an all-True
-    one, and a padded batch a prefix per row.
+    key and row, and, where every mask left keeps a prefix of each batch row (a right-padded batch), either that
+    problem with the prefixes' lengths (:attr:`streamkl._problem.KLInputs.lengths`), where its forward then takes a
+    Gluon training kernel, which runs the whole batch in one launch, or the dense problem each batch row is
+    (:func:`streamkl._pieces.padded_pieces`; else None). A mask sends the call to the portable kernels and costs a
+    load per tile; the Hugging Face batch of equal-length sequences carries an all-True one, and a padded batch a
+    prefix per row.
 
     Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading masks on the GPU costs one
     device synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a batch that
@@ -318,7 +323,11 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
     if all(full.values()):
         return problem, None
     pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))
-    if pieces is None or not _pieces_pay(problem.heads, pieces):
+    if pieces is None:
+        return problem, None
+    padded = _with_lengths(problem, pieces)
+    one_launch = _forward_takes_gluon(*padded.kernel_problem())
+    if not one_launch and not _pieces_pay(problem.heads, pieces):
         return problem, None
     # the lengths hold for a right-padded batch only where each mask keeps the first entries of every row (a second
     # synchronisation, taken only for a batch that would split)
@@ -326,7 +335,20 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
                 for name, m in present.items() if not full[name]]
     if not bool(torch.stack(prefixes).all()):
         return problem, None
+    if one_launch:
+        return padded, None
     return replace(problem, key_padding_mask=None, query_mask=None), pieces
+
+
+def _with_lengths(problem: AttentionKLProblem, pieces: tuple[Piece, ...]) -> AttentionKLProblem:
+    """``problem`` (a right-padded batch whose masks keep ``pieces``) with its lengths on the device
+    (:attr:`streamkl._problem.KLInputs.lengths`: each batch row's piece's rows and keys, 0 for a row without one), its
+    masks kept for the kernels that read them."""
+    rows, keys = [0] * problem.batch, [0] * problem.batch
+    for p in pieces:
+        rows[p.batch], keys[p.batch] = p.n_q, p.n_k
+    lengths = torch.tensor([rows, keys], dtype=torch.int32).to(problem.q_t.device, non_blocking=True)
+    return replace(problem, lengths=lengths)
 
 
 def _pieces_pay(heads: int, pieces: tuple[Piece, ...]) -> bool:

@@ -344,6 +344,20 @@ def test_packed_sequences_take_the_gluon_training_kernels_with_one_offsets_tenso
     assert not training.pays(Problem(packed, replace(spec, max_seqlen_q=longest // 4, max_seqlen_k=longest // 4)))
 
 
+def test_a_right_padded_batch_takes_the_gluon_training_kernels_with_its_lengths():
+    """Masks are in the Gluon training kernels' scope only with the lengths of the prefixes they keep (set where the
+    host checked them, :func:`streamkl.dispatch.read_masks`); never in the plain forward's."""
+    mask = torch.arange(256) < torch.tensor([256, 100])[:, None]
+    lengths = torch.tensor([[256, 100], [256, 100]], dtype=torch.int32)
+    spec = KLSpec(0.125, 0.125, window_right=0)
+    with_lengths = _inputs(2, 4, 256, 64, key_padding_mask=mask, query_mask=mask, lengths=lengths)
+    without = _inputs(2, 4, 256, 64, key_padding_mask=mask, query_mask=mask)
+    for row in ("gluon_training_forward", "gluon_key_pass_pipelined"):
+        assert dispatch.in_scope(row, Problem(with_lengths, spec, need_b=True)), row
+        assert not dispatch.in_scope(row, Problem(without, spec, need_b=True)), row
+    assert not dispatch.in_scope("gluon_forward", Problem(with_lengths, spec))
+
+
 def test_equal_offsets_become_one_device_tensor():
     """Offsets the host reads (on the CPU, or read because no maximum was given) that are equal for queries and keys
     reach the kernels as one tensor, which the Gluon training kernels need; unequal ones stay two."""
@@ -730,13 +744,14 @@ def test_masks_that_mask_nothing_leave_the_call_on_the_gluon_kernels(monkeypatch
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeypatch):
+def test_a_right_padded_batch_runs_in_one_gluon_launch(causal, monkeypatch):
     """A right-padded batch (the same prefix kept by ``key_padding_mask`` and ``query_mask`` in each batch row) runs
-    one dense call per batch row (:mod:`streamkl._pieces`), each on the fused Gluon forward where it is large enough;
-    its loss and gradients are the masked call's (the masks read as they are, on the portable kernels), within the
-    tolerance of two kernels that sum in different orders. Masks given on the CPU split the same way, and an all-True
-    one is dropped, without a synchronisation."""
+    in one launch of the fused Gluon forward and one of the Gluon key pass, which read each row's lengths; its loss
+    and gradients are the masked call's (the masks read as they are, on the portable kernels), within the tolerance
+    of two kernels that sum in different orders, and zero on the padding. Masks given on the CPU run the same way,
+    and an all-True one is dropped, without a synchronisation."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    key_pass_calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
     lengths = (8192, 6000)
     q_t, k_t = (torch.randn(2, 16, 8192, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q_s, k_s = (torch.randn(2, 16, 8192, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -747,11 +762,12 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
         kl = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=mask, query_mask=mask)
         return (kl, *torch.autograd.grad(kl, (q_s, k_s)))
 
-    split = _split_matches_unsplit(run, "_reads_masks", fused_calls, 2, monkeypatch)
+    split = _split_matches_unsplit(run, "_reads_masks", fused_calls, 1, monkeypatch)
+    assert len(key_pass_calls) == 1
     for got in split[1:]:
         assert not got[1, :, lengths[1]:].any()
     monkeypatch.undo()
-    # the masks on the CPU (as a data collator makes them): the same split, and an all-True mask dropped, read
+    # the masks on the CPU (as a data collator makes them): the same launch, and an all-True mask dropped, read
     # without a synchronisation
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     host, everything = mask.cpu(), torch.ones(2, 8192, dtype=torch.bool)
@@ -762,9 +778,67 @@ def test_a_right_padded_batch_runs_each_row_on_the_gluon_kernels(causal, monkeyp
         kl_everything = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=everything)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(fused_calls) == 3
+    assert len(fused_calls) == 2
     assert torch.equal(kl, split[0])
     assert torch.equal(kl_everything, attention_kl(q_t, k_t, q_s, k_s, causal=causal))
+
+
+PADDED_CASES = [  # (kwargs, loss): a right-padded batch B=4 (rows of 1000, 617, 1 and 0 real tokens), H=4
+    (dict(causal=True), "mean"),  # one-warpgroup key pass, head dim 64
+    (dict(causal=True, d_t=128, d_s=128, h_kt=2), "sum"),  # warp-specialised key pass, a GQA teacher
+    (dict(causal=False, d_t=128), "weighted"),  # not causal, D_t -> D_s, one upstream gradient per row
+    (dict(causal=True, window=(100, 0)), "mean"),  # a causal sliding window
+    (dict(causal=True, sinks=True), "mean"),  # sinks
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize(("kw", "loss"), PADDED_CASES, ids=[f"{'-'.join(map(str, k.items()))}-{loss}"
+                                                         for k, loss in PADDED_CASES])
+def test_right_padded_training_call_in_one_gluon_launch_matches_the_oracle(kw: dict, loss: str, monkeypatch):
+    """A right-padded batch with its masks read (as for a large call), forced onto the Gluon training kernels at
+    these small shapes: one fused forward and one key pass over every row, the student's gradients within the bf16
+    tolerance of the float64 oracle and within 1.5× the portable kernels' error, and exactly zero on the padding."""
+    monkeypatch.setattr(dispatch, "_reads_masks",
+                        lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
+    calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    kw = dict(kw)
+    d_t, d_s, h_kt, sinks = kw.pop("d_t", 64), kw.pop("d_s", 64), kw.pop("h_kt", 4), kw.pop("sinks", False)
+    g = torch.Generator().manual_seed(0)
+    lengths, n, heads = (1000, 617, 1, 0), 1000, 4
+    tensors = {"q_t": torch.randn(4, heads, n, d_t, generator=g), "k_t": torch.randn(4, h_kt, n, d_t, generator=g),
+               "q_s": torch.randn(4, heads, n, d_s, generator=g), "k_s": torch.randn(4, heads, n, d_s, generator=g)}
+    if sinks:
+        tensors.update(sinks_t=torch.randn(heads, generator=g), sinks_s=torch.randn(heads, generator=g))
+    mask = (torch.arange(n) < torch.tensor(lengths)[:, None]).cuda()
+    weights = torch.rand(4, heads, n, generator=g, dtype=torch.float64).cuda()
+
+    def grads(dtype, **options):
+        t = {k: v.to("cuda", dtype if k.startswith(("q", "k")) else torch.float32) for k, v in tensors.items()}
+        t = {k: v.to(torch.float64) if dtype == torch.float64 else v for k, v in t.items()}
+        t["q_s"].requires_grad_(True)
+        t["k_s"].requires_grad_(True)
+        out = attention_kl(**t, key_padding_mask=mask, query_mask=mask, reduction="none" if loss == "weighted" else
+                           loss, **kw, **options)
+        out = (out * weights.to(out.dtype)).sum() if loss == "weighted" else out
+        return torch.autograd.grad(out, (t["q_s"], t["k_s"]))
+
+    ref = grads(torch.float64, backend="reference")
+    with forced("gluon"):
+        hopper = grads(torch.bfloat16)
+    assert (len(fused_calls), len(calls)) == (1, 1)
+    with forced("portable"):
+        portable = grads(torch.bfloat16)
+    assert (len(fused_calls), len(calls)) == (1, 1)
+    _, rtol_grad = TOLERANCES[torch.bfloat16]
+    for i, name in enumerate(("dq_s", "dk_s")):
+        assert_close(hopper[i], ref[i], rtol_grad, name)
+        err = lambda x: float((x.double() - ref[i]).norm() / ref[i].norm())  # noqa: B023
+        assert err(hopper[i]) <= 1.5 * err(portable[i]) + 1e-6, f"{name}: less exact than portable"
+        for b, length in enumerate(lengths):
+            assert not hopper[i][b, :, length:].any(), f"{name}: a gradient on batch row {b}'s padding"
 
 
 def _split_matches_unsplit(run, gate: str, fused_calls: list, fused: int, monkeypatch) -> tuple:

@@ -340,3 +340,31 @@ def test_offsets_on_the_gpu_are_read_only_where_the_sequences_can_be_large_on_av
     assert dispatch._sequences_could_pay(_problem(inputs, **packing, max_seqlen_q=10, max_seqlen_k=10))
     inputs, packing = make_packed([0, 10, 12, 14, 16, 18, 20])  # 4·20·10/6 < 400, whatever the lengths are
     assert not dispatch._sequences_could_pay(_problem(inputs, **packing, max_seqlen_q=10, max_seqlen_k=10))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_right_padded_batch_whose_call_takes_the_gluon_kernels_keeps_its_masks_with_their_lengths(
+        reads_every_mask, monkeypatch, causal):
+    """Where the masked call's forward takes a Gluon training kernel (which runs a right-padded batch in one launch,
+    reading each row's lengths), the masks are kept, with the lengths of the prefixes they keep on the device (a
+    causal row's keys cut at its rows, as its piece's; 0 for a row without one), and the call is not split; kernels
+    that read the masks (the portable ones here, on the CPU) give the masked call's loss and gradients, bitwise."""
+    inputs = make(batch=4, n_q=12, n_k=12)
+    mask = prefix([12, 7, 1, 0], 12)
+    keys = prefix([12, 9, 3, 0], 12)
+    masks = {"key_padding_mask": keys, "query_mask": mask}
+    problem, pieces = dispatch.read_masks(_problem(inputs, causal=causal, **masks))
+    assert pieces is not None and problem.lengths is None  # a CPU call takes no Gluon kernel: split
+    expected = [[12, 7, 1, 0], [12, 7, 1, 0] if causal else [12, 9, 3, 0]]
+    monkeypatch.setattr(dispatch, "_forward_takes_gluon", lambda inputs, spec: inputs.lengths is not None)
+    problem, pieces = dispatch.read_masks(_problem(inputs, causal=causal, **masks))
+    assert pieces is None
+    assert problem.key_padding_mask is keys and problem.query_mask is mask
+    assert problem.lengths.dtype == torch.int32 and problem.lengths.tolist() == expected
+    assert problem.kernel_problem()[0].lengths is problem.lengths
+    with_lengths = call(inputs, (2, 3), causal=causal, reduction="mean", **masks)
+    assert reads_every_mask == []
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: False)
+    masked = call(inputs, (2, 3), causal=causal, reduction="mean", **masks)
+    for got, want in zip(with_lengths, masked):
+        assert torch.equal(got, want)

@@ -61,7 +61,16 @@ from .._triton_common.launch import KernelLauncher
 from .._triton_common.numerics import side_scales
 from .._triton_common.scheduling import l2_cache_bytes, longest_first_chunk
 from .._triton_common.tiles import LaunchConfig
-from .forward import _allocate_tiles, _descriptor, _load_fixed, _longest_first, _sequence_of, _tma_load, sequence_grid
+from .forward import (
+    _allocate_tiles,
+    _descriptor,
+    _load_fixed,
+    _longest_first,
+    _sequence_of,
+    _tma_load,
+    sequence_grid,
+    sequence_tensors,
+)
 from .key_pass_tiles import (
     _ds_operand,
     _ds_tile,
@@ -128,7 +137,7 @@ def _hopper_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
     GRAD, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous (GRAD: one number when SCALAR_GRAD); lse in nats
     DK_B,  # [B, H_KB, SPLIT, N_K, D_B] contiguous: the input dtype when SPLIT == 1, else fp32 parts to sum over SPLIT
-    CU_Q, CU_K,  # VARLEN: [S + 1] int32 offsets of the packed sequences (one tensor for both); else None
+    CU_Q, CU_K,  # VARLEN (sequence_tensors): [S + 1] int32 packed offsets (one tensor for both) or [B] row lengths
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, tokens per batch row, query heads per key head
     MAX_K,  # keys of the grid per sequence: N_K, or the longest packed sequence (VARLEN)
     SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
@@ -352,7 +361,8 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     dk_dtype = dk_dtype or k_b.dtype
     # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below;
     # packed keys outside every sequence (none where the offsets cover every token) are never written
-    alloc = torch.empty if inputs.cu_seqlens_k is None else torch.zeros
+    seq_q, seq_k, varlen = sequence_tensors(inputs)
+    alloc = torch.zeros if varlen else torch.empty
     dk_b = alloc((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32, device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(dk_dtype)
@@ -375,11 +385,11 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, inputs.cu_seqlens_q, inputs.cu_seqlens_k),
+         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, seq_q, seq_k),
         (heads, h_kb, n_q, n_k, group_a, group_b, keys_per_sequence, split, order_chunk, max(spec.window_left, 0),
          qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("HAS_LEFT", spec.window_left >= 0),
-         ("VARLEN", inputs.cu_seqlens_q is not None), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
+         ("VARLEN", varlen), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
          ("STAGES", cfg.num_stages)) + extra,
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(dk_dtype)

@@ -153,9 +153,9 @@ def _row_tile_start(N_Q, ROWS: gl.constexpr, CAUSAL: gl.constexpr, order_chunk):
 
 def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """``(kl, lse_a, lse_b, empty)``: the ``[B, H, N_q]`` fp32 outputs of a Gluon forward, and whether the problem has
-    no query row or no key, in which case they are already final (KL 0, both lse +inf) and no kernel launches. Packed
-    outputs start as empty rows: tokens outside every sequence (none where the offsets cover every token) are never
-    written.
+    no query row or no key, in which case they are already final (KL 0, both lse +inf) and no kernel launches. The
+    outputs of packed sequences and of a right-padded batch start as empty rows: tokens outside every sequence (none
+    where the offsets cover every token) and padding rows are never written.
 
     Example:
         >>> q = torch.randn(1, 2, 0, 64)
@@ -168,7 +168,7 @@ def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch
     lse_a = torch.empty_like(kl)
     lse_b = torch.empty_like(kl)
     empty = kl.numel() == 0 or inputs.k_a.shape[2] == 0
-    if empty or inputs.cu_seqlens_q is not None:
+    if empty or sequence_tensors(inputs)[2]:
         kl.zero_()
         lse_a.fill_(float("inf"))
         lse_b.fill_(float("inf"))
@@ -229,15 +229,22 @@ def _load_fixed(a_desc, b_desc, b, h_a, h_b, row, bar, a_smem, b_smem):
 
 @gluon.jit
 def _sequence_of(CU_Q, CU_K, s, N_Q, N_K, VARLEN: gl.constexpr):
-    """``(b, q0, n_q, k0, n_k)`` of a program's sequence ``s``: with ``VARLEN``, packed sequence ``s`` (batch row 0,
-    queries ``q0 .. q0 + n_q - 1`` and keys ``k0 .. k0 + n_k - 1`` from the offsets ``CU_Q``, ``CU_K``); else batch
-    row ``s``, all its ``N_Q`` queries and ``N_K`` keys."""
-    if VARLEN:
+    """``(b, q0, n_q, k0, n_k)`` of a program's sequence ``s`` (:func:`sequence_tensors`): with ``VARLEN == 1``,
+    packed sequence ``s`` (batch row 0, queries ``q0 .. q0 + n_q - 1`` and keys ``k0 .. k0 + n_k - 1`` from the
+    offsets ``CU_Q``, ``CU_K``); with ``VARLEN == 2``, batch row ``s`` of a right-padded batch, its first ``CU_Q[s]``
+    queries and ``CU_K[s]`` keys; else batch row ``s``, all its ``N_Q`` queries and ``N_K`` keys."""
+    if VARLEN == 1:
         q0 = gl.load(CU_Q + s)
         n_q = gl.load(CU_Q + s + 1) - q0
         k0 = gl.load(CU_K + s)
         n_k = gl.load(CU_K + s + 1) - k0
         b = s * 0
+    elif VARLEN == 2:
+        q0 = s * 0
+        n_q = gl.load(CU_Q + s)
+        k0 = q0
+        n_k = gl.load(CU_K + s)
+        b = s
     else:
         q0 = s * 0
         n_q = q0 + N_Q
@@ -382,6 +389,22 @@ def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
     if max(d_a, d_b) <= 64:
         return LaunchConfig(64, 64, 4, 3)
     return LaunchConfig(64, 64, 4, 2)
+
+
+def sequence_tensors(inputs: KLInputs) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """``(CU_Q, CU_K, VARLEN)`` of a Gluon kernel (:func:`_sequence_of`): packed sequences' offsets (1), a right-padded
+    batch's query and key lengths per batch row (2, :attr:`KLInputs.lengths`), or none (0).
+
+    Example:
+        >>> q = torch.randn(2, 4, 100, 64)
+        >>> sequence_tensors(KLInputs(q, q, q, q, *[None] * 7, torch.tensor([[100, 60], [100, 60]])))[2]
+        2
+    """
+    if inputs.cu_seqlens_q is not None:
+        return inputs.cu_seqlens_q, inputs.cu_seqlens_k, 1
+    if inputs.lengths is not None:
+        return inputs.lengths[0], inputs.lengths[1], 2
+    return None, None, 0
 
 
 def sequence_grid(inputs: KLInputs, spec: KLSpec, check: bool = True) -> tuple[int, int, int]:

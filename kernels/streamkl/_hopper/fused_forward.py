@@ -82,6 +82,7 @@ from .forward import (
     forward_outputs,
     row_tile_grid,
     sequence_grid,
+    sequence_tensors,
 )
 
 #: Lazy frames (the portable kernel's :data:`streamkl._triton.forward.FRAME_SLACK`): a row's reference max moves only
@@ -347,11 +348,12 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, p_layout, o_row_layout,
         BLOCK_N, D_A, D_B, STAGES, CAUSAL, False, False, HAS_LEFT)
     # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
-    # past N_K the copy engine filled with zeros; a packed sequence's are the next one's: contained too).
+    # past N_K the copy engine filled with zeros; a packed sequence's are the next one's, a padded row's its padding:
+    # contained too).
     m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
         gl.maximum(n_full, full_from), n_tiles, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a,
         acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left,
-        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL or VARLEN, HAS_LEFT)
+        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL or VARLEN != 0, HAS_LEFT)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
     _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
@@ -364,7 +366,7 @@ def _ws_fused_fwd_kernel(
     KL, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous outputs (nats; lse +inf on an empty row)
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
     SINK_A, SINK_B,  # HAS_SINKS: [H] contiguous sink logits (nats) of each side; else None
-    CU_Q, CU_K,  # VARLEN: [S + 1] int32 offsets of the packed sequences (one tensor for both); else None
+    CU_Q, CU_K,  # VARLEN (sequence_tensors): [S + 1] int32 packed offsets (one tensor for both) or [B] row lengths
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, tokens per batch row, query heads per key head of each side
     MAX_Q,  # query rows of the grid per sequence: N_Q, or the longest packed sequence (VARLEN)
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
@@ -464,15 +466,16 @@ def attention_kl_fused_fwd_hopper(
     (qk_a, _), (qk_b, _) = side_scales(spec.scale_a, 0.0), side_scales(spec.scale_b, 0.0)
     grid, order_chunk = row_tile_grid(inputs, spec, CONSUMERS * cfg.block_m)
     rows_per_sequence = sequence_grid(inputs, spec)[1]
+    seq_q, seq_k, varlen = sequence_tensors(inputs)
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, contiguous_or_none(inputs.sink_a),
-         contiguous_or_none(inputs.sink_b), inputs.cu_seqlens_q, inputs.cu_seqlens_k),
+         contiguous_or_none(inputs.sink_b), seq_q, seq_k),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], rows_per_sequence, order_chunk,
          max(spec.window_left, 0), qk_a, qk_b, spec.grad_scale("b") * dq_scale),
         (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0),
-         ("HAS_SINKS", inputs.sink_a is not None), ("VARLEN", inputs.cu_seqlens_q is not None),
+         ("HAS_SINKS", inputs.sink_a is not None), ("VARLEN", varlen),
          ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", 4),
          ("maxnreg", KERNEL_REGS)),
     )
