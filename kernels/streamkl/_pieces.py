@@ -1,7 +1,8 @@
 """A right-padded batch, or packed sequences, as dense problems: one per batch row or per sequence.
 
-The kernels for dense tensors (the Gluon ones: :mod:`streamkl.dispatch`) take no mask and no sequence offsets. Two
-kinds of batch are nevertheless a set of dense problems on strided views of their inputs, with no copy:
+The Gluon forward of a metric call (:mod:`streamkl.dispatch`) takes no mask and no sequence offsets (the Gluon
+training kernels take both batches below in one launch). Two kinds of batch are nevertheless a set of dense problems
+on strided views of their inputs, with no copy:
 
 * a Hugging Face batch of unequal sequences, padded at the end of each row: when every mask of a call keeps a prefix
   of each batch row (its real tokens), row ``b`` is exactly the dense problem on its first ``n_q[b]`` queries and

@@ -31,7 +31,8 @@ same thing with
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both sides,
 or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)`` tensors TMA can address, or packed sequences with one
 offsets tensor (each program reads its sequence's on the device, as the fused forward does; query rows past a
-sequence's end read lse = +inf, so they add nothing, and keys past it are not stored), head dims 64 or 128, no masks or
+sequence's end read lse = +inf, so they add nothing, and keys past it are not stored; a right-padded batch's rows
+likewise, from their lengths), head dims 64 or 128, no masks but a right-padded batch's with their lengths, no
 soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or
 none (they reach the pass through the saved log-sum-exps only), only side b's gradient, and key-head groupings that
 divide one another (a teacher that groups more query heads per key head than the student, or fewer: then each student

@@ -46,14 +46,15 @@ Packed sequences (``cu_seqlens``, one offsets tensor for queries and keys) run i
 sequence's offsets on the device (:func:`.forward._sequence_of`) and addresses the ``(1, H, total, D)`` view from the
 sequence's first token; the grid spans the longest sequence (:func:`.forward.sequence_grid`) and a program past its
 sequence's rows loads no key tile. The last key tile of a sequence holds the next one's first keys: masked, and
-contained through the scratch copy as past the diagonal.
+contained through the scratch copy as past the diagonal. A right-padded batch runs the same way, batch row by batch
+row, each from its first token to the lengths its masks keep (:attr:`streamkl._problem.KLInputs.lengths`).
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
-bf16 or fp16 inputs TMA can address, or packed sequences with one offsets tensor, head dims 64 or 128, no masks or
-soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or none
-(merged into each row's sums at its end, as the portable kernel merges them; the outputs then match it within fp32
-rounding). Gluon kernels have no CPU interpreter: CI checks the selection, the GPU suite checks this kernel against the
-portable one (bf16 without sinks: bitwise) and the float64 oracle.
+bf16 or fp16 inputs TMA can address, or packed sequences with one offsets tensor, head dims 64 or 128, no masks but a
+right-padded batch's with their lengths, no soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding
+window; no other window), bf16 sinks or none (merged into each row's sums at its end, as the portable kernel merges
+them; the outputs then match it within fp32 rounding). Gluon kernels have no CPU interpreter: CI checks the selection,
+the GPU suite checks this kernel against the portable one (bf16 without sinks: bitwise) and the float64 oracle.
 """
 
 from __future__ import annotations
