@@ -325,7 +325,7 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
     pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))
     if pieces is None:
         return problem, None
-    padded = _with_lengths(problem, pieces)
+    padded = _with_lengths(problem, pieces)  # (on the host until the call takes them)
     one_launch = _forward_takes_gluon(*padded.kernel_problem())
     if not one_launch and not _pieces_pay(problem.heads, pieces):
         return problem, None
@@ -336,19 +336,18 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
     if not bool(torch.stack(prefixes).all()):
         return problem, None
     if one_launch:
-        return padded, None
+        return replace(padded, lengths=padded.lengths.to(problem.q_t.device, non_blocking=True)), None
     return replace(problem, key_padding_mask=None, query_mask=None), pieces
 
 
 def _with_lengths(problem: AttentionKLProblem, pieces: tuple[Piece, ...]) -> AttentionKLProblem:
-    """``problem`` (a right-padded batch whose masks keep ``pieces``) with its lengths on the device
+    """``problem`` (a right-padded batch whose masks keep ``pieces``) with its lengths, on the CPU
     (:attr:`streamkl._problem.KLInputs.lengths`: each batch row's piece's rows and keys, 0 for a row without one), its
     masks kept for the kernels that read them."""
     rows, keys = [0] * problem.batch, [0] * problem.batch
     for p in pieces:
         rows[p.batch], keys[p.batch] = p.n_q, p.n_k
-    lengths = torch.tensor([rows, keys], dtype=torch.int32).to(problem.q_t.device, non_blocking=True)
-    return replace(problem, lengths=lengths)
+    return replace(problem, lengths=torch.tensor([rows, keys], dtype=torch.int32))
 
 
 def _pieces_pay(heads: int, pieces: tuple[Piece, ...]) -> bool:
