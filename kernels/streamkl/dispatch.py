@@ -542,12 +542,13 @@ _MAX_CHOSEN = 4096
 
 def _conditions_read(stage: str, p: Problem, forcing: str | None) -> tuple:
     """Everything the conditions of ``stage``'s rows read from ``p``, as a hashable key: the four tensors' dtypes,
-    shapes, strides and 16-byte alignment, which optional tensors are present, the options, the flags, whether the
-    device runs Gluon kernels, the override and the size threshold."""
+    shapes, strides and 16-byte alignment, which optional tensors are present, whether queries and keys share one
+    offsets tensor, the options, the flags, whether the device runs Gluon kernels, the override and the size
+    threshold."""
     i = p.inputs
     return (stage, forcing, GLUON_MIN_SCORES, _gluon_device(i.q_a),
             *[(x.dtype, x.shape, x.stride(), x.data_ptr() % 16) for x in (i.q_a, i.k_a, i.q_b, i.k_b)],
-            *[x is None for x in i[4:]], p.spec, *p[2:])
+            *[x is None for x in i[4:]], i.cu_seqlens_q is i.cu_seqlens_k, p.spec, *p[2:])
 
 
 def in_scope(kernel: str, query: Any) -> bool:

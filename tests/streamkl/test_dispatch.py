@@ -199,6 +199,24 @@ def _walked(stage: str, p: Problem) -> str:
     return next(r for r in dispatch._STAGES[stage] if dispatch._applies(r, p, forcing)).kernel
 
 
+def test_a_remembered_choice_tells_one_offsets_tensor_from_two(hopper):
+    """Packed sequences take the Gluon training rows only with one offsets tensor for queries and keys: a pack of the
+    same shapes with two offsets tensors, after one with one, is chosen afresh (the portable kernels), and the other
+    way round."""
+    n, d = 1 << 15, 64
+    q = torch.zeros(1, 1, n, d, dtype=torch.bfloat16)
+    cu = torch.tensor([0, n // 2, n], dtype=torch.int32)
+    spec = KLSpec(0.1, 0.1, window_right=0, max_seqlen_q=n // 2, max_seqlen_k=n // 2)
+    one = Problem(KLInputs(q, q, q, q, None, None, None, None, cu, cu), spec, need_b=True)
+    two = Problem(KLInputs(q, q, q, q, None, None, None, None, cu, cu.clone()), spec, need_b=True)
+    for stage in ("training forward", "key pass"):
+        for order in ((one, two), (two, one)):
+            dispatch._CHOSEN.clear()
+            chosen = [dispatch.select(stage, p).kernel for p in order]
+            assert chosen == [_walked(stage, p) for p in order], stage
+            assert [k.startswith("gluon") for k in chosen] == [p is one for p in order], stage
+
+
 def test_a_remembered_choice_is_made_again_when_anything_its_rows_read_differs(hopper, monkeypatch):
     """``select`` remembers each choice of a stage with Gluon rows; a problem of the same shapes that differs in what
     the rows read (a base 2 bytes off 16, a row stride TMA cannot address, a dtype, a window, the gradients asked for,
