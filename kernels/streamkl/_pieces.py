@@ -26,7 +26,7 @@ import torch
 
 from ._problem import AttentionKLProblem, KLInputs, KLSpec
 
-__all__ = ["Piece", "packed_pieces", "padded_pieces", "per_row_result", "piece_problems"]
+__all__ = ["Piece", "packed_pieces", "padded_lengths", "padded_pieces", "per_row_result", "piece_problems"]
 
 
 class Piece(NamedTuple):
@@ -45,14 +45,61 @@ class Piece(NamedTuple):
         return self.n_q, self.n_k
 
 
+def padded_lengths(problem: AttentionKLProblem, query_mask: torch.Tensor | None,
+                   key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """:attr:`streamkl._problem.KLInputs.lengths` of ``problem`` (no ``attn_mask``, not packed) given its masks (the
+    problem's own, or their copies on the CPU; None: that mask keeps everything), computed where they are, without
+    reading them on the host: ``[3, B]`` int32, per batch row the query rows and keys of its dense problem and 0
+    (:func:`padded_pieces`' rule: the masks keep a prefix of the row, and a causal row's keys are cut at its rows),
+    or, for a row whose masks keep no such prefixes (left padding, a key mask with holes), all ``N_q`` rows and
+    ``N_k`` keys and 1: the Gluon training kernels then read that row's masks.
+
+    Example:
+        >>> from streamkl._validation import prepare_problem
+        >>> from streamkl.options import AttentionKLOptions
+        >>> q = torch.randn(3, 2, 8, 16)
+        >>> keys = torch.tensor([[True] * 8, [True] * 5 + [False] * 3, [False] * 3 + [True] * 5])
+        >>> problem = prepare_problem(q, q, q, q, AttentionKLOptions(causal=True))
+        >>> padded_lengths(problem, keys, keys).tolist()  # rows, keys, and whether the kernels read the masks
+        [[8, 5, 8], [8, 5, 8], [0, 0, 1]]
+    """
+    def kept(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries kept per batch row, and whether they are the row's first (no kept entry after a dropped one)."""
+        if mask is None:
+            return torch.full((problem.batch,), n, device=device), torch.ones(problem.batch, dtype=torch.bool,
+                                                                                device=device)
+        return mask.sum(1), ~(mask[:, 1:] & ~mask[:, :-1]).any(1)
+
+    device = (query_mask if query_mask is not None else key_padding_mask).device
+    (rows, rows_first), (keys, keys_first) = kept(query_mask, problem.n_q), kept(key_padding_mask, problem.n_k)
+    rows, keys, fits = _piece_sizes(problem, rows, keys)
+    prefixes = rows_first & keys_first & fits
+    return torch.stack([torch.where(prefixes, rows, problem.n_q), torch.where(prefixes, keys, problem.n_k),
+                        (~prefixes).long()]).to(torch.int32)
+
+
+def _piece_sizes(problem: AttentionKLProblem, rows: torch.Tensor, keys: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, keys, fits)`` per batch row whose masks keep its first ``rows`` query rows and ``keys`` keys: the
+    sizes of the dense problem the row is, and whether it is one. Queries are aligned to the last key (a causal row
+    ``i`` sees keys up to ``i + n_k - n_q``): a causal row's keys are cut at its rows' last diagonal (it must keep
+    them all), and any other window needs as many keys past the rows as the batch has."""
+    offset = problem.n_k - problem.n_q
+    left, right = problem.window
+    if right == 0:
+        return rows, rows + offset, keys >= rows + offset
+    if left >= 0 or right > 0:
+        return rows, keys, keys - rows == offset
+    return rows, keys, torch.ones_like(rows, dtype=torch.bool)
+
+
 def padded_pieces(problem: AttentionKLProblem, query_lengths: list[int] | None,
                   key_lengths: list[int] | None) -> tuple[Piece, ...] | None:
     """The dense problem of each batch row of ``problem`` that has rows, given that its ``query_mask`` keeps the first
     ``query_lengths[b]`` rows of batch row ``b`` and its ``key_padding_mask`` the first ``key_lengths[b]`` keys (None:
     no such mask, every row or key). None where the batch is not one such set of problems: a general ``attn_mask`` or
-    packed sequences, or a window whose alignment the cut would move (queries are aligned to the last key: a causal row
-    ``i`` sees keys up to ``i + n_k - n_q``), or a piece with a row that sees no key (the count of a mean would then
-    need the device), or no row at all.
+    packed sequences, or a window whose alignment the cut would move (:func:`_piece_sizes`), or a piece with a row
+    that sees no key (the count of a mean would then need the device), or no row at all.
 
     Example:
         >>> from streamkl._validation import prepare_problem
@@ -66,20 +113,12 @@ def padded_pieces(problem: AttentionKLProblem, query_lengths: list[int] | None,
     """
     if problem.attn_mask is not None or problem.packed:
         return None
-    offset = problem.n_k - problem.n_q  # query i is aligned to key i + offset
-    left, right = problem.window
-    pieces = []
-    for b in range(problem.batch):
-        rows = problem.n_q if query_lengths is None else query_lengths[b]
-        keys = problem.n_k if key_lengths is None else key_lengths[b]
-        if right == 0:  # causal: a row's last key is its own; the piece keeps the alignment and the keys rows see
-            if keys < rows + offset:
-                return None
-            keys = rows + offset
-        elif (left >= 0 or right > 0) and keys - rows != offset:
-            return None
-        if rows > 0 and keys > 0:
-            pieces.append(Piece(b, 0, rows, 0, keys))
+    rows, keys, fits = _piece_sizes(problem, torch.tensor(query_lengths or [problem.n_q] * problem.batch),
+                                    torch.tensor(key_lengths or [problem.n_k] * problem.batch))
+    if not bool(fits.all()):
+        return None
+    pieces = [Piece(b, 0, n_q, 0, n_k) for b, (n_q, n_k) in enumerate(zip(rows.tolist(), keys.tolist()))
+              if n_q > 0 and n_k > 0]
     return _every_row_counts(problem, pieces)
 
 

@@ -40,8 +40,9 @@ class KLInputs(NamedTuple):
     cu_seqlens_q: torch.Tensor | None  # [S + 1] int32 offsets of packed sequences
     cu_seqlens_k: torch.Tensor | None
     attn_mask: torch.Tensor | None = None  # [B or 1, H or 1, N_q, N_k] bool, True = allowed (any mask)
-    # [2, B] int32 on the inputs' device, a right-padded batch's: the query rows and keys each batch row's masks keep
-    # (a prefix of each; the masks stay for the kernels that read them)
+    # [3, B] int32 on the inputs' device, a masked batch's (streamkl._pieces.padded_lengths): per batch row the query
+    # rows and keys the Gluon kernels sweep (a right-padded row: the prefixes its masks keep; else all of them) and
+    # whether they read the row's key mask per tile (1: its masks keep no such prefixes); the masks stay with them
     lengths: torch.Tensor | None = None
 
 
@@ -110,8 +111,8 @@ class AttentionKLProblem:
     reverse: bool
     reduction: str
     layout: str
-    #: A right-padded batch's query rows and keys per batch row (:attr:`KLInputs.lengths`), set by
-    #: :func:`streamkl.dispatch.read_masks` where the kernels take them
+    #: A masked batch's query rows and keys per batch row (:attr:`KLInputs.lengths`), set by
+    #: :func:`streamkl.dispatch.read_masks` where the Gluon training kernels take the call
     lengths: torch.Tensor | None = None
 
     @property

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import indexer_reference, reference
-from ._pieces import Piece, packed_pieces, padded_pieces, piece_problems
+from ._pieces import Piece, packed_pieces, padded_lengths, padded_pieces, piece_problems
 from ._problem import AttentionKLProblem, KLInputs, KLSpec, key_head_split
 from ._triton_common.interpreter import triton_interpreter_enabled
 
@@ -287,13 +287,17 @@ for _route in TABLE:
 
 # ---------------------------------------------------------------------------------- masks and offsets read on the host
 def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[Piece, ...] | None]:
-    """``(problem, pieces)``: ``problem`` without its ``key_padding_mask`` and ``query_mask`` where they allow every
-    key and row, and, where every mask left keeps a prefix of each batch row (a right-padded batch), either that
-    problem with the prefixes' lengths (:attr:`streamkl._problem.KLInputs.lengths`), where its forward then takes a
-    Gluon training kernel, which runs the whole batch in one launch, or the dense problem each batch row is
-    (:func:`streamkl._pieces.padded_pieces`; else None). A mask sends the call to the portable kernels and costs a
-    load per tile; the Hugging Face batch of equal-length sequences carries an all-True one, and a padded batch a
-    prefix per row.
+    """``(problem, pieces)``: ``problem`` as its kernels take its ``key_padding_mask`` and ``query_mask``.
+
+    * Where the masked call's forward takes a Gluon training kernel, which runs the whole batch in one launch: the
+      masks with the lengths of each batch row's dense problem (:func:`streamkl._pieces.padded_lengths`), computed on
+      the device, without a synchronisation (masks given on the CPU: on the host, and those that keep everything are
+      dropped). A right-padded row sweeps its prefixes; any other row all its tokens, reading its masks.
+    * Else the masks are read on the host: dropped where they allow every key and row, and, where every mask left
+      keeps a prefix of each batch row (a right-padded batch), the call split into the dense problem each batch row
+      is (:func:`streamkl._pieces.padded_pieces`; else None) where the pieces pay. A mask sends the call to the
+      portable kernels and costs a load per tile; the Hugging Face batch of equal-length sequences carries an
+      all-True one, and a padded batch a prefix per row.
 
     Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading masks on the GPU costs one
     device synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a batch that
@@ -314,8 +318,17 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
         return problem, None
     present = {name: getattr(problem, name) for name in ("key_padding_mask", "query_mask")}
     present = {name: m for name, m in present.items() if m is not None}
-    if problem.host_masks is not None and problem.host_masks.keys() == present.keys():
+    on_host = problem.host_masks is not None and problem.host_masks.keys() == present.keys()
+    if on_host:
         present = problem.host_masks  # every mask given on the CPU: read there, without a synchronisation
+    if _takes_gluon_with_lengths(problem):
+        if on_host:  # (masks that keep everything go: the dense kernels run)
+            problem = replace(problem, **{name: None for name, m in present.items() if bool(m.all())})
+            present = {name: m for name, m in present.items() if getattr(problem, name) is not None}
+        if not present:
+            return replace(problem, host_masks=None), None
+        lengths = padded_lengths(problem, present.get("query_mask"), present.get("key_padding_mask"))
+        return replace(problem, host_masks=None, lengths=lengths.to(problem.q_t.device, non_blocking=True)), None
     kept = {name: m.sum(1) for name, m in present.items()}  # per mask and batch row: the entries it keeps
     lengths = dict(zip(kept, torch.stack(list(kept.values())).tolist()))  # one synchronisation for both masks
     full = {name: all(n == present[name].shape[1] for n in row) for name, row in lengths.items()}
@@ -323,11 +336,7 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
     if all(full.values()):
         return problem, None
     pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))
-    if pieces is None:
-        return problem, None
-    padded = _with_lengths(problem, pieces)  # (on the host until the call takes them)
-    one_launch = _forward_takes_gluon(*padded.kernel_problem())
-    if not one_launch and not _pieces_pay(problem.heads, pieces):
+    if pieces is None or not _pieces_pay(problem.heads, pieces):
         return problem, None
     # the lengths hold for a right-padded batch only where each mask keeps the first entries of every row (a second
     # synchronisation, taken only for a batch that would split)
@@ -335,19 +344,16 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
                 for name, m in present.items() if not full[name]]
     if not bool(torch.stack(prefixes).all()):
         return problem, None
-    if one_launch:
-        return replace(padded, lengths=padded.lengths.to(problem.q_t.device, non_blocking=True)), None
     return replace(problem, key_padding_mask=None, query_mask=None), pieces
 
 
-def _with_lengths(problem: AttentionKLProblem, pieces: tuple[Piece, ...]) -> AttentionKLProblem:
-    """``problem`` (a right-padded batch whose masks keep ``pieces``) with its lengths, on the CPU
-    (:attr:`streamkl._problem.KLInputs.lengths`: each batch row's piece's rows and keys, 0 for a row without one), its
-    masks kept for the kernels that read them."""
-    rows, keys = [0] * problem.batch, [0] * problem.batch
-    for p in pieces:
-        rows[p.batch], keys[p.batch] = p.n_q, p.n_k
-    return replace(problem, lengths=torch.tensor([rows, keys], dtype=torch.int32))
+def _takes_gluon_with_lengths(problem: AttentionKLProblem) -> bool:
+    """Whether the masked call on ``problem`` (no ``attn_mask``, not packed) runs its forward on a Gluon training
+    kernel once it has its lengths (:func:`read_masks`), called in the current grad mode."""
+    if problem.attn_mask is not None or problem.packed:
+        return False
+    lengths = torch.empty((3, problem.batch), dtype=torch.int32)  # (its presence is what the scope reads)
+    return _forward_takes_gluon(*replace(problem, lengths=lengths).kernel_problem())
 
 
 def _pieces_pay(heads: int, pieces: tuple[Piece, ...]) -> bool:

@@ -716,29 +716,37 @@ def test_the_one_warpgroup_key_pass_gives_the_same_gradient_pipelined_or_one_ste
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 def test_masks_that_mask_nothing_leave_the_call_on_the_gluon_kernels(monkeypatch):
-    """On a problem where the Gluon rows pay, an all-True ``key_padding_mask`` and ``query_mask`` are dropped
-    (:func:`streamkl.dispatch.read_masks`): the fused Gluon forward runs, with the maskless call's KL and
-    gradients; a mask with one False key keeps the call on the portable kernels."""
+    """On a problem where the Gluon rows pay, an all-True ``key_padding_mask`` and ``query_mask`` on the GPU stay with
+    the lengths of every token (:func:`streamkl.dispatch.read_masks`, no synchronisation): the fused Gluon forward
+    runs, with the maskless call's per-row KL and gradients, bitwise; a mask with one False key runs there too, its
+    row reading its key mask, with the portable kernels' result within the bf16 tolerances."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     q_t, k_t = (torch.randn(1, 16, 4096, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q_s, k_s = (torch.randn(1, 16, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(2))
     everything = torch.ones(1, 4096, dtype=torch.bool, device="cuda")
 
-    def run(**masks):
-        kl = attention_kl(q_t, k_t, q_s, k_s, causal=True, **masks)
+    def run(**options):
+        kl = attention_kl(q_t, k_t, q_s, k_s, causal=True, **options)
         return (kl, *torch.autograd.grad(kl, (q_s, k_s)))
 
-    plain = run()
+    plain = run(reduction="sum")
     assert len(fused_calls) == 1
-    full = run(key_padding_mask=everything, query_mask=everything)
+    full = run(key_padding_mask=everything, query_mask=everything, reduction="sum")
     assert len(fused_calls) == 2
     for x, y in zip(full, plain):
         assert torch.equal(x, y)
-    one_padded = everything.clone()
-    one_padded[0, -1] = False
-    run(key_padding_mask=one_padded)
-    assert len(fused_calls) == 2
+    one_dropped = everything.clone()
+    one_dropped[0, 1000] = False
+    got = run(key_padding_mask=one_dropped)
+    assert len(fused_calls) == 3
+    with forced("portable"):
+        want = run(key_padding_mask=one_dropped)
+    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(got[0], want[0], rtol_fwd, "kl")
+    for x, y, name in zip(got[1:], want[1:], ("dq_s", "dk_s")):
+        assert_close(x, y, rtol_grad, name)
+    assert not got[2][0, :, 1000].any()
 
 
 @pytest.mark.gpu
@@ -748,8 +756,8 @@ def test_a_right_padded_batch_runs_in_one_gluon_launch(causal, monkeypatch):
     """A right-padded batch (the same prefix kept by ``key_padding_mask`` and ``query_mask`` in each batch row) runs
     in one launch of the fused Gluon forward and one of the Gluon key pass, which read each row's lengths; its loss
     and gradients are the masked call's (the masks read as they are, on the portable kernels), within the tolerance
-    of two kernels that sum in different orders, and zero on the padding. Masks given on the CPU run the same way,
-    and an all-True one is dropped, without a synchronisation."""
+    of two kernels that sum in different orders, and zero on the padding. Masks on the GPU and masks given on the CPU
+    run the same way without a synchronisation (an all-True CPU one is dropped)."""
     fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
     key_pass_calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
     lengths = (8192, 6000)
@@ -776,14 +784,15 @@ def test_a_right_padded_batch_runs_in_one_gluon_launch(causal, monkeypatch):
     try:
         kl = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=host, query_mask=host)
         kl_everything = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=everything)
+        kl_on_gpu = attention_kl(q_t, k_t, q_s, k_s, causal=causal, key_padding_mask=mask, query_mask=mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(fused_calls) == 2
-    assert torch.equal(kl, split[0])
+    assert len(fused_calls) == 3
+    assert torch.equal(kl, split[0]) and torch.equal(kl_on_gpu, split[0])
     assert torch.equal(kl_everything, attention_kl(q_t, k_t, q_s, k_s, causal=causal))
 
 
-PADDED_CASES = [  # (kwargs, loss): a right-padded batch B=4 (rows of 1000, 617, 1 and 0 real tokens), H=4
+PADDED_CASES = [  # (kwargs, loss): a masked batch B=4, N=1000, H=4 (_batch_masks)
     (dict(causal=True), "mean"),  # one-warpgroup key pass, head dim 64
     (dict(causal=True, d_t=128, d_s=128, h_kt=2), "sum"),  # warp-specialised key pass, a GQA teacher
     (dict(causal=False, d_t=128), "weighted"),  # not causal, D_t -> D_s, one upstream gradient per row
@@ -792,14 +801,32 @@ PADDED_CASES = [  # (kwargs, loss): a right-padded batch B=4 (rows of 1000, 617,
 ]
 
 
+def _batch_masks(kind: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query_mask, key_padding_mask)`` of 4 batch rows of ``n`` tokens: ``"right-padded"``, rows of 1000, 617, 1
+    and 0 real tokens (one mask for both); ``"any"``, rows a right-padded row's (617 tokens), a left-padded one's
+    (from token 383), one with random holes (a tenth of the keys and of the rows) and a full one."""
+    if kind == "right-padded":
+        mask = torch.arange(n) < torch.tensor([1000, 617, 1, 0])[:, None]
+        return mask, mask
+    keys = torch.arange(n) < torch.tensor([617, n, n, n])[:, None]
+    keys[1, :383] = False
+    rows = keys.clone()
+    keys[2] = torch.rand(n, generator=g) > 0.1
+    rows[2] = torch.rand(n, generator=g) > 0.1
+    return rows, keys
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("masks", ["right-padded", "any"])
 @pytest.mark.parametrize(("kw", "loss"), PADDED_CASES, ids=[f"{'-'.join(map(str, k.items()))}-{loss}"
                                                          for k, loss in PADDED_CASES])
-def test_right_padded_training_call_in_one_gluon_launch_matches_the_oracle(kw: dict, loss: str, monkeypatch):
-    """A right-padded batch with its masks read (as for a large call), forced onto the Gluon training kernels at
-    these small shapes: one fused forward and one key pass over every row, the student's gradients within the bf16
-    tolerance of the float64 oracle and within 1.5× the portable kernels' error, and exactly zero on the padding."""
+def test_masked_training_call_in_one_gluon_launch_matches_the_oracle(kw: dict, loss: str, masks: str, monkeypatch):
+    """A masked batch with its masks read (as for a large call), forced onto the Gluon training kernels at these
+    small shapes: one fused forward and one key pass over every row, right-padded rows sweeping their prefixes and
+    the others (left padding, holes) reading their masks; the KL within the bf16 tolerance of the float64 oracle,
+    the student's gradients within it and within 1.5× the portable kernels' error, and exactly zero on every row the
+    query mask excludes and every key the key mask drops."""
     monkeypatch.setattr(dispatch, "_reads_masks",
                         lambda problem: problem.key_padding_mask is not None or problem.query_mask is not None)
     calls = _count_calls(monkeypatch, _backward, "attention_kl_key_pass_hopper")
@@ -807,12 +834,13 @@ def test_right_padded_training_call_in_one_gluon_launch_matches_the_oracle(kw: d
     kw = dict(kw)
     d_t, d_s, h_kt, sinks = kw.pop("d_t", 64), kw.pop("d_s", 64), kw.pop("h_kt", 4), kw.pop("sinks", False)
     g = torch.Generator().manual_seed(0)
-    lengths, n, heads = (1000, 617, 1, 0), 1000, 4
+    n, heads = 1000, 4
+    query_mask, key_mask = _batch_masks(masks, n, g)
     tensors = {"q_t": torch.randn(4, heads, n, d_t, generator=g), "k_t": torch.randn(4, h_kt, n, d_t, generator=g),
                "q_s": torch.randn(4, heads, n, d_s, generator=g), "k_s": torch.randn(4, heads, n, d_s, generator=g)}
     if sinks:
         tensors.update(sinks_t=torch.randn(heads, generator=g), sinks_s=torch.randn(heads, generator=g))
-    mask = (torch.arange(n) < torch.tensor(lengths)[:, None]).cuda()
+    query_mask, key_mask = query_mask.cuda(), key_mask.cuda()
     weights = torch.rand(4, heads, n, generator=g, dtype=torch.float64).cuda()
 
     def grads(dtype, **options):
@@ -820,10 +848,10 @@ def test_right_padded_training_call_in_one_gluon_launch_matches_the_oracle(kw: d
         t = {k: v.to(torch.float64) if dtype == torch.float64 else v for k, v in t.items()}
         t["q_s"].requires_grad_(True)
         t["k_s"].requires_grad_(True)
-        out = attention_kl(**t, key_padding_mask=mask, query_mask=mask, reduction="none" if loss == "weighted" else
-                           loss, **kw, **options)
+        out = attention_kl(**t, key_padding_mask=key_mask, query_mask=query_mask,
+                           reduction="none" if loss == "weighted" else loss, **kw, **options)
         out = (out * weights.to(out.dtype)).sum() if loss == "weighted" else out
-        return torch.autograd.grad(out, (t["q_s"], t["k_s"]))
+        return (out.detach(), *torch.autograd.grad(out, (t["q_s"], t["k_s"])))
 
     ref = grads(torch.float64, backend="reference")
     with forced("gluon"):
@@ -832,13 +860,13 @@ def test_right_padded_training_call_in_one_gluon_launch_matches_the_oracle(kw: d
     with forced("portable"):
         portable = grads(torch.bfloat16)
     assert (len(fused_calls), len(calls)) == (1, 1)
-    _, rtol_grad = TOLERANCES[torch.bfloat16]
-    for i, name in enumerate(("dq_s", "dk_s")):
+    rtol_fwd, rtol_grad = TOLERANCES[torch.bfloat16]
+    assert_close(hopper[0], ref[0], rtol_fwd, "loss")
+    for i, name, dropped in ((1, "dq_s", ~query_mask), (2, "dk_s", ~key_mask)):
         assert_close(hopper[i], ref[i], rtol_grad, name)
         err = lambda x: float((x.double() - ref[i]).norm() / ref[i].norm())  # noqa: B023
         assert err(hopper[i]) <= 1.5 * err(portable[i]) + 1e-6, f"{name}: less exact than portable"
-        for b, length in enumerate(lengths):
-            assert not hopper[i][b, :, length:].any(), f"{name}: a gradient on batch row {b}'s padding"
+        assert not hopper[i].transpose(1, 2)[dropped].any(), f"{name}: a gradient on a masked token"
 
 
 def _split_matches_unsplit(run, gate: str, fused_calls: list, fused: int, monkeypatch) -> tuple:

@@ -343,23 +343,29 @@ def test_offsets_on_the_gpu_are_read_only_where_the_sequences_can_be_large_on_av
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_right_padded_batch_whose_call_takes_the_gluon_kernels_keeps_its_masks_with_their_lengths(
+def test_a_masked_batch_whose_call_takes_the_gluon_kernels_keeps_its_masks_with_their_lengths(
         reads_every_mask, monkeypatch, causal):
-    """Where the masked call's forward takes a Gluon training kernel (which runs a right-padded batch in one launch,
-    reading each row's lengths), the masks are kept, with the lengths of the prefixes they keep on the device (a
-    causal row's keys cut at its rows, as its piece's; 0 for a row without one), and the call is not split; kernels
-    that read the masks (the portable ones here, on the CPU) give the masked call's loss and gradients, bitwise."""
-    inputs = make(batch=4, n_q=12, n_k=12)
-    mask = prefix([12, 7, 1, 0], 12)
-    keys = prefix([12, 9, 3, 0], 12)
-    masks = {"key_padding_mask": keys, "query_mask": mask}
+    """Where the masked call's forward takes a Gluon training kernel (which runs a masked batch in one launch,
+    reading each row's lengths), the masks are kept, with each batch row's lengths (:func:`padded_lengths`, computed
+    where the masks are, without reading them on the host): a right-padded row's prefixes (a causal row's keys cut at
+    its rows, as its piece's) and 0, a row whose masks keep no prefixes (left padding, a hole) all its tokens and 1;
+    the call is not split. Kernels that read the masks (the portable ones here, on the CPU) give the masked call's
+    loss and gradients, bitwise."""
+    inputs = make(batch=6, n_q=12, n_k=12)
+    rows = prefix([12, 7, 1, 0, 12, 12], 12)
+    keys = prefix([12, 9, 3, 0, 12, 12], 12)
+    rows[4, :5] = False  # left padding
+    keys[4, :5] = False
+    keys[5, 3] = False  # a hole
+    masks = {"key_padding_mask": keys, "query_mask": rows}
     problem, pieces = dispatch.read_masks(_problem(inputs, causal=causal, **masks))
-    assert pieces is not None and problem.lengths is None  # a CPU call takes no Gluon kernel: split
-    expected = [[12, 7, 1, 0], [12, 7, 1, 0] if causal else [12, 9, 3, 0]]
+    assert pieces is None and problem.lengths is None  # a CPU call takes no Gluon kernel, and no prefixes: masked
+    expected = [[12, 7, 1, 0, 12, 12], [12, 7, 1, 0, 12, 12] if causal else [12, 9, 3, 0, 12, 12],
+                [0, 0, 0, 0, 1, 1]]
     monkeypatch.setattr(dispatch, "_forward_takes_gluon", lambda inputs, spec: inputs.lengths is not None)
     problem, pieces = dispatch.read_masks(_problem(inputs, causal=causal, **masks))
     assert pieces is None
-    assert problem.key_padding_mask is keys and problem.query_mask is mask
+    assert problem.key_padding_mask is keys and problem.query_mask is rows
     assert problem.lengths.dtype == torch.int32 and problem.lengths.tolist() == expected
     assert problem.kernel_problem()[0].lengths is problem.lengths
     with_lengths = call(inputs, (2, 3), causal=causal, reduction="mean", **masks)
@@ -368,3 +374,37 @@ def test_a_right_padded_batch_whose_call_takes_the_gluon_kernels_keeps_its_masks
     masked = call(inputs, (2, 3), causal=causal, reduction="mean", **masks)
     for got, want in zip(with_lengths, masked):
         assert torch.equal(got, want)
+
+
+def test_the_lengths_of_a_causal_row_that_drops_keys_its_rows_see_read_its_masks():
+    """A causal right-padded row whose key mask keeps fewer keys than its kept rows' diagonals reach is no dense
+    problem (its last rows would see keys it drops): the kernels read its masks, over all its tokens."""
+    from streamkl._pieces import padded_lengths
+
+    inputs = make(batch=2, n_q=8, n_k=8)
+    problem = _problem(inputs, causal=True)
+    lengths = padded_lengths(problem, prefix([8, 6], 8), prefix([8, 4], 8))
+    assert lengths.tolist() == [[8, 8], [8, 8], [0, 1]]
+    assert padded_lengths(problem, None, prefix([8, 8], 8)).tolist() == [[8, 8], [8, 8], [0, 0]]
+
+
+def test_masks_the_gpu_call_keeps_are_not_read_on_the_host(monkeypatch):
+    """Masks on the inputs' device reach a Gluon training kernel with lengths computed where they are (no
+    synchronisation, so every mask stays, even one that keeps everything); masks given on the CPU are read there,
+    and those that keep everything are dropped."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(dispatch, "_reads_masks", lambda problem: True)
+    monkeypatch.setattr(dispatch, "_forward_takes_gluon", lambda inputs, spec: inputs.lengths is not None)
+    inputs = make(batch=2, n_q=8, n_k=8)
+    every, padded = torch.ones(2, 8, dtype=torch.bool), prefix([8, 5], 8)
+    problem, _ = dispatch.read_masks(_problem(inputs, causal=True, key_padding_mask=every, query_mask=padded))
+    assert problem.key_padding_mask is every and problem.lengths.tolist() == [[8, 5], [8, 5], [0, 0]]
+    on_host = replace(_problem(inputs, causal=True, key_padding_mask=every, query_mask=padded),
+                      host_masks={"key_padding_mask": every, "query_mask": padded})
+    problem, _ = dispatch.read_masks(on_host)
+    assert problem.key_padding_mask is None and problem.query_mask is padded and problem.host_masks is None
+    assert problem.lengths.tolist() == [[8, 5], [8, 5], [0, 0]]
+    on_host = replace(_problem(inputs, causal=True, key_padding_mask=every), host_masks={"key_padding_mask": every})
+    problem, _ = dispatch.read_masks(on_host)
+    assert problem.key_padding_mask is None and problem.lengths is None  # dense

@@ -69,6 +69,7 @@ from .forward import (
     _longest_first,
     _sequence_of,
     _tma_load,
+    mask_tensors,
     sequence_grid,
     sequence_tensors,
 )
@@ -139,6 +140,7 @@ def _hopper_dk_kernel(
     GRAD, LSE_A, LSE_B,  # [B, H, N_Q] fp32 contiguous (GRAD: one number when SCALAR_GRAD); lse in nats
     DK_B,  # [B, H_KB, SPLIT, N_K, D_B] contiguous: the input dtype when SPLIT == 1, else fp32 parts to sum over SPLIT
     CU_Q, CU_K,  # VARLEN (sequence_tensors): [S + 1] int32 packed offsets (one tensor for both) or [B] row lengths
+    KEY_MASK,  # HAS_KEY_MASK: a masked batch's [B, N_K] key mask as bytes (mask_tensors); else None
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, tokens per batch row, query heads per key head
     MAX_K,  # keys of the grid per sequence: N_K, or the longest packed sequence (VARLEN)
     SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
@@ -146,7 +148,8 @@ def _hopper_dk_kernel(
     window_left,  # HAS_LEFT (a causal sliding window): query i' = i + n_k - n_q sees keys i' - window_left .. i'
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+    HAS_KEY_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
@@ -226,8 +229,9 @@ def _hopper_dk_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, n0, grad_scale_b, GRAD, BLOCK_N, D_B,
-              dk_layout, SCALAR_GRAD, qb_desc.dtype == gl.float16)
+    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, n0, grad_scale_b, GRAD,
+              KEY_MASK, b, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
+              qb_desc.dtype == gl.float16, HAS_KEY_MASK)
 
 
 @gluon.jit
@@ -363,6 +367,7 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below;
     # packed keys outside every sequence (none where the offsets cover every token) are never written
     seq_q, seq_k, varlen = sequence_tensors(inputs)
+    key_mask = mask_tensors(inputs)[0]
     alloc = torch.zeros if varlen else torch.empty
     dk_b = alloc((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32, device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
@@ -386,11 +391,11 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, seq_q, seq_k),
+         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, seq_q, seq_k, key_mask),
         (heads, h_kb, n_q, n_k, group_a, group_b, keys_per_sequence, split, order_chunk, max(spec.window_left, 0),
          qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("HAS_LEFT", spec.window_left >= 0),
-         ("VARLEN", varlen), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
+         ("VARLEN", varlen), ("HAS_KEY_MASK", key_mask is not None), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
          ("STAGES", cfg.num_stages)) + extra,
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(dk_dtype)

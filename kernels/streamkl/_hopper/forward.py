@@ -407,6 +407,26 @@ def sequence_tensors(inputs: KLInputs) -> tuple[torch.Tensor | None, torch.Tenso
     return None, None, 0
 
 
+def mask_tensors(inputs: KLInputs) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(KEY_MASK, QUERY_MASK, READS_MASKS)`` of a Gluon training kernel: a masked batch's ``[B, N]`` masks as bytes
+    (None where absent) and the row of :attr:`KLInputs.lengths` that says which batch rows read them per tile; all
+    None without lengths (the masks then reach only the portable kernels).
+
+    Example:
+        >>> q, mask = torch.randn(2, 4, 8, 64), torch.arange(8) < torch.tensor([[8], [5]])
+        >>> lengths = torch.tensor([[8, 5], [8, 5], [0, 0]], dtype=torch.int32)
+        >>> key_mask, query_mask, reads = mask_tensors(KLInputs(q, q, q, q, None, None, mask, None, None, None,
+        ...                                                     None, lengths))
+        >>> key_mask.dtype, query_mask, reads.tolist()
+        (torch.uint8, None, [0, 0])
+    """
+    if inputs.lengths is None:
+        return None, None, None
+    key_mask, query_mask = (None if m is None else m.contiguous().view(torch.uint8)
+                            for m in (inputs.key_padding_mask, inputs.query_mask))
+    return key_mask, query_mask, inputs.lengths[2]
+
+
 def sequence_grid(inputs: KLInputs, spec: KLSpec, check: bool = True) -> tuple[int, int, int]:
     """``(sequences, n_q, n_k)`` a Gluon kernel's grid spans: the batch rows and their lengths, or, for packed
     sequences (``cu_seqlens``), their number and the longest query and key sequence (``spec.max_seqlen_*``; programs

@@ -81,6 +81,7 @@ from .forward import (
     _store_kl_lse,
     _tma_load,
     forward_outputs,
+    mask_tensors,
     row_tile_grid,
     sequence_grid,
     sequence_tensors,
@@ -115,10 +116,12 @@ def _fold_scores(
     m_a, z_a, acc, m_b, z_b, rho,  # [BLOCK_M] running state (see the portable kernel)
     qk_scale_a, qk_scale_b, n_k, offset,  # offset = n_k - n_q: the causal diagonal of query i is key i + offset
     window_left,  # HAS_LEFT: query i sees keys from i + offset - window_left on
-    CAUSAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+    KEY_MASK, key_row_at,  # KEY_BITS: the batch's key masks (bytes, nonzero = real key) and this row's offset
+    CAUSAL: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, KEY_BITS: gl.constexpr,
 ):
     """The softmax work of one key tile: the running state after it, and what the query-gradient step needs, the
-    tiles ``p_b`` and ``p_b·r − p_a`` (fp32), the rescalings of ``w`` and ``v`` and whether any row's frame moved."""
+    tiles ``p_b`` and ``p_b·r − p_a`` (fp32), the rescalings of ``w`` and ``v`` and whether any row's frame moved
+    (``MASKED``: the causal mask, the window's left edge and, with ``KEY_BITS``, the key mask applied)."""
     diff = x * qk_scale_a - y * qk_scale_b
     if MASKED:
         allowed = gl.expand_dims(keys, 0) < n_k
@@ -126,6 +129,9 @@ def _fold_scores(
             allowed = allowed & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1) + offset)
         if HAS_LEFT:
             allowed = allowed & (gl.expand_dims(keys, 0) >= gl.expand_dims(rows, 1) + offset - window_left)
+        if KEY_BITS:
+            kept = gl.load(KEY_MASK + key_row_at + keys, mask=keys < n_k, other=0) != 0
+            allowed = allowed & gl.expand_dims(kept, 0)
         x = gl.where(allowed, x, float("-inf"))
         y = gl.where(allowed, y, float("-inf"))
         diff = gl.where(allowed, diff, 0.0)
@@ -147,17 +153,17 @@ def _fold_scores(
 
 
 @gluon.jit
-def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left, full,
-              CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr):
+def _fold_any(x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left,
+              KEY_MASK, key_row_at, full, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, KEY_BITS: gl.constexpr):
     """:func:`_fold_scores` without masks when the tile is ``full`` (every key allowed for every row), else masked."""
     if full:
         m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved = _fold_scores(
-            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left, CAUSAL,
-            False, HAS_LEFT)
+            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left,
+            KEY_MASK, key_row_at, CAUSAL, False, HAS_LEFT, False)
     else:
         m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved = _fold_scores(
-            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left, CAUSAL,
-            True, HAS_LEFT)
+            x, y, keys, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, n_k, offset, window_left,
+            KEY_MASK, key_row_at, CAUSAL, True, HAS_LEFT, KEY_BITS)
     return m_a, z_a, acc, m_b, z_b, r, p_b, d, coef, alpha_a, alpha_b, moved
 
 
@@ -199,11 +205,12 @@ def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
 @gluon.jit
 def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
                 N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr,
-                HAS_SINKS: gl.constexpr):
+                HAS_SINKS: gl.constexpr, EXCLUDES_ROWS: gl.constexpr):
     """Write the KL, both log-sum-exps (:func:`streamkl._hopper.forward._store_kl_lse`, sinks merged there with
     ``HAS_SINKS``) and side b's query gradient per unit upstream gradient of rows ``rows`` of the sequence whose
     ``n_q`` rows start at token ``q0`` from their final running state (``w`` in units of ``1/w_scale``;
-    ``grad_scale_b`` already over it)."""
+    ``grad_scale_b`` already over it). ``EXCLUDES_ROWS``: the empty rows' gradient is 0 whatever their state (an
+    excluded row's inputs may be anything)."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in = _store_kl_lse(
         m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, qk_scale_a,
@@ -215,6 +222,8 @@ def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LS
     # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j = grad_scale_b · w / z_a (0 on empty rows)
     scale = gl.expand_dims(gl.convert_layout(gl.where(valid, grad_scale_b / z_a_safe, 0.0), o_row_layout), 1)
     dq = w * scale
+    if EXCLUDES_ROWS:
+        dq = gl.where(gl.expand_dims(gl.convert_layout(valid, o_row_layout), 1), dq, 0.0)
     out_o = gl.expand_dims(gl.convert_layout(out, o_row_layout), 1)
     row_in_o = gl.expand_dims(gl.convert_layout(row_in, o_row_layout), 1)
     cols = gl.expand_dims(gl.arange(0, D_B, layout=gl.SliceLayout(0, o_layout)), 0)
@@ -255,9 +264,10 @@ def _finite_copy(kb_ring, stage, scratch, BLOCK_N: gl.constexpr, D_B: gl.constex
 @gluon.jit
 def _ws_fwd_steps(lo, hi, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr,
                   m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K,
-                  offset, window_left, p_layout: gl.constexpr, o_row_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  MASKED: gl.constexpr, SCRATCH: gl.constexpr, HAS_LEFT: gl.constexpr):
+                  offset, window_left, KEY_MASK, key_row_at, p_layout: gl.constexpr, o_row_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, SCRATCH: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  KEY_BITS: gl.constexpr):
     """Key tiles ``[lo, hi)`` of consumer ``ME`` (the ring's first is tile ``t0``), one step each: its score
     products, the softmax work, the rescaling of ``v`` and ``w``, its two query-gradient products (from the scratch
     copy with ``SCRATCH``); each slot released once this consumer's products are done with it. fp16 inputs keep each
@@ -270,7 +280,7 @@ def _ws_fwd_steps(lo, hi, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, M
         x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
         m_a, z_a, acc, m_b, z_b, rho, p_b, d, coef, alpha_a, alpha_b, moved = _fold_any(
             x, y, t * BLOCK_N + offs_n, rows, m_a, z_a, acc, m_b, z_b, rho, qk_scale_a, qk_scale_b, N_K, offset,
-            window_left, not MASKED, CAUSAL, HAS_LEFT)
+            window_left, KEY_MASK, key_row_at, not MASKED, CAUSAL, HAS_LEFT, KEY_BITS)
         if kb_ring.dtype == gl.float16:
             d, w_scale, frame_ratio, frame_moved = _fp16_frame(d, w_scale)
             coef = coef * w_scale
@@ -292,13 +302,46 @@ def _ws_fwd_steps(lo, hi, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, M
 
 
 @gluon.jit
+def _ws_fwd_sweep(qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME: gl.constexpr, m_a, z_a, acc, m_b, z_b, rho, v, w,
+                  w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, KEY_MASK,
+                  key_row_at, t0, full_from, n_full, n_tiles, p_layout: gl.constexpr, o_row_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr, HAS_KEY_MASK: gl.constexpr):
+    """A consumer's key tiles ``t0 .. n_tiles - 1`` masked only where they must be: with ``HAS_LEFT`` those before
+    ``full_from`` (keys before some row's window), then the full ones up to ``n_full`` unmasked, then those past some
+    row's diagonal or the sequence's end, with ``HAS_KEY_MASK`` also by the batch row's key mask (which keeps every
+    key of those tiles but where the row reads its mask, and then every tile is one of them)."""
+    if HAS_LEFT:  # the tiles before every row's window starts (contained through the scratch copy)
+        m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
+            t0, full_from, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v,
+            w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, KEY_MASK, key_row_at,
+            p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, True, HAS_LEFT, False)
+    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
+        full_from, n_full, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v,
+        w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, KEY_MASK, key_row_at,
+        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, False, False, HAS_LEFT, False)
+    # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
+    # past N_K the copy engine filled with zeros; a packed sequence's are the next one's, a padded row's its padding:
+    # contained too).
+    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
+        gl.maximum(n_full, full_from), n_tiles, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a,
+        acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left,
+        KEY_MASK, key_row_at, p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL or VARLEN != 0,
+        HAS_LEFT, HAS_KEY_MASK)
+    return m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale
+
+
+@gluon.jit
 def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, ME: gl.constexpr,
                      KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, N_K, m0, t0, n_tiles, offset,
-                     window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr,
-                     HAS_SINKS: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     window_left, KEY_MASK, key_row_at, QUERY_MASK, reads, qk_scale_a, qk_scale_b, grad_scale_b,
+                     CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_SINKS: gl.constexpr, VARLEN: gl.constexpr,
+                     HAS_KEY_MASK: gl.constexpr, HAS_QUERY_MASK: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): rows ``m0 + ME·BLOCK_M ..`` of the sequence (``n_q`` rows from token ``q0`` of a
-    batch row of ``N_Q``; ``N_K`` keys) over the program's key tiles ``t0 .. n_tiles - 1``, then their outputs."""
+    batch row of ``N_Q``; ``N_K`` keys) over the program's key tiles ``t0 .. n_tiles - 1``, then their outputs. A
+    masked batch's row that ``reads`` its key mask (``HAS_KEY_MASK``; its masks keep no prefixes) masks every tile
+    with it; rows its query mask excludes (``HAS_QUERY_MASK``) end empty."""
     D_A: gl.constexpr = qa_smem.type.shape[4]
     D_B: gl.constexpr = qb_smem.type.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -339,26 +382,20 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         w_scale = gl.full([BLOCK_M], FP16_FRAME_UNSET, gl.float32, row_layout)  # one power of two per row, once set
     else:
         w_scale = grad_scale_b * 0.0 + 1.0  # (an fp32 scalar)
-    if HAS_LEFT:  # the tiles before every row's window starts (contained through the scratch copy)
-        m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
-            t0, full_from, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v,
-            w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, p_layout, o_row_layout,
-            BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, True, HAS_LEFT)
-    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
-        full_from, n_full, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v,
-        w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, p_layout, o_row_layout,
-        BLOCK_N, D_A, D_B, STAGES, CAUSAL, False, False, HAS_LEFT)
-    # The masked tiles: past the diagonal (contained through the scratch copy), or the last, partial one (whose keys
-    # past N_K the copy engine filled with zeros; a packed sequence's are the next one's, a padded row's its padding:
-    # contained too).
-    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_steps(
-        gl.maximum(n_full, full_from), n_tiles, t0, qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a,
-        acc, m_b, z_b, rho, v, w, w_scale, zero, offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left,
-        p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, True, CAUSAL or VARLEN != 0, HAS_LEFT)
+    if HAS_KEY_MASK:  # a row that reads its key mask: every tile masked (the last sweep below, with the mask)
+        n_full = gl.where(reads != 0, t0, n_full)
+        full_from = gl.where(reads != 0, t0, full_from)
+    m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale = _ws_fwd_sweep(
+        qa, qb, ka_ring, kb_ring, scratch, ready, empty, ME, m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, zero,
+        offs_n, rows, qk_scale_a, qk_scale_b, N_K, offset, window_left, KEY_MASK, key_row_at, t0, full_from, n_full,
+        n_tiles, p_layout, o_row_layout, BLOCK_N, D_A, D_B, STAGES, CAUSAL, HAS_LEFT, VARLEN, HAS_KEY_MASK)
+    if HAS_QUERY_MASK:  # rows the query mask excludes end empty: KL 0, lse +inf, no gradient
+        kept = gl.load(QUERY_MASK + b.to(gl.int64) * N_Q + q0 + rows, mask=rows < n_q, other=0) != 0
+        z_a = gl.where(kept, z_a, 0.0)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
     _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
-                N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout, HAS_SINKS)
+                N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout, HAS_SINKS, HAS_QUERY_MASK)
 
 
 @gluon.jit
@@ -368,12 +405,14 @@ def _ws_fused_fwd_kernel(
     DQ_B,  # [B, H, N_Q, D_B] contiguous, fp32 or bf16: side b's query gradient per unit upstream gradient
     SINK_A, SINK_B,  # HAS_SINKS: [H] contiguous sink logits (nats) of each side; else None
     CU_Q, CU_K,  # VARLEN (sequence_tensors): [S + 1] int32 packed offsets (one tensor for both) or [B] row lengths
+    KEY_MASK, QUERY_MASK, READS_MASKS,  # a masked batch's (mask_tensors): [B, N] bytes, [B] int32; else None
     H, N_Q, N_K, GROUP_A, GROUP_B,  # heads, tokens per batch row, query heads per key head of each side
     MAX_Q,  # query rows of the grid per sequence: N_Q, or the longest packed sequence (VARLEN)
     order_chunk,  # (sequence, head) pairs per longest-first chunk (CAUSAL, see _row_tile_start)
     window_left,  # HAS_LEFT (a causal sliding window): query i sees keys i + N_K - N_Q - window_left .. i + N_K - N_Q
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale (> 0); side b's dS multiplier
     CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_SINKS: gl.constexpr, VARLEN: gl.constexpr,
+    HAS_KEY_MASK: gl.constexpr, HAS_QUERY_MASK: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     m0, pid_bh = _row_tile_start(MAX_Q, CONSUMERS * BLOCK_M, CAUSAL, order_chunk)
@@ -392,6 +431,11 @@ def _ws_fused_fwd_kernel(
         t0 = gl.minimum(gl.maximum(m0 + offset - window_left, 0) // BLOCK_N, n_tiles)
     else:
         t0 = 0
+    key_row_at = b.to(gl.int64) * N_K  # (this batch row's key mask)
+    if HAS_KEY_MASK:  # whether this batch row masks every tile with its key mask
+        reads = gl.load(READS_MASKS + b)
+    else:
+        reads = b * 0
 
     dtype: gl.constexpr = qa_desc.dtype
     qa_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + qa_desc.block_type.shape, qa_desc.layout)
@@ -411,12 +455,14 @@ def _ws_fused_fwd_kernel(
     gl.warp_specialize([
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 0, KL,
                             LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_k, m0, t0, n_tiles, offset,
-                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, VARLEN,
-                            BLOCK_M, BLOCK_N, STAGES)),
+                            window_left, KEY_MASK, key_row_at, QUERY_MASK, reads, qk_scale_a, qk_scale_b, grad_scale_b,
+                            CAUSAL, HAS_LEFT, HAS_SINKS, VARLEN, HAS_KEY_MASK, HAS_QUERY_MASK, BLOCK_M, BLOCK_N,
+                            STAGES)),
         (_ws_fwd_consumer, (qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, empty, q_bar, 1, KL,
                             LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_k, m0, t0, n_tiles, offset,
-                            window_left, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, HAS_LEFT, HAS_SINKS, VARLEN,
-                            BLOCK_M, BLOCK_N, STAGES)),
+                            window_left, KEY_MASK, key_row_at, QUERY_MASK, reads, qk_scale_a, qk_scale_b, grad_scale_b,
+                            CAUSAL, HAS_LEFT, HAS_SINKS, VARLEN, HAS_KEY_MASK, HAS_QUERY_MASK, BLOCK_M, BLOCK_N,
+                            STAGES)),
         (_ws_fwd_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_smem, qb_smem, ka_ring, kb_ring, ready,
                             empty, q_bar, b, h, hk_a, hk_b, q0, k0, m0, t0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -468,15 +514,17 @@ def attention_kl_fused_fwd_hopper(
     grid, order_chunk = row_tile_grid(inputs, spec, CONSUMERS * cfg.block_m)
     rows_per_sequence = sequence_grid(inputs, spec)[1]
     seq_q, seq_k, varlen = sequence_tensors(inputs)
+    key_mask, query_mask, reads = mask_tensors(inputs)
     _launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
          _descriptor(k_b, cfg.block_n), kl, lse_a, lse_b, dq_b, contiguous_or_none(inputs.sink_a),
-         contiguous_or_none(inputs.sink_b), seq_q, seq_k),
+         contiguous_or_none(inputs.sink_b), seq_q, seq_k, key_mask, query_mask, reads),
         (heads, n_q, n_k, heads // k_a.shape[1], heads // k_b.shape[1], rows_per_sequence, order_chunk,
          max(spec.window_left, 0), qk_a, qk_b, spec.grad_scale("b") * dq_scale),
         (("CAUSAL", spec.window_right == 0), ("HAS_LEFT", spec.window_left >= 0),
-         ("HAS_SINKS", inputs.sink_a is not None), ("VARLEN", varlen),
+         ("HAS_SINKS", inputs.sink_a is not None), ("VARLEN", varlen), ("HAS_KEY_MASK", key_mask is not None),
+         ("HAS_QUERY_MASK", query_mask is not None),
          ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("STAGES", cfg.num_stages), ("num_warps", 4),
          ("maxnreg", KERNEL_REGS)),
     )

@@ -91,9 +91,9 @@ def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, fi
 @gluon.jit
 def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, ME: gl.constexpr,
               LSE_A, LSE_B, GRAD, DK_B, b, q0, h0, H, N_Q, n_q, N_K, k_start, n_k, n0, pair, n_tiles, first_tile,
-              steps, offset, window_left, qk_scale_a, qk_scale_b, grad_scale_b,
-              CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              steps, offset, window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b,
+              CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_KEY_MASK: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` of the sequence (``n_q`` queries from token
     ``q0``, ``n_k`` keys from token ``k_start`` of batch rows of ``N_Q`` and ``N_K`` tokens) over every step,
     products issued in turn with the other consumer, stored at the end (into row ``pair`` of ``DK_B``)."""
@@ -125,8 +125,8 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
                             GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
                             qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_A, D_B, STAGES, CAUSAL,
                             SCALAR_GRAD, HAS_LEFT)
-    _store_dk(dk, DK_B, pair, N_K, k_start, n_k, k0, grad_scale_b, GRAD, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
-              qb_ring.dtype == gl.float16)
+    _store_dk(dk, DK_B, pair, N_K, k_start, n_k, k0, grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N, D_B, dk_layout,
+              SCALAR_GRAD, qb_ring.dtype == gl.float16, HAS_KEY_MASK)
 
 
 @gluon.jit
@@ -180,11 +180,12 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
 @gluon.jit
 def _ws_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
-    GRAD, LSE_A, LSE_B, DK_B, CU_Q, CU_K,  # as in streamkl._hopper.backward._hopper_dk_kernel
+    GRAD, LSE_A, LSE_B, DK_B, CU_Q, CU_K, KEY_MASK,  # as in streamkl._hopper.backward._hopper_dk_kernel
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, MAX_K, SPLIT, order_chunk, window_left,
     qk_scale_a, qk_scale_b, grad_scale_b,
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    HAS_KEY_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if CAUSAL:  # the longest sweeps first (see streamkl._triton._helpers._longest_first)
         rank, pid_bh = _longest_first(gl.program_id(0), gl.cdiv(MAX_K, 2 * BLOCK_N), order_chunk)
@@ -229,10 +230,12 @@ def _ws_dk_kernel(
     gl.warp_specialize([
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
                      b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n0, pair, n_tiles, first_tile, steps, offset, window_left,
-                     qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
+                     KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, HAS_KEY_MASK,
+                     BLOCK_M, BLOCK_N, STAGES)),
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
                      b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n0, pair, n_tiles, first_tile, steps, offset, window_left,
-                     qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, BLOCK_M, BLOCK_N, STAGES)),
+                     KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, HAS_KEY_MASK,
+                     BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
                      turns, b, q0, k0, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
