@@ -77,8 +77,8 @@ def attention_kl(
             0 when there are none). Default: ``"mean"``.
         key_padding_mask: ``[B, N_k]`` bool, True for real keys (not with "thd"), on the inputs' device or on the
             CPU: a mask the host holds (a data collator made it) is read without a device synchronisation where the
-            dispatch reads it (an all-True mask is dropped, a right-padded batch splits by row) and copied to the
-            device without one. Default: ``None``.
+            dispatch reads it (an all-True mask is dropped; a right-padded batch splits by row where the call takes no
+            Gluon training kernel) and copied to the device without one. Default: ``None``.
         query_mask: ``[B, N_q]`` bool, False excludes the row: KL 0, zero gradient (not with "thd"); on the inputs'
             device or on the CPU, likewise. Default: ``None``.
         layout: ``"bhnd"``, ``"bnhd"`` or ``"thd"``; any strides are accepted, nothing is copied.

@@ -59,21 +59,25 @@ def fused_forward(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool
 
 
 def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool,
-                           reduction: str, rows: int | None):
-    """``(loss, lse_a, lse_b, dq_b, dk_b)``: the training forward (:func:`fused_forward`), its reduction (see
-    :func:`_reduce`), and then the backward's key pass, with the gradient of the reduction as upstream gradient; so
-    ``dq_b`` and ``dk_b`` (in :func:`streamkl.dispatch.ahead_gradient_dtype` of their inputs' dtype) are side b's
-    gradients per unit gradient of ``loss``. Only for the calls :func:`streamkl.dispatch.gradients_ahead` selects.
+                           reduction: str, rows: int | None, defer_count: bool = False):
+    """``(loss, lse_a, lse_b, dq_b, dk_b, dq_factor)``: the training forward (:func:`fused_forward`), its reduction
+    (see :func:`_reduce`), and then the backward's key pass, with the gradient of the reduction as upstream gradient;
+    so ``dq_b`` and ``dk_b`` (in :func:`streamkl.dispatch.ahead_gradient_dtype` of their inputs' dtype) are side b's
+    gradients per unit gradient of ``loss``, ``dq_b`` times ``dq_factor`` where that is not None. Only for the calls
+    :func:`streamkl.dispatch.gradients_ahead` selects.
 
     Where that gradient is known on the host (a sum: 1; a mean over ``rows`` the host knows: ``1/rows``), the
     training forward applies it to ``dq_b`` before its store rounds, and the key pass at its store: no pass over
-    ``dq_b`` follows. A mean whose count is taken on the device multiplies ``dq_b`` by it afterwards."""
+    ``dq_b`` follows. A mean whose count is taken on the device multiplies ``dq_b`` by it afterwards, or, with
+    ``defer_count``, leaves that to the backward, which multiplies ``dq_b`` by the loss's upstream gradient anyway
+    (:func:`scaled_gradients`): ``dq_factor`` is then ``1/count`` (a 0-dim tensor), else None."""
     host_scale = 1.0 if reduction == "sum" else None if rows is None else 1.0 / rows
+    defer = defer_count and host_scale is None
     grad_dtype = dispatch.ahead_gradient_dtype(inputs.q_b.dtype)
     # a final dq_b is written in the dtype it is kept in (one rounding, as a copy to it would round): no copy follows
     kl, lse_a, lse_b, dq_unit = fused_forward(inputs, spec, backend, allow_tf32,
                                               1.0 if host_scale is None else host_scale,
-                                              None if host_scale is None else grad_dtype)
+                                              None if host_scale is None and not defer else grad_dtype)
     loss, divisor = _reduce(kl, lse_a, reduction, rows)
     if host_scale is None:  # counted on the device
         per_row = divisor.to(torch.float32).reciprocal()
@@ -83,22 +87,24 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
     with no_autocast(inputs.q_a.device):
         _, _, dq_b, dk_b = dispatch.backward(per_row.expand(kl.shape), inputs, spec, kl, lse_a, lse_b, False, True,
                                              backend, allow_tf32, deterministic, dq_unit, grad_dtype,
-                                             dq_b_final=host_scale is not None)
-    return loss, lse_a, lse_b, dq_b, dk_b
+                                             dq_b_final=host_scale is not None or defer)
+    return loss, lse_a, lse_b, dq_b, dk_b, (per_row if defer else None)
 
 
 def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: torch.Tensor, need_k_b: bool,
-                     dtype: torch.dtype):
-    """``(dq_b, dk_b)`` times the loss's upstream gradient, in side b's input ``dtype`` (None without one, and
-    ``dk_b`` None unless ``need_k_b``); new tensors, so a second backward (``retain_graph``) finds the saved ones
-    unchanged. One elementwise pass per gradient: the product rounds to ``dtype`` as it is written."""
+                     dtype: torch.dtype, dq_factor: torch.Tensor | None = None):
+    """``(dq_b, dk_b)`` times the loss's upstream gradient (``dq_b`` also times ``dq_factor``, a 0-dim tensor, where
+    given: :func:`forward_with_gradients`), in side b's input ``dtype`` (None without one, and ``dk_b`` None unless
+    ``need_k_b``); new tensors, so a second backward (``retain_graph``) finds the saved ones unchanged. One
+    elementwise pass per gradient: the product rounds to ``dtype`` as it is written."""
     if grad_loss is None:
         return None, None
 
-    def scaled(x: torch.Tensor) -> torch.Tensor:
-        return torch.mul(x, grad_loss, out=torch.empty_like(x, dtype=dtype))
+    def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, factor, out=torch.empty_like(x, dtype=dtype))
 
-    return scaled(dq_b), (scaled(dk_b) if need_k_b else None)
+    dq_scale = grad_loss if dq_factor is None else grad_loss * dq_factor
+    return scaled(dq_b, dq_scale), (scaled(dk_b, grad_loss) if need_k_b else None)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
@@ -207,8 +213,8 @@ class AttentionKLFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.ahead = ahead
         if ahead:  # the gradients are computed now; nothing else is kept
-            loss, lse_a, lse_b, dq_b, dk_b = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
-                                                                    reduction, rows)
+            loss, lse_a, lse_b, dq_b, dk_b, ctx.dq_factor = forward_with_gradients(
+                inputs, spec, backend, allow_tf32, deterministic, reduction, rows, defer_count=True)
             ctx.save_for_backward(dq_b, dk_b)
             ctx.input_dtype = q_b.dtype
             ctx.mark_non_differentiable(lse_a, lse_b)
@@ -423,7 +429,7 @@ def attention_kl_loss_ahead_op(
     inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
                       attn_mask)
     spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    return forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic, reduction, rows or None)
+    return forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic, reduction, rows or None)[:5]
 
 
 @attention_kl_loss_ahead_op.register_fake
@@ -439,12 +445,14 @@ def _setup_ahead_context(ctx, inputs, output) -> None:
     _, lse_a, lse_b, dq_b, dk_b = output
     ctx.save_for_backward(dq_b, dk_b)
     ctx.input_dtype = inputs[2].dtype
+    ctx.dq_factor = None  # (the op applied it)
     ctx.mark_non_differentiable(lse_a, lse_b, dq_b, dk_b)
 
 
 def _ahead_backward(ctx, grad_loss, *_unused):
     """The backward of a call that computed side b's gradients ahead (the Function's and the custom op's)."""
-    dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3], ctx.input_dtype)
+    dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3], ctx.input_dtype,
+                                  ctx.dq_factor)
     return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
 
 
@@ -513,8 +521,8 @@ class _PiecesAhead(torch.autograd.Function):
         dk = torch.zeros(k_b.shape, dtype=saved, device=k_b.device)
         total = None
         for piece, inputs, spec in parts:
-            loss, _, _, dq_piece, dk_piece = forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic,
-                                                                    "sum", None)
+            loss, _, _, dq_piece, dk_piece, _ = forward_with_gradients(inputs, spec, backend, allow_tf32,
+                                                                       deterministic, "sum", None)
             dq[piece.batch:piece.batch + 1, :, piece.q_start:piece.q_start + piece.n_q] = dq_piece
             dk[piece.batch:piece.batch + 1, :, piece.k_start:piece.k_start + piece.n_k] = dk_piece
             total = loss if total is None else total + loss

@@ -158,11 +158,11 @@ def _dense(p: Problem) -> bool:
 
 def _training_dense(p: Problem) -> bool:
     """:func:`_dense`, or the same with a causal sliding window (``window_left >= 0``, ``window_right == 0``), bf16
-    sinks, packed sequences, a right-padded batch, or any of them together (gpt-oss's layers; long-context packs; a
-    Hugging Face batch of unequal sequences): what the training kernels (the training forward and the key passes)
-    compute. Packed sequences need one offsets tensor for queries and keys (``cu_seqlens_q is cu_seqlens_k``, as
-    self-attention passes them; offsets given on the CPU are one device tensor where their values agree), so that
-    every sequence has as many keys as rows; masks need the lengths of the prefixes they keep (:attr:`KLInputs.lengths`,
+    sinks, packed sequences, a masked batch, or any of them together (gpt-oss's layers; long-context packs; a Hugging
+    Face batch of unequal sequences): what the training kernels (the training forward and the key passes) compute.
+    Packed sequences need one offsets tensor for queries and keys (``cu_seqlens_q is cu_seqlens_k``, as self-attention
+    passes them; offsets given on the CPU are one device tensor where their values agree), so that every sequence has as
+    many keys as rows; ``key_padding_mask`` and ``query_mask`` need each batch row's lengths (:attr:`KLInputs.lengths`,
     which :func:`read_masks` sets). (fp16 with sinks, whose epilogue meets the fp16 query gradient's per-row scale,
     stays on the portable kernels: the GPU suite has not checked it.)"""
     i, spec = p.inputs, p.spec
@@ -226,7 +226,8 @@ _KEY_PASS_DTYPES = "bf16; fp16 with one upstream gradient for every row"
 _DENSE = ("dense (B, H, N, D) tensors TMA can address, head dims 64 or 128, no masks, sinks, packing, soft-caps or "
           "windows; causal only with N_k ≥ N_q")
 _TRAINING_DENSE = ("dense (B, H, N, D) tensors TMA can address, or packed sequences with one offsets tensor for "
-                   "queries and keys, head dims 64 or 128, no masks but a right-padded batch's (read_masks), no "
+                   "queries and keys, head dims 64 or 128, no masks but key_padding_mask and query_mask with their "
+                   "lengths (read_masks), no "
                    "soft-caps; sinks (bf16) or none; causal only with N_k ≥ N_q, with or without a sliding window "
                    "(window_left ≥ 0)")
 
@@ -299,11 +300,11 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
       portable kernels and costs a load per tile; the Hugging Face batch of equal-length sequences carries an
       all-True one, and a padded batch a prefix per row.
 
-    Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading masks on the GPU costs one
-    device synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a batch that
-    would split), so smaller problems, whose host time is their cost, keep them; so do calls under ``torch.compile``
-    tracing and CUDA-graph capture. Masks given on the CPU (``AttentionKLProblem.host_masks``) are read there, with
-    no synchronisation.
+    Only on CUDA problems of at least :data:`GLUON_MIN_SCORES` score elements: reading masks on the GPU on the host
+    costs one device synchronisation (as transformers' own check before sdpa; a second one checks the prefixes of a
+    batch that would split), so smaller problems, whose host time is their cost, keep them; so do calls under
+    ``torch.compile`` tracing and CUDA-graph capture. Masks given on the CPU (``AttentionKLProblem.host_masks``) are
+    read there, with no synchronisation.
 
     Example:
         >>> from streamkl._validation import prepare_problem

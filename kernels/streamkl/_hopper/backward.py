@@ -30,11 +30,12 @@ same thing with
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable pass): bf16 inputs on both sides,
 or fp16 with a scalar upstream gradient; dense ``(B, H, N, D)`` tensors TMA can address, or packed sequences with one
-offsets tensor (each program reads its sequence's on the device, as the fused forward does; query rows past a
-sequence's end read lse = +inf, so they add nothing, and keys past it are not stored; a right-padded batch's rows
-likewise, from their lengths), head dims 64 or 128, no masks but a right-padded batch's with their lengths, no
-soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks or
-none (they reach the pass through the saved log-sum-exps only), only side b's gradient, and key-head groupings that
+offsets tensor (each program reads its sequence's on the device, as the fused forward does; query rows past a sequence's
+end read lse = +inf, so they add nothing, and keys past it are not stored; a masked batch's rows likewise, from their
+lengths, rows its query mask excludes read the forward's lse = +inf, and the keys its key mask drops store 0: a key's
+gradient sums its own column only), head dims 64 or 128, no masks but ``key_padding_mask`` and ``query_mask`` with their
+lengths, no soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding window; no other window), bf16 sinks
+or none (they reach the pass through the saved log-sum-exps only), only side b's gradient, and key-head groupings that
 divide one another (a teacher that groups more query heads per key head than the student, or fewer: then each student
 key head is split over several programs, one per teacher key head, whose fp32 parts are summed in a fixed order, so the
 result stays deterministic, :func:`streamkl._problem.key_head_split`). Gluon kernels have no CPU interpreter: CI checks
@@ -229,7 +230,9 @@ def _hopper_dk_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, n0, grad_scale_b, GRAD,
+    # a right-padded batch row's programs also write its padding keys, as zeros (nothing else covers them)
+    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, N_K if VARLEN == 2 else n_k, n0,
+              grad_scale_b, GRAD,
               KEY_MASK, b, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
               qb_desc.dtype == gl.float16, HAS_KEY_MASK)
 
@@ -368,7 +371,7 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     # packed keys outside every sequence (none where the offsets cover every token) are never written
     seq_q, seq_k, varlen = sequence_tensors(inputs)
     key_mask = mask_tensors(inputs)[0]
-    alloc = torch.zeros if varlen else torch.empty
+    alloc = torch.zeros if varlen == 1 else torch.empty
     dk_b = alloc((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32, device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
         return dk_b.zero_().sum(2).to(dk_dtype)

@@ -154,8 +154,8 @@ def _row_tile_start(N_Q, ROWS: gl.constexpr, CAUSAL: gl.constexpr, order_chunk):
 def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """``(kl, lse_a, lse_b, empty)``: the ``[B, H, N_q]`` fp32 outputs of a Gluon forward, and whether the problem has
     no query row or no key, in which case they are already final (KL 0, both lse +inf) and no kernel launches. The
-    outputs of packed sequences and of a right-padded batch start as empty rows: tokens outside every sequence (none
-    where the offsets cover every token) and padding rows are never written.
+    outputs of packed sequences start as empty rows: tokens outside every sequence (none where the offsets cover every
+    token) are never written.
 
     Example:
         >>> q = torch.randn(1, 2, 0, 64)
@@ -168,7 +168,7 @@ def forward_outputs(inputs: KLInputs) -> tuple[torch.Tensor, torch.Tensor, torch
     lse_a = torch.empty_like(kl)
     lse_b = torch.empty_like(kl)
     empty = kl.numel() == 0 or inputs.k_a.shape[2] == 0
-    if empty or sequence_tensors(inputs)[2]:
+    if empty or sequence_tensors(inputs)[2] == 1:  # (a right-padded batch's kernels write its padding rows)
         kl.zero_()
         lse_a.fill_(float("inf"))
         lse_b.fill_(float("inf"))
@@ -255,14 +255,15 @@ def _sequence_of(CU_Q, CU_K, s, N_Q, N_K, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q,
+def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_store,
                   qk_scale_a, qk_scale_b, HAS_SINKS: gl.constexpr):
     """Write the KL and both log-sum-exps of rows ``rows`` (of the sequence whose ``n_q`` rows start at token ``q0``
-    of a batch row of ``N_Q`` tokens) from their final running state (the portable kernel's epilogue;
+    of a batch row of ``N_Q`` tokens; rows from ``n_q`` up to ``n_store`` as empty rows, a right-padded batch row's
+    padding) from their final running state (the portable kernel's epilogue;
     ``HAS_SINKS``: head ``h``'s sink logits ``SINK_A[h]``, ``SINK_B[h]`` merged as one more outcome per side, as the
     portable kernel merges them); returns ``(valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in)``: which rows
     have a key, each side's sums (sinks included) with 1 elsewhere, how the sinks moved each side's frame (1
-    without), the rows' flat output offsets and which rows exist."""
+    without), the rows' flat output offsets and which rows are written."""
     row_in = rows < n_q
     valid = row_in & (z_a != 0.0)  # a NaN row stays valid so that its NaN shows
     mc_a = gl.maximum(m_a * qk_scale_a, NEG_BIG)
@@ -289,10 +290,11 @@ def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_
     lse2_b = mc_b + gl.log2(z_b_safe)
     kl = gl.where(valid, (acc / z_a_safe - lse2_a + lse2_b) * LN2_C, 0.0)
     out = (b.to(gl.int64) * H + h) * N_Q + q0 + rows
-    gl.store(KL + out, kl, mask=row_in)
-    gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=row_in)
-    gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=row_in)
-    return valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in
+    stored = rows < n_store
+    gl.store(KL + out, kl, mask=stored)
+    gl.store(LSE_A + out, gl.where(valid, lse2_a * LN2_C, float("inf")), mask=stored)
+    gl.store(LSE_B + out, gl.where(valid, lse2_b * LN2_C, float("inf")), mask=stored)
+    return valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, stored
 
 
 @gluon.jit
@@ -379,8 +381,8 @@ def _hopper_fwd_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, None, None, b, h, H, N_Q, 0, N_Q, qk_scale_a,
-                  qk_scale_b, False)
+    _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, None, None, b, h, H, N_Q, 0, N_Q, N_Q,
+                  qk_scale_a, qk_scale_b, False)
 
 
 def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:

@@ -46,15 +46,20 @@ Packed sequences (``cu_seqlens``, one offsets tensor for queries and keys) run i
 sequence's offsets on the device (:func:`.forward._sequence_of`) and addresses the ``(1, H, total, D)`` view from the
 sequence's first token; the grid spans the longest sequence (:func:`.forward.sequence_grid`) and a program past its
 sequence's rows loads no key tile. The last key tile of a sequence holds the next one's first keys: masked, and
-contained through the scratch copy as past the diagonal. A right-padded batch runs the same way, batch row by batch
-row, each from its first token to the lengths its masks keep (:attr:`streamkl._problem.KLInputs.lengths`).
+contained through the scratch copy as past the diagonal. A masked batch (``key_padding_mask``, ``query_mask``) runs the
+same way, batch row by batch row from its first token, over the rows and keys :attr:`streamkl._problem.KLInputs.lengths`
+gives each (computed on the device, :func:`streamkl._pieces.padded_lengths`): a right-padded row's real tokens, whose
+programs also write its padding rows as empty rows; any other row (left padding, a key mask with holes) all its tokens,
+every tile of it masked with the row's key mask (and contained through the scratch copy). Rows the query mask excludes
+end empty (KL 0, lse +inf, no gradient).
 
 Scope (:mod:`streamkl.dispatch` runs it only there, and anything else on the portable kernel): dense ``(B, H, N, D)``
-bf16 or fp16 inputs TMA can address, or packed sequences with one offsets tensor, head dims 64 or 128, no masks but a
-right-padded batch's with their lengths, no soft-caps, causal only with ``N_k >= N_q`` (with or without a sliding
-window; no other window), bf16 sinks or none (merged into each row's sums at its end, as the portable kernel merges
-them; the outputs then match it within fp32 rounding). Gluon kernels have no CPU interpreter: CI checks the selection,
-the GPU suite checks this kernel against the portable one (bf16 without sinks: bitwise) and the float64 oracle.
+bf16 or fp16 inputs TMA can address, or packed sequences with one offsets tensor, head dims 64 or 128, no masks but
+``key_padding_mask`` and ``query_mask`` with their lengths, no soft-caps, causal only with ``N_k >= N_q`` (with or
+without a sliding window; no other window), bf16 sinks or none (merged into each row's sums at its end, as the portable
+kernel merges them; the outputs then match it within fp32 rounding). Gluon kernels have no CPU interpreter: CI checks
+the selection, the GPU suite checks this kernel against the portable one (bf16 without sinks: bitwise) and the float64
+oracle.
 """
 
 from __future__ import annotations
@@ -204,16 +209,16 @@ def _rescale(v, w, coef, alpha_a, alpha_b, moved, row_layout: gl.constexpr):
 
 @gluon.jit
 def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
-                N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr,
+                N_Q, q0, n_q, n_store, qk_scale_a, qk_scale_b, grad_scale_b, D_B: gl.constexpr, o_layout: gl.constexpr,
                 HAS_SINKS: gl.constexpr, EXCLUDES_ROWS: gl.constexpr):
     """Write the KL, both log-sum-exps (:func:`streamkl._hopper.forward._store_kl_lse`, sinks merged there with
     ``HAS_SINKS``) and side b's query gradient per unit upstream gradient of rows ``rows`` of the sequence whose
     ``n_q`` rows start at token ``q0`` from their final running state (``w`` in units of ``1/w_scale``;
-    ``grad_scale_b`` already over it). ``EXCLUDES_ROWS``: the empty rows' gradient is 0 whatever their state (an
-    excluded row's inputs may be anything)."""
+    ``grad_scale_b`` already over it); rows from ``n_q`` up to ``n_store`` as empty rows. ``EXCLUDES_ROWS``: the
+    empty rows' gradient is 0 whatever their state (a padding or excluded row's inputs may be anything)."""
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in = _store_kl_lse(
-        m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, qk_scale_a,
+    valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, stored = _store_kl_lse(
+        m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_store, qk_scale_a,
         qk_scale_b, HAS_SINKS)
     if HAS_SINKS:  # the sinks move the ratio of the sums and the frames once more (the portable kernel's epilogue)
         coef = (z_a_safe / z_b_safe * alpha_b - rho * alpha_a) * w_scale
@@ -222,12 +227,12 @@ def _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LS
     # dQ_b / g = grad_scale_b · Σ_j (P_b − P_a)_ij k_j = grad_scale_b · w / z_a (0 on empty rows)
     scale = gl.expand_dims(gl.convert_layout(gl.where(valid, grad_scale_b / z_a_safe, 0.0), o_row_layout), 1)
     dq = w * scale
-    if EXCLUDES_ROWS:
-        dq = gl.where(gl.expand_dims(gl.convert_layout(valid, o_row_layout), 1), dq, 0.0)
+    if EXCLUDES_ROWS:  # (an empty row's scale is 0)
+        dq = gl.where(scale != 0.0, dq, 0.0)
     out_o = gl.expand_dims(gl.convert_layout(out, o_row_layout), 1)
-    row_in_o = gl.expand_dims(gl.convert_layout(row_in, o_row_layout), 1)
+    stored_o = gl.expand_dims(gl.convert_layout(stored, o_row_layout), 1)
     cols = gl.expand_dims(gl.arange(0, D_B, layout=gl.SliceLayout(0, o_layout)), 0)
-    gl.store(DQ_B + out_o * D_B + cols, dq.to(DQ_B.dtype.element_ty), mask=row_in_o & (cols < D_B))
+    gl.store(DQ_B + out_o * D_B + cols, dq.to(DQ_B.dtype.element_ty), mask=stored_o & (cols < D_B))
 
 
 @gluon.jit
@@ -394,8 +399,10 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         z_a = gl.where(kept, z_a, 0.0)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
+    # a right-padded batch row's programs also write its padding rows, as empty rows (nothing else covers them)
     _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
-                N_Q, q0, n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout, HAS_SINKS, HAS_QUERY_MASK)
+                N_Q, q0, n_q, N_Q if VARLEN == 2 else n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout,
+                HAS_SINKS, HAS_QUERY_MASK or VARLEN == 2)
 
 
 @gluon.jit

@@ -109,12 +109,13 @@ def _full_tiles_end(k0, end, offset, window_left, BLOCK_M: gl.constexpr, HAS_LEF
 
 
 @gluon.jit
-def _store_dk(dk, DK_B, pair, N_K, start, n_k, k0, grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N: gl.constexpr,
+def _store_dk(dk, DK_B, pair, N_K, start, n_k, n_store, k0, grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N: gl.constexpr,
               D_B: gl.constexpr, dk_layout: gl.constexpr, SCALAR_GRAD: gl.constexpr, FP16: gl.constexpr,
               HAS_KEY_MASK: gl.constexpr):
     """Store ``dK_b`` of keys ``k0 ..`` (fp32 ``dk``, ``dk_layout``) of the sequence whose ``n_k`` keys start at token
     ``start`` of row ``pair`` (of ``N_K`` tokens) of ``DK_B``, times side b's scale and, with ``SCALAR_GRAD``, the one
-    upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys past ``n_k`` are left out, and,
+    upstream gradient (``FP16``: over the operand scale of :func:`_ds_operand`); keys from ``n_k`` up to ``n_store``
+    are 0 (a right-padded batch row's padding), those past it are left out, and,
     with ``HAS_KEY_MASK``, the keys batch row ``b``'s key mask (``KEY_MASK``, ``[B, N_K]`` bytes) drops are 0: no
     row summed them, so their gradient is zero (whatever the sweep added for them is dropped: a key's gradient sums
     its own column only)."""
@@ -126,8 +127,8 @@ def _store_dk(dk, DK_B, pair, N_K, start, n_k, k0, grad_scale_b, GRAD, KEY_MASK,
     out_keys = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
     cols = gl.arange(0, D_B, layout=gl.SliceLayout(0, dk_layout))
     at = (pair.to(gl.int64) * N_K + start + gl.expand_dims(out_keys, 1)) * D_B + gl.expand_dims(cols, 0)
-    value = dk * scale
+    kept = out_keys < n_k
     if HAS_KEY_MASK:
-        kept = gl.load(KEY_MASK + b.to(gl.int64) * N_K + start + out_keys, mask=out_keys < n_k, other=0) != 0
-        value = gl.where(gl.expand_dims(kept, 1), value, 0.0)
-    gl.store(DK_B + at, value.to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < n_k, 1))
+        kept = kept & (gl.load(KEY_MASK + b.to(gl.int64) * N_K + start + out_keys, mask=kept, other=0) != 0)
+    value = gl.where(gl.expand_dims(kept, 1), dk * scale, 0.0)
+    gl.store(DK_B + at, value.to(DK_B.dtype.element_ty), mask=gl.expand_dims(out_keys < n_store, 1))

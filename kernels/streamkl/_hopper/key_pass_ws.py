@@ -90,8 +90,8 @@ def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, fi
 
 @gluon.jit
 def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, ME: gl.constexpr,
-              LSE_A, LSE_B, GRAD, DK_B, b, q0, h0, H, N_Q, n_q, N_K, k_start, n_k, n0, pair, n_tiles, first_tile,
-              steps, offset, window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b,
+              LSE_A, LSE_B, GRAD, DK_B, b, q0, h0, H, N_Q, n_q, N_K, k_start, n_k, n_store, n0, pair, n_tiles,
+              first_tile, steps, offset, window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b,
               CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_KEY_MASK: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` of the sequence (``n_q`` queries from token
@@ -125,8 +125,8 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
                             GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
                             qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_A, D_B, STAGES, CAUSAL,
                             SCALAR_GRAD, HAS_LEFT)
-    _store_dk(dk, DK_B, pair, N_K, k_start, n_k, k0, grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N, D_B, dk_layout,
-              SCALAR_GRAD, qb_ring.dtype == gl.float16, HAS_KEY_MASK)
+    _store_dk(dk, DK_B, pair, N_K, k_start, n_k, n_store, k0, grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N, D_B,
+              dk_layout, SCALAR_GRAD, qb_ring.dtype == gl.float16, HAS_KEY_MASK)
 
 
 @gluon.jit
@@ -197,6 +197,10 @@ def _ws_dk_kernel(
     hk_b = (pid_bh // SPLIT) % H_KB
     b, q0, n_q, k0, n_k = _sequence_of(CU_Q, CU_K, pid_bh // (SPLIT * H_KB), N_Q, N_K, VARLEN)
     pair = (b * H_KB + hk_b) * SPLIT + part
+    if VARLEN == 2:  # a right-padded batch row's programs also write its padding keys, as zeros
+        n_store = n_k * 0 + N_K
+    else:
+        n_store = n_k
     heads = GROUP_B // SPLIT
     h0 = hk_b * GROUP_B + part * heads
     hk_a = h0 // GROUP_A
@@ -229,13 +233,13 @@ def _ws_dk_kernel(
     # (the argument tuples are written out: a tuple held in a variable would turn its constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
-                     b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n0, pair, n_tiles, first_tile, steps, offset, window_left,
-                     KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, HAS_KEY_MASK,
-                     BLOCK_M, BLOCK_N, STAGES)),
+                     b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n_store, n0, pair, n_tiles, first_tile, steps, offset,
+                     window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT,
+                     HAS_KEY_MASK, BLOCK_M, BLOCK_N, STAGES)),
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
-                     b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n0, pair, n_tiles, first_tile, steps, offset, window_left,
-                     KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT, HAS_KEY_MASK,
-                     BLOCK_M, BLOCK_N, STAGES)),
+                     b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n_store, n0, pair, n_tiles, first_tile, steps, offset,
+                     window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT,
+                     HAS_KEY_MASK, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
                      turns, b, q0, k0, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -517,8 +517,6 @@ def new_dq_b_buffer(inputs: KLInputs, dtype: torch.dtype | None = None) -> torch
         torch.float32
     """
     q_b = inputs.q_b
-    # packed tokens outside every sequence, and a right-padded batch's padding rows on the Gluon kernels, are never
-    # written
-    alloc = torch.zeros if inputs.cu_seqlens_q is not None or inputs.lengths is not None else torch.empty
+    alloc = torch.zeros if inputs.cu_seqlens_q is not None else torch.empty
     dtype = dtype or saved_dq_b_dtype(q_b.dtype, q_b.numel())
     return alloc(q_b.shape, dtype=dtype, device=q_b.device)
