@@ -63,34 +63,41 @@ def padded_lengths(problem: AttentionKLProblem, query_mask: torch.Tensor | None,
         >>> padded_lengths(problem, keys, keys).tolist()  # rows, keys, and whether the kernels read the masks
         [[8, 5, 8], [8, 5, 8], [0, 0, 1]]
     """
-    def kept(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries kept per batch row, and whether they are the row's first (no kept entry after a dropped one)."""
+    def kept(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Entries kept per batch row, and whether they are the row's first (no kept entry after a dropped one;
+        None: every row's are)."""
         if mask is None:
-            return torch.full((problem.batch,), n, device=device), torch.ones(problem.batch, dtype=torch.bool,
-                                                                                device=device)
-        return mask.sum(1), ~(mask[:, 1:] & ~mask[:, :-1]).any(1)
+            return torch.full((problem.batch,), n, dtype=torch.int32, device=device), None
+        return mask.sum(1, dtype=torch.int32), ~(mask[:, 1:] > mask[:, :-1]).any(1)
 
     device = (query_mask if query_mask is not None else key_padding_mask).device
-    (rows, rows_first), (keys, keys_first) = kept(query_mask, problem.n_q), kept(key_padding_mask, problem.n_k)
-    rows, keys, fits = _piece_sizes(problem, rows, keys)
-    prefixes = rows_first & keys_first & fits
+    rows, rows_first = kept(query_mask, problem.n_q)
+    # (one mask for both, as a padded batch passes it: read once)
+    keys, keys_first = (rows, rows_first) if key_padding_mask is query_mask else kept(key_padding_mask, problem.n_k)
+    rows, keys, prefixes = _piece_sizes(problem, rows, keys)
+    for first in (rows_first, None if keys_first is rows_first else keys_first):
+        if first is not None:
+            prefixes = first if prefixes is None else prefixes & first
+    if prefixes is None:
+        return torch.stack([rows, keys, torch.zeros_like(rows)])
     return torch.stack([torch.where(prefixes, rows, problem.n_q), torch.where(prefixes, keys, problem.n_k),
-                        (~prefixes).long()]).to(torch.int32)
+                        (~prefixes).int()])
 
 
 def _piece_sizes(problem: AttentionKLProblem, rows: torch.Tensor, keys: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(rows, keys, fits)`` per batch row whose masks keep its first ``rows`` query rows and ``keys`` keys: the
-    sizes of the dense problem the row is, and whether it is one. Queries are aligned to the last key (a causal row
-    ``i`` sees keys up to ``i + n_k - n_q``): a causal row's keys are cut at its rows' last diagonal (it must keep
-    them all), and any other window needs as many keys past the rows as the batch has."""
+    sizes of the dense problem the row is, and whether it is one (None: every row is). Queries are aligned to the last
+    key (a causal row ``i`` sees keys up to ``i + n_k - n_q``): a causal row's keys are cut at its rows' last diagonal
+    (it must keep them all), and any other window needs as many keys past the rows as the batch has."""
     offset = problem.n_k - problem.n_q
     left, right = problem.window
     if right == 0:
-        return rows, rows + offset, keys >= rows + offset
+        cut = rows + offset
+        return rows, cut, keys >= cut
     if left >= 0 or right > 0:
         return rows, keys, keys - rows == offset
-    return rows, keys, torch.ones_like(rows, dtype=torch.bool)
+    return rows, keys, None
 
 
 def padded_pieces(problem: AttentionKLProblem, query_lengths: list[int] | None,
@@ -115,7 +122,7 @@ def padded_pieces(problem: AttentionKLProblem, query_lengths: list[int] | None,
         return None
     rows, keys, fits = _piece_sizes(problem, torch.tensor(query_lengths or [problem.n_q] * problem.batch),
                                     torch.tensor(key_lengths or [problem.n_k] * problem.batch))
-    if not bool(fits.all()):
+    if fits is not None and not bool(fits.all()):
         return None
     pieces = [Piece(b, 0, n_q, 0, n_k) for b, (n_q, n_k) in enumerate(zip(rows.tolist(), keys.tolist()))
               if n_q > 0 and n_k > 0]
