@@ -339,11 +339,10 @@ def read_masks(problem: AttentionKLProblem) -> tuple[AttentionKLProblem, tuple[P
     pieces = padded_pieces(problem, lengths.get("query_mask"), lengths.get("key_padding_mask"))
     if pieces is None or not _pieces_pay(problem.heads, pieces):
         return problem, None
-    # the lengths hold for a right-padded batch only where each mask keeps the first entries of every row (a second
-    # synchronisation, taken only for a batch that would split)
-    prefixes = [(m == (torch.arange(m.shape[1], device=m.device) < kept[name][:, None])).all()
-                for name, m in present.items() if not full[name]]
-    if not bool(torch.stack(prefixes).all()):
+    # the lengths hold for a right-padded batch only where each mask keeps the first entries of every row (the flag
+    # of padded_lengths; a second synchronisation, taken only for a batch that would split)
+    partial = {name: m for name, m in present.items() if not full[name]}
+    if bool(padded_lengths(problem, partial.get("query_mask"), partial.get("key_padding_mask"))[2].any()):
         return problem, None
     return replace(problem, key_padding_mask=None, query_mask=None), pieces
 

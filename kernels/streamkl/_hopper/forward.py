@@ -231,7 +231,7 @@ def _load_fixed(a_desc, b_desc, b, h_a, h_b, row, bar, a_smem, b_smem):
 def _sequence_of(CU_Q, CU_K, s, N_Q, N_K, VARLEN: gl.constexpr):
     """``(b, q0, n_q, k0, n_k)`` of a program's sequence ``s`` (:func:`sequence_tensors`): with ``VARLEN == 1``,
     packed sequence ``s`` (batch row 0, queries ``q0 .. q0 + n_q - 1`` and keys ``k0 .. k0 + n_k - 1`` from the
-    offsets ``CU_Q``, ``CU_K``); with ``VARLEN == 2``, batch row ``s`` of a right-padded batch, its first ``CU_Q[s]``
+    offsets ``CU_Q``, ``CU_K``); with ``VARLEN == 2``, batch row ``s`` of a masked batch, its first ``CU_Q[s]``
     queries and ``CU_K[s]`` keys; else batch row ``s``, all its ``N_Q`` queries and ``N_K`` keys."""
     if VARLEN == 1:
         q0 = gl.load(CU_Q + s)
@@ -261,7 +261,7 @@ def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_
     of a batch row of ``N_Q`` tokens; rows from ``n_q`` up to ``n_store`` as empty rows, a right-padded batch row's
     padding) from their final running state (the portable kernel's epilogue;
     ``HAS_SINKS``: head ``h``'s sink logits ``SINK_A[h]``, ``SINK_B[h]`` merged as one more outcome per side, as the
-    portable kernel merges them); returns ``(valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, row_in)``: which rows
+    portable kernel merges them); returns ``(valid, z_a_safe, z_b_safe, alpha_a, alpha_b, out, stored)``: which rows
     have a key, each side's sums (sinks included) with 1 elsewhere, how the sinks moved each side's frame (1
     without), the rows' flat output offsets and which rows are written."""
     row_in = rows < n_q
@@ -394,7 +394,7 @@ def hopper_forward_config(d_a: int, d_b: int) -> LaunchConfig:
 
 
 def sequence_tensors(inputs: KLInputs) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """``(CU_Q, CU_K, VARLEN)`` of a Gluon kernel (:func:`_sequence_of`): packed sequences' offsets (1), a right-padded
+    """``(CU_Q, CU_K, VARLEN)`` of a Gluon kernel (:func:`_sequence_of`): packed sequences' offsets (1), a masked
     batch's query and key lengths per batch row (2, :attr:`KLInputs.lengths`), or none (0).
 
     Example:
