@@ -209,7 +209,7 @@ def _hopper_dk_kernel(
     _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, k0 + n0, k_bar, ka_smem, kb_smem)
     for s in gl.static_range(STAGES):
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, q0, h0, n_tiles, first_tile, masked_steps,
-                      n_masked, n_diagonal, BLOCK_M, STAGES, CAUSAL)
+                      n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
