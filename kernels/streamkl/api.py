@@ -122,8 +122,11 @@ def attention_kl(
         check_finite: raise a ValueError naming the first input that holds a NaN or an infinity (costs one
             device synchronisation). Without it, non-finite values in entries a row never sees (padding, masked
             or out-of-window keys, other packed sequences, excluded rows) never reach that row's KL or any
-            gradient of an allowed entry, and a non-finite value in an allowed entry makes the rows that see it
-            NaN (or inf), gradients included; the call never hangs or crashes. Default: ``False``.
+            gradient of an allowed entry (one exception: the Hopper key pass reads the queries of some padding rows,
+            excluded rows and the next packed sequence's first rows, and a non-finite value there reaches the
+            student's key gradients; docs/guides/real-teachers.md), and a non-finite value in an allowed entry makes
+            the rows that see it NaN (or inf), gradients included; the call never hangs or crashes.
+            Default: ``False``.
         return_count: also return the number of counted rows (the denominator of ``"mean"``): the result is then a
             :class:`~streamkl.options.KLWithCount` ``(kl, rows)``, ``rows`` a float32 scalar on the inputs' device,
             counted without a host synchronisation. Default: ``False``.

@@ -78,12 +78,10 @@ from .key_pass_tiles import (
     _ds_operand,
     _ds_tile,
     _full_tiles_end,
-    _holds_uncounted_rows,
     _query_tile_bounds,
     _row_state,
     _step_tile,
     _store_dk,
-    _zero_uncounted_queries,
 )
 from .key_pass_ws import KERNEL_REGS, _ws_dk_kernel, ws_key_pass_config
 
@@ -127,13 +125,11 @@ def _issue_scores(ka, kb, qa_ring, qb_ring, bars, step, zero,
 @gluon.jit
 def _fold_step(x, y, dk, qb_ring, step, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left,
                dot_layout: gl.constexpr, BLOCK_M: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
-               MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, CONTAIN: gl.constexpr,
-               contain):
+               MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dK_b += dSᵀ · Q_b`` for one step whose score tiles ``x``, ``y`` are complete (``MASKED``: a causal
-    diagonal tile, or a tile some of whose rows' windows start after some of the keys; ``CONTAIN``, ``contain``: the
-    step's rows no KL counts contained, see :func:`_single_steps`)."""
+    diagonal tile, or a tile some of whose rows' windows start after some of the keys)."""
     ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left, MASKED,
-                  SCALAR_GRAD, HAS_LEFT, CONTAIN, contain)
+                  SCALAR_GRAD, HAS_LEFT)
     qb = qb_ring.index(step % STAGES).reshape([BLOCK_M, D_B])
     dk = warpgroup_mma(gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout), qb, dk, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -146,7 +142,6 @@ def _hopper_dk_kernel(
     DK_B,  # [B, H_KB, SPLIT, N_K, D_B] contiguous: the input dtype when SPLIT == 1, else fp32 parts to sum over SPLIT
     CU_Q, CU_K,  # VARLEN (sequence_tensors): [S + 1] int32 packed offsets (one tensor for both) or [B] row lengths
     KEY_MASK,  # HAS_KEY_MASK: a masked batch's [B, N_K] key mask as bytes (mask_tensors); else None
-    ROW_FLAGS,  # HAS_QUERY_MASK: per batch row, nonzero where its masks keep no prefix (mask_tensors); else None
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B,  # heads, student key heads, tokens per batch row, query heads per key head
     MAX_K,  # keys of the grid per sequence: N_K, or the longest packed sequence (VARLEN)
     SPLIT,  # programs per student key head: each sweeps GROUP_B // SPLIT query heads that share a teacher key head
@@ -154,8 +149,8 @@ def _hopper_dk_kernel(
     window_left,  # HAS_LEFT (a causal sliding window): query i' = i + n_k - n_q sees keys i' - window_left .. i'
     qk_scale_a, qk_scale_b, grad_scale_b,  # base-2 score = raw product * qk_scale; dK scale of side b
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
-    HAS_KEY_MASK: gl.constexpr, HAS_QUERY_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+    HAS_KEY_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     D_A: gl.constexpr = qa_desc.block_type.shape[3]
@@ -189,27 +184,20 @@ def _hopper_dk_kernel(
         end_tile = gl.cdiv(n_q, BLOCK_M)
         full_from = 0
         full_end = end_tile
-    CONTAIN: gl.constexpr = VARLEN != 0  # a partial query tile reads rows of the padding or of the next sequence
-    PEELED: gl.constexpr = CAUSAL or CONTAIN
-    if CONTAIN:  # such a tile is swept with the masked steps, contained (_holds_uncounted_rows), and so is every tile
-        # of a batch row whose masks keep no prefix: the pipelined full steps never hold a row no KL counts
-        full_end = gl.minimum(full_end, n_q // BLOCK_M)
-        if HAS_QUERY_MASK:
-            full_end = gl.where(gl.load(ROW_FLAGS + b) != 0, full_from, full_end)
     # without a window key n0 < n_k = n_q + offset is seen by row n_q - 1 (n_tiles >= 1); with one, maybe by no row;
     # none past a packed sequence's keys
     n_tiles = gl.where(n0 < n_k, gl.maximum(end_tile - first_tile, 0), 0)
     n_diagonal = gl.minimum(gl.maximum(full_from - first_tile, 0), n_tiles)  # diagonal tiles per query head
     n_full = gl.minimum(gl.maximum(full_end - full_from, 0), n_tiles - n_diagonal)
     n_masked = n_tiles - n_full  # the diagonal tiles and those past the full ones (a window's), per query head
-    masked_steps = heads * n_masked  # swept first, one at a time (PEELED); then the full ones, pipelined
+    masked_steps = heads * n_masked  # swept first, one at a time; then the full ones, pipelined
     steps = heads * n_tiles
 
     ka_smem, kb_smem, qa_ring, qb_ring, k_bar, bars = _allocate_tiles(ka_desc, kb_desc, qa_desc, qb_desc, STAGES)
     _load_fixed(ka_desc, kb_desc, b, hk_a, hk_b, k0 + n0, k_bar, ka_smem, kb_smem)
     for s in gl.static_range(STAGES):
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, s, steps, b, q0, h0, n_tiles, first_tile, masked_steps,
-                      n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
+                      n_masked, n_diagonal, BLOCK_M, STAGES, CAUSAL)
 
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -223,21 +211,21 @@ def _hopper_dk_kernel(
     # code is never live beside the pipelined loop's two register sets (with both, 64-query steps spill). Then the full
     # steps: pipelined (OVERLAP), or also one at a time where two register sets of scores beside a wide dK accumulator
     # would spill (head dim 128).
-    if PEELED:
+    if CAUSAL:
         dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                           ROW_FLAGS, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
-                           0, masked_steps, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M,
-                           D_A, D_B, STAGES, SCALAR_GRAD, PEELED, CAUSAL, HAS_LEFT, CONTAIN, HAS_QUERY_MASK)
+                           b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, 0,
+                           masked_steps, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A,
+                           D_B, STAGES, SCALAR_GRAD, CAUSAL, True, HAS_LEFT)
         if masked_steps < steps:
             dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A,
                                   LSE_B, GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked,
                                   n_diagonal, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M,
-                                  D_A, D_B, STAGES, SCALAR_GRAD, PEELED, OVERLAP, HAS_LEFT)
+                                  D_A, D_B, STAGES, SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
     elif steps > 0:  # (none past a packed sequence's keys)
         dk = _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B,
                               GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
                               steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout, BLOCK_M, D_A, D_B, STAGES,
-                              SCALAR_GRAD, PEELED, OVERLAP, HAS_LEFT)
+                              SCALAR_GRAD, CAUSAL, OVERLAP, HAS_LEFT)
     mbarrier.invalidate(k_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -264,39 +252,27 @@ def _remaining_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero,
                          SCALAR_GRAD, PEELED, HAS_LEFT)
     else:
         dk = _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                           None, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
+                           b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal,
                            masked_steps, steps, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout,
-                           BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED, False, HAS_LEFT, False, False)
+                           BLOCK_M, D_A, D_B, STAGES, SCALAR_GRAD, PEELED, False, HAS_LEFT)
     return dk
 
 
 @gluon.jit
 def _single_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys, offs_m, LSE_A, LSE_B, GRAD,
-                  ROW_FLAGS, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, start,
-                  stop, steps, qk_scale_a, qk_scale_b, offset, window_left, dot_layout: gl.constexpr,
-                  BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr,
-                  SCALAR_GRAD: gl.constexpr, PEELED: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                  CONTAIN: gl.constexpr, HAS_QUERY_MASK: gl.constexpr):
+                  b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, start, stop, steps,
+                  qk_scale_a, qk_scale_b, offset, window_left, dot_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, SCALAR_GRAD: gl.constexpr,
+                  PEELED: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dK_b`` after the steps ``start .. stop - 1``, one at a time: each step's score products are waited for
-    before its exponentials, so one register set of scores is live (``MASKED``: the masked steps). With ``CONTAIN``
-    (the masked steps of packed sequences or a masked batch, which hold every tile that may hold rows no KL counts), a
-    step that does (:func:`_holds_uncounted_rows`) has those rows' queries of side b zeroed in shared memory and
-    their ``dSᵀ`` columns zeroed before ``dK``'s product, so no value there reaches ``dK_b``. (Containing a step
-    needs registers that the pipelined full steps do not have: there it spilled.)"""
+    before its exponentials, so one register set of scores is live (``MASKED``: the masked steps)."""
     for t in range(start, stop):
         x, y = _issue_scores(ka, kb, qa_ring, qb_ring, bars, t, zero, BLOCK_M, D_A, D_B, STAGES)
         lse2_a, lse2_b, g, rows = _step_rows(LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile,
                                              masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD, PEELED)
         x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-        contain = 0
-        if CONTAIN:
-            h, tile = _step_tile(t, h0, n_tiles, first_tile, masked_steps, n_masked, n_diagonal, PEELED)
-            contain = _holds_uncounted_rows(tile, n_q, b, ROW_FLAGS, BLOCK_M, HAS_QUERY_MASK)
-            if contain:
-                _zero_uncounted_queries(qb_ring.index(t % STAGES).reshape([BLOCK_M, D_B]), LSE_B, h, tile, b, H, N_Q,
-                                        q0, n_q, BLOCK_M, D_B)
         dk = _fold_step(x, y, dk, qb_ring, t, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset,
-                        window_left, dot_layout, BLOCK_M, D_B, STAGES, MASKED, SCALAR_GRAD, HAS_LEFT, CONTAIN, contain)
+                        window_left, dot_layout, BLOCK_M, D_B, STAGES, MASKED, SCALAR_GRAD, HAS_LEFT)
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, q0, h0, n_tiles, first_tile,
                       masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
     return dk
@@ -325,7 +301,7 @@ def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys
                                                  masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
                                                  PEELED)
         dk = _fold_step(x0, y0, dk, qb_ring, t, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
-                        window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT, False, 0)
+                        window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + STAGES, steps, b, q0, h0, n_tiles, first_tile,
                       masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
         x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
@@ -334,14 +310,14 @@ def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys
                                                  masked_steps, n_masked, n_diagonal, offs_m, BLOCK_M, SCALAR_GRAD,
                                                  PEELED)
         dk = _fold_step(x1, y1, dk, qb_ring, t + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b, offset,
-                        window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT, False, 0)
+                        window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
         _load_queries(qa_desc, qb_desc, qa_ring, qb_ring, bars, t + 1 + STAGES, steps, b, q0, h0, n_tiles, first_tile,
                       masked_steps, n_masked, n_diagonal, BLOCK_M, STAGES, PEELED)
     # One or two steps are left: step start + 2·pairs is in flight in (x0, y0); its successor, if any, is the last.
     last = start + 2 * pairs
     x0, y0 = warpgroup_mma_wait(num_outstanding=0, deps=(x0, y0))
     dk = _fold_step(x0, y0, dk, qb_ring, last, lse2_a0, lse2_b0, g0, rows0, keys, qk_scale_a, qk_scale_b, offset,
-                    window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT, False, 0)
+                    window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
     if last + 1 < steps:
         x1, y1 = _issue_scores(ka, kb, qa_ring, qb_ring, bars, last + 1, zero, BLOCK_M, D_A, D_B, STAGES)
         lse2_a1, lse2_b1, g1, rows1 = _step_rows(LSE_A, LSE_B, GRAD, last + 1, b, q0, h0, H, N_Q, n_q, n_tiles,
@@ -349,7 +325,7 @@ def _full_steps(ka, kb, qa_desc, qb_desc, qa_ring, qb_ring, bars, dk, zero, keys
                                                  SCALAR_GRAD, PEELED)
         x1, y1 = warpgroup_mma_wait(num_outstanding=0, deps=(x1, y1))
         dk = _fold_step(x1, y1, dk, qb_ring, last + 1, lse2_a1, lse2_b1, g1, rows1, keys, qk_scale_a, qk_scale_b,
-                        offset, window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT, False, 0)
+                        offset, window_left, dot_layout, BLOCK_M, D_B, STAGES, False, SCALAR_GRAD, HAS_LEFT)
     return dk
 
 
@@ -394,8 +370,7 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     # with a split, each program writes fp32 parts of its student key head's gradient, summed in a fixed order below;
     # packed keys outside every sequence (none where the offsets cover every token) are never written
     seq_q, seq_k, varlen = sequence_tensors(inputs)
-    key_mask, query_mask, row_flags = mask_tensors(inputs)
-    row_flags = None if query_mask is None else row_flags  # (the key mask is applied at the store only)
+    key_mask = mask_tensors(inputs)[0]
     alloc = torch.zeros if varlen == 1 else torch.empty
     dk_b = alloc((batch, h_kb, split, n_k, d_b), dtype=dk_dtype if split == 1 else torch.float32, device=k_b.device)
     if dk_b.numel() == 0 or n_q == 0:
@@ -419,12 +394,11 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
     launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),
-         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, seq_q, seq_k, key_mask, row_flags),
+         _descriptor(k_b, cfg.block_n), grad_kl, lse_a, lse_b, dk_b, seq_q, seq_k, key_mask),
         (heads, h_kb, n_q, n_k, group_a, group_b, keys_per_sequence, split, order_chunk, max(spec.window_left, 0),
          qk_a, qk_b, spec.grad_scale("b")),
         (("CAUSAL", causal), ("SCALAR_GRAD", grad_kl.numel() == 1), ("HAS_LEFT", spec.window_left >= 0),
-         ("VARLEN", varlen), ("HAS_KEY_MASK", key_mask is not None),
-         ("HAS_QUERY_MASK", row_flags is not None), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
+         ("VARLEN", varlen), ("HAS_KEY_MASK", key_mask is not None), ("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n),
          ("STAGES", cfg.num_stages)) + extra,
     )
     return dk_b.view(batch, h_kb, n_k, d_b) if split == 1 else dk_b.sum(2).to(dk_dtype)

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .._triton_common.numerics import FP16_DS_SCALE, LOG2E_C
-
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
@@ -53,11 +50,10 @@ def _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, q0, n_q, offs_m, BLOCK_M:
 
 @gluon.jit
 def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left,
-             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, CONTAIN: gl.constexpr, contain):
+             MASKED: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dSᵀ`` of one transposed tile ([keys, queries], fp32): ``g·(P_b − P_a)``, zero where the causal mask (and, with
-    ``HAS_LEFT``, the window) forbids the pair (``MASKED``), and, with ``CONTAIN`` on a step where ``contain``
-    (:func:`_holds_uncounted_rows`), in the columns of the rows no KL counts (lse = +inf), whatever their queries
-    hold; without ``SCALAR_GRAD`` the per-row ``g`` is applied here."""
+    ``HAS_LEFT``, the window) forbids the pair (``MASKED``); without ``SCALAR_GRAD`` the per-row ``g`` is applied
+    here."""
     p_a = gl.exp2(x * qk_scale_a - gl.expand_dims(lse2_a, 0))
     p_b = gl.exp2(y * qk_scale_b - gl.expand_dims(lse2_b, 0))
     ds = p_b - p_a
@@ -65,45 +61,7 @@ def _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset
         ds = ds * gl.expand_dims(g, 0)
     if MASKED:
         ds = _causal_mask(ds, keys, rows, offset, window_left, HAS_LEFT)
-    if CONTAIN:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if contain:
-            ds = gl.where(gl.expand_dims(lse2_b != float("inf"), 0), ds, 0.0)
     return ds
-
-
-@gluon.jit
-def _holds_uncounted_rows(tile, n_q, b, ROW_FLAGS, BLOCK_M: gl.constexpr, HAS_QUERY_MASK: gl.constexpr):
-    """Whether query tile ``tile`` of a kernel that reads rows of the padding or of the next sequence (``CONTAIN``,
-    packed sequences or a masked batch) may hold rows it reads but no KL counts, whose queries may then hold anything:
-    a partial tile's rows past the sequence's ``n_q`` (a masked batch row's padding, the next packed sequence), and,
-    with ``HAS_QUERY_MASK``, any row of a batch row whose masks keep no prefix (``ROW_FLAGS[b]``, the flag row of
-    :attr:`streamkl._problem.KLInputs.lengths`). Such a step's ``dSᵀ`` is zeroed in those rows' columns
-    (:func:`_ds_tile`) and their queries of side b in shared memory (:func:`_zero_uncounted_queries`), so that no
-    non-finite value there reaches ``dK_b``."""
-    contain = tile * BLOCK_M + BLOCK_M > n_q
-    if HAS_QUERY_MASK:
-        contain = contain | (gl.load(ROW_FLAGS + b) != 0)
-    return contain
-
-
-@gluon.jit
-def _zero_uncounted_queries(qb_tile, LSE_B, h, tile, b, H, N_Q, q0, n_q, BLOCK_M: gl.constexpr,
-                            D_B: gl.constexpr):
-    """Zero, in the shared-memory query tile ``qb_tile`` ([BLOCK_M, D_B], side b, head ``h``'s query tile ``tile``),
-    the rows no KL counts (lse = +inf: excluded by the query mask, without an allowed key, or past ``n_q``), 16 rows at
-    a time, and make the stores visible to this warpgroup's next products: ``dK_b``'s product then never multiplies a
-    non-finite query by a zero ``dSᵀ``. A row whose lse is finite, or NaN, keeps its query."""
-    CHUNK: gl.constexpr = 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    base = (b.to(gl.int64) * H + h) * N_Q + q0
-    for c in gl.static_range(BLOCK_M // CHUNK):
-        part = qb_tile.slice(c * CHUNK, CHUNK)
-        rows = tile * BLOCK_M + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-        lse = gl.load(LSE_B + base + rows, mask=rows < n_q, other=float("inf"))
-        q = part.load(layout)
-        part.store(gl.where(gl.expand_dims(lse != float("inf"), 1), q, gl.zeros_like(q)))
-    fence_async_shared()
-    _cta_barrier()
 
 
 @gluon.jit

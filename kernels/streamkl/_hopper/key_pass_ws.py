@@ -38,11 +38,9 @@ from .key_pass_tiles import (
     _ds_operand,
     _ds_tile,
     _full_tiles_end,
-    _holds_uncounted_rows,
     _query_tile_bounds,
     _row_state,
     _store_dk,
-    _zero_uncounted_queries,
 )
 
 #: Registers per thread of each consumer warpgroup and of the producer (``setmaxnreg``); the kernel's limit is set
@@ -74,38 +72,28 @@ def _producer(qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_
 
 
 @gluon.jit
-def _ws_ds_tile(x, y, qb_ring, LSE_A, LSE_B, GRAD, ROW_FLAGS, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys,
-                offs_m, full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr,
-                D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr,
-                HAS_LEFT: gl.constexpr, CONTAIN: gl.constexpr, HAS_QUERY_MASK: gl.constexpr):
+def _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys, offs_m, full_from,
+                full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr):
     """``dSᵀ`` ([keys, queries], fp32) of step ``t`` from its score tiles, masked on the steps before ``full_from``
     and from ``full_end`` on (a consumer's steps are the first consumer's, so whether a step is masked is known only
-    here); a step that may hold rows no KL counts contains them (:func:`_holds_uncounted_rows`), its queries of side
-    b in the ring zeroed before its ``dK`` product (both consumers write the same values there)."""
-    h = h0 + t // n_tiles
+    here)."""
     tile = first_tile + t % n_tiles
-    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h, tile, b, H, N_Q, q0, n_q, offs_m, BLOCK_M, SCALAR_GRAD)
-    contain = 0
-    if CONTAIN:
-        contain = _holds_uncounted_rows(tile, n_q, b, ROW_FLAGS, BLOCK_M, HAS_QUERY_MASK)
+    lse2_a, lse2_b, g, rows = _row_state(LSE_A, LSE_B, GRAD, h0 + t // n_tiles, tile, b, H, N_Q, q0, n_q, offs_m,
+                                         BLOCK_M, SCALAR_GRAD)
     ds = _ds_tile(x, y, lse2_a, lse2_b, g, rows, keys, qk_scale_a, qk_scale_b, offset, window_left, False,
-                  SCALAR_GRAD, HAS_LEFT, CONTAIN, contain)
+                  SCALAR_GRAD, HAS_LEFT)
     if CAUSAL and (tile < full_from or tile >= full_end):
         ds = _causal_mask(ds, keys, rows, offset, window_left, HAS_LEFT)
-    if CONTAIN:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if contain:
-            _zero_uncounted_queries(qb_ring.index(t % STAGES).reshape([BLOCK_M, D_B]), LSE_B, h, tile, b, H, N_Q,
-                                    q0, n_q, BLOCK_M, D_B)
     return ds
 
 
 @gluon.jit
 def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, ME: gl.constexpr,
               LSE_A, LSE_B, GRAD, DK_B, b, q0, h0, H, N_Q, n_q, N_K, k_start, n_k, n_store, n0, pair, n_tiles,
-              first_tile, steps, offset, window_left, KEY_MASK, ROW_FLAGS, qk_scale_a, qk_scale_b, grad_scale_b,
+              first_tile, steps, offset, window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b,
               CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_KEY_MASK: gl.constexpr,
-              HAS_QUERY_MASK: gl.constexpr, CONTAIN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Consumer ``ME`` (0 or 1): ``dK_b`` of keys ``n0 + ME·BLOCK_N ..`` of the sequence (``n_q`` queries from token
     ``q0``, ``n_k`` keys from token ``k_start`` of batch rows of ``N_Q`` and ``N_K`` tokens) over every step,
     products issued in turn with the other consumer, stored at the end (into row ``pair`` of ``DK_B``)."""
@@ -134,20 +122,19 @@ def _consumer(qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 
     kb = k_smem_b.index(ME).reshape([BLOCK_N, D_B])
     if steps > 0:  # (none where a window's rows see none of the program's keys: their gradient is zero)
         dk = _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME, dk, zero, dot_layout, LSE_A, LSE_B,
-                            GRAD, ROW_FLAGS, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m,
-                            full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_A, D_B,
-                            STAGES, CAUSAL, SCALAR_GRAD, HAS_LEFT, CONTAIN, HAS_QUERY_MASK)
+                            GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m, full_from, full_end,
+                            qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_A, D_B, STAGES, CAUSAL,
+                            SCALAR_GRAD, HAS_LEFT)
     _store_dk(dk, DK_B, pair, N_K, k_start, n_k, n_store, k0, grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N, D_B,
               dk_layout, SCALAR_GRAD, qb_ring.dtype == gl.float16, HAS_KEY_MASK)
 
 
 @gluon.jit
 def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constexpr, dk, zero, dot_layout: gl.constexpr,
-                   LSE_A, LSE_B, GRAD, ROW_FLAGS, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m,
-                   full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr,
-                   D_A: gl.constexpr, D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, CONTAIN: gl.constexpr,
-                   HAS_QUERY_MASK: gl.constexpr):
+                   LSE_A, LSE_B, GRAD, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, steps, keys, offs_m, full_from,
+                   full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M: gl.constexpr, D_A: gl.constexpr,
+                   D_B: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr,
+                   HAS_LEFT: gl.constexpr):
     """Every step of consumer ``ME``: wait for the query tiles and the turn, issue this step's score products and
     the previous step's ``dK`` product, hand the turn over, then the exponentials; returns ``dK_b`` (fp32)."""
     OTHER: gl.constexpr = 1 - ME
@@ -163,9 +150,8 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
                       is_async=True)
     mbarrier.arrive(turns.index(OTHER))
     x, y = warpgroup_mma_wait(num_outstanding=0, deps=(x, y))
-    ds = _ws_ds_tile(x, y, qb_ring, LSE_A, LSE_B, GRAD, ROW_FLAGS, 0, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys,
-                     offs_m, full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_B, STAGES,
-                     CAUSAL, SCALAR_GRAD, HAS_LEFT, CONTAIN, HAS_QUERY_MASK)
+    ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, 0, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys, offs_m, full_from,
+                     full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD, HAS_LEFT)
     ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     for t in range(1, steps):
         stage = t % STAGES
@@ -180,9 +166,9 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
         mbarrier.arrive(turns.index(OTHER))
         x, y, dk = warpgroup_mma_wait(num_outstanding=0, deps=(x, y, dk))
         mbarrier.arrive(empty.index(prev))  # both products of step t - 1 are done with its slot
-        ds = _ws_ds_tile(x, y, qb_ring, LSE_A, LSE_B, GRAD, ROW_FLAGS, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile,
-                         keys, offs_m, full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, D_B,
-                         STAGES, CAUSAL, SCALAR_GRAD, HAS_LEFT, CONTAIN, HAS_QUERY_MASK)
+        ds = _ws_ds_tile(x, y, LSE_A, LSE_B, GRAD, t, b, q0, h0, H, N_Q, n_q, n_tiles, first_tile, keys, offs_m,
+                         full_from, full_end, qk_scale_a, qk_scale_b, offset, window_left, BLOCK_M, CAUSAL, SCALAR_GRAD,
+                         HAS_LEFT)
         ds = gl.convert_layout(_ds_operand(ds, qb_ring.dtype), dot_layout)
     last = (steps - 1) % STAGES
     dk = warpgroup_mma(ds, qb_ring.index(last).reshape([BLOCK_M, D_B]), dk, is_async=True)
@@ -194,12 +180,11 @@ def _steps_in_turn(ka, kb, qa_ring, qb_ring, ready, empty, turns, ME: gl.constex
 @gluon.jit
 def _ws_dk_kernel(
     qa_desc, ka_desc, qb_desc, kb_desc,  # rank-4 TMA descriptors over [B, H | H_k, N, D], blocks [1, 1, BLOCK, D]
-    GRAD, LSE_A, LSE_B, DK_B, CU_Q, CU_K, KEY_MASK, ROW_FLAGS,  # as in streamkl._hopper.backward._hopper_dk_kernel
+    GRAD, LSE_A, LSE_B, DK_B, CU_Q, CU_K, KEY_MASK,  # as in streamkl._hopper.backward._hopper_dk_kernel
     H, H_KB, N_Q, N_K, GROUP_A, GROUP_B, MAX_K, SPLIT, order_chunk, window_left,
     qk_scale_a, qk_scale_b, grad_scale_b,
     CAUSAL: gl.constexpr, SCALAR_GRAD: gl.constexpr, HAS_LEFT: gl.constexpr, VARLEN: gl.constexpr,
-    HAS_KEY_MASK: gl.constexpr, HAS_QUERY_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
+    HAS_KEY_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     if CAUSAL:  # the longest sweeps first (see streamkl._triton._helpers._longest_first)
@@ -228,7 +213,6 @@ def _ws_dk_kernel(
     # (none past a packed sequence's keys)
     n_tiles = gl.where(n0 < n_k, gl.maximum(end_tile - first_tile, 0), 0)
     steps = heads * n_tiles
-    CONTAIN: gl.constexpr = VARLEN != 0  # partial query tiles read rows of the padding or the next sequence
 
     dtype: gl.constexpr = qa_desc.dtype
     k_smem_a = gl.allocate_shared_memory(dtype, [2] + ka_desc.block_type.shape, ka_desc.layout)
@@ -250,12 +234,12 @@ def _ws_dk_kernel(
     gl.warp_specialize([
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 0, LSE_A, LSE_B, GRAD, DK_B,
                      b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n_store, n0, pair, n_tiles, first_tile, steps, offset,
-                     window_left, KEY_MASK, ROW_FLAGS, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD,
-                     HAS_LEFT, HAS_KEY_MASK, HAS_QUERY_MASK, CONTAIN, BLOCK_M, BLOCK_N, STAGES)),
+                     window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT,
+                     HAS_KEY_MASK, BLOCK_M, BLOCK_N, STAGES)),
         (_consumer, (qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar, turns, 1, LSE_A, LSE_B, GRAD, DK_B,
                      b, q0, h0, H, N_Q, n_q, N_K, k0, n_k, n_store, n0, pair, n_tiles, first_tile, steps, offset,
-                     window_left, KEY_MASK, ROW_FLAGS, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD,
-                     HAS_LEFT, HAS_KEY_MASK, HAS_QUERY_MASK, CONTAIN, BLOCK_M, BLOCK_N, STAGES)),
+                     window_left, KEY_MASK, qk_scale_a, qk_scale_b, grad_scale_b, CAUSAL, SCALAR_GRAD, HAS_LEFT,
+                     HAS_KEY_MASK, BLOCK_M, BLOCK_N, STAGES)),
         (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, qa_ring, qb_ring, k_smem_a, k_smem_b, ready, empty, k_bar,
                      turns, b, q0, k0, h0, hk_a, hk_b, n0, n_tiles, first_tile, steps, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
