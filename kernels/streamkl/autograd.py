@@ -264,42 +264,40 @@ def _reduce(kl, lse_a, reduction: str, rows: int | None):
 
 
 # ------------------------------------------------------------------------------ torch.library custom ops
-@torch.library.custom_op("streamkl::attention_kl_fwd", mutates_args=())
-def attention_kl_fwd_op(
-    q_a: torch.Tensor,
-    k_a: torch.Tensor,
-    q_b: torch.Tensor,
-    k_b: torch.Tensor,
-    sink_a: torch.Tensor | None,
-    sink_b: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None,
-    query_mask: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    scale_a: float,
-    scale_b: float,
-    softcap_a: float,
-    softcap_b: float,
-    window_left: int,
-    window_right: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    backend: str,
-    allow_tf32: bool,
-    deterministic: bool,
-    fuse_dq_b: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+#: The problem's arguments of every custom op, in this order: the fields of :class:`KLInputs` but ``lengths`` (a
+#: compiled call never reads masks, see :func:`_op_tensors`), then those of :class:`KLSpec`, then the execution options.
+_TENSORS = len(KLInputs._fields) - 1
+_SPEC = len(dataclasses.fields(KLSpec))
+_PROBLEM_SCHEMA = ", ".join(
+    [f"Tensor{'' if i < 4 else '?'} {name}" for i, name in enumerate(KLInputs._fields[:_TENSORS])]
+    + [f"{getattr(field.type, '__name__', field.type)} {field.name}" for field in dataclasses.fields(KLSpec)]
+    + ["str backend", "bool allow_tf32", "bool deterministic"])
+_PROBLEM_ARGS = _TENSORS + _SPEC + 3
+
+
+def _problem_of(args: tuple) -> tuple[KLInputs, KLSpec, str, bool, bool]:
+    """``(inputs, spec, backend, allow_tf32, deterministic)`` from a custom op's leading problem arguments."""
+    return (KLInputs(*args[:_TENSORS]), KLSpec(*args[_TENSORS:_TENSORS + _SPEC]), *args[_TENSORS + _SPEC:_PROBLEM_ARGS])
+
+
+def _problem_args(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf32: bool, deterministic: bool) -> tuple:
+    """A custom op's leading problem arguments (the inverse of :func:`_problem_of`)."""
+    return (*_op_tensors(inputs), *dataclasses.astuple(spec), backend, allow_tf32, deterministic)
+
+
+@torch.library.custom_op("streamkl::attention_kl_fwd", mutates_args=(),
+                         schema=f"({_PROBLEM_SCHEMA}, bool fuse_dq_b) -> (Tensor, Tensor, Tensor, Tensor)")
+def attention_kl_fwd_op(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``KL(P_a ‖ P_b)`` plus ``lse_a``/``lse_b`` and, with ``fuse_dq_b``, side b's query gradient per unit
-    upstream gradient (else an empty tensor; see the module docstring)."""
-    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                      attn_mask)
-    spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
+    upstream gradient (else an empty tensor; see the module docstring): ``(*problem, fuse_dq_b)``, the problem's
+    arguments as :func:`_problem_args` lists them."""
+    (inputs, spec, backend, allow_tf32, _), fuse_dq_b = _problem_of(args), args[_PROBLEM_ARGS]
     if fuse_dq_b and backend != "triton":
         raise ValueError(f"Expected `backend='triton'` with `fuse_dq_b=True`, but got backend={backend!r}.")
     if fuse_dq_b:
         return fused_forward(inputs, spec, backend, allow_tf32)
-    return (*forward_impl(inputs, spec, backend, allow_tf32), q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32))
+    return (*forward_impl(inputs, spec, backend, allow_tf32),
+            inputs.q_b.new_empty(_EMPTY_SHAPE, dtype=torch.float32))
 
 
 @attention_kl_fwd_op.register_fake
@@ -313,77 +311,48 @@ def _attention_kl_fwd_fake(q_a, k_a, q_b, k_b, *args):
     return (*(q_a.new_empty(shape, dtype=dtype) for _ in range(3)), dq_b)
 
 
-@torch.library.custom_op("streamkl::attention_kl_bwd", mutates_args=())
-def attention_kl_bwd_op(
-    grad_kl: torch.Tensor,
-    q_a: torch.Tensor,
-    k_a: torch.Tensor,
-    q_b: torch.Tensor,
-    k_b: torch.Tensor,
-    sink_a: torch.Tensor | None,
-    sink_b: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None,
-    query_mask: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    kl: torch.Tensor,
-    lse_a: torch.Tensor,
-    lse_b: torch.Tensor,
-    scale_a: float,
-    scale_b: float,
-    softcap_a: float,
-    softcap_b: float,
-    window_left: int,
-    window_right: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    need_grad_a: bool,
-    need_grad_b: bool,
-    need_sink_a: bool,
-    need_sink_b: bool,
-    backend: str,
-    allow_tf32: bool,
-    deterministic: bool,
-    dq_b: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``Σ grad_kl · KL``; a gradient that was not asked for is an empty tensor (custom ops
-    cannot return None). ``dq_b``: the forward's fused query gradient of side b, or None."""
-    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                      attn_mask)
-    spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    grads = _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_grad_a, need_grad_b, need_sink_a,
-                            need_sink_b, backend, allow_tf32, deterministic, dq_b)
-    like = (q_a, k_a, q_b, k_b, kl, kl)
+@torch.library.custom_op(
+    "streamkl::attention_kl_bwd", mutates_args=(),
+    schema=f"({_PROBLEM_SCHEMA}, Tensor grad_kl, Tensor kl, Tensor lse_a, Tensor lse_b, bool need_grad_a, "
+           "bool need_grad_b, bool need_sink_a, bool need_sink_b, Tensor? dq_b) -> (Tensor, Tensor, Tensor, Tensor, "
+           "Tensor, Tensor)")
+def attention_kl_bwd_op(*args) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``Σ grad_kl · KL`` (``(*problem, grad_kl, kl, lse_a, lse_b, need_grad_a, need_grad_b,
+    need_sink_a, need_sink_b, dq_b)``); a gradient that was not asked for is an empty tensor (custom ops cannot return
+    None). ``dq_b``: the forward's fused query gradient of side b, or None."""
+    inputs, spec, backend, allow_tf32, deterministic = _problem_of(args)
+    grad_kl, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, dq_b = args[_PROBLEM_ARGS:]
+    grads = _eager_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
+                            allow_tf32, deterministic, dq_b)
+    like = (*inputs[:4], kl, kl)
     return tuple(x.new_empty(_EMPTY_SHAPE) if g is None else g for g, x in zip(grads, like))
 
 
 @attention_kl_bwd_op.register_fake
-def _attention_kl_bwd_fake(grad_kl, q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q,
-                           cu_seqlens_k, attn_mask, kl, lse_a, lse_b, *args):
-    need_a, need_b, need_sink_a, need_sink_b = args[8:12]
+def _attention_kl_bwd_fake(*args):
+    inputs = KLInputs(*args[:_TENSORS])
+    _, kl, _, _, need_a, need_b, need_sink_a, need_sink_b, _ = args[_PROBLEM_ARGS:]
     need = (need_a, need_a, need_b, need_b)
     grads = [
         torch.empty_like(x, memory_format=torch.contiguous_format) if n else x.new_empty(_EMPTY_SHAPE)
-        for n, x in zip(need, (q_a, k_a, q_b, k_b))
+        for n, x in zip(need, inputs[:4])
     ]
-    for n, sink in ((need_sink_a, sink_a), (need_sink_b, sink_b)):
+    for n, sink in ((need_sink_a, inputs.sink_a), (need_sink_b, inputs.sink_b)):
         grads.append(torch.empty_like(sink) if n and sink is not None else kl.new_empty(_EMPTY_SHAPE))
     return tuple(grads)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    tensors = KLInputs(*inputs[:11])
-    spec = KLSpec(*inputs[11:19])
+    tensors, spec, *options = _problem_of(inputs)
     kl, lse_a, lse_b, dq_b = output
-    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(inputs[19:22]), dq_b if inputs[22] else None)
+    _save(ctx, tensors, kl, lse_a, lse_b, spec, tuple(options), dq_b if inputs[_PROBLEM_ARGS] else None)
     ctx.mark_non_differentiable(dq_b)
 
 
 def _compiled_backward(grad_kl, inputs, spec, kl, lse_a, lse_b, need_a, need_b, need_sink_a, need_sink_b, backend,
                        allow_tf32, deterministic, dq_b=None):
-    return attention_kl_bwd_op(grad_kl, *_op_tensors(inputs), kl, lse_a, lse_b, *dataclasses.astuple(spec),
-                               need_a, need_b, need_sink_a, need_sink_b, backend, allow_tf32, deterministic, dq_b)
+    return attention_kl_bwd_op(*_problem_args(inputs, spec, backend, allow_tf32, deterministic), grad_kl, kl, lse_a,
+                               lse_b, need_a, need_b, need_sink_a, need_sink_b, dq_b)
 
 
 def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b, _grad_dq_b=None):
@@ -393,42 +362,17 @@ def _backward(ctx, grad_kl, _grad_lse_a, _grad_lse_b, _grad_dq_b=None):
 attention_kl_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("streamkl::attention_kl_loss_ahead", mutates_args=())
-def attention_kl_loss_ahead_op(
-    q_a: torch.Tensor,
-    k_a: torch.Tensor,
-    q_b: torch.Tensor,
-    k_b: torch.Tensor,
-    sink_a: torch.Tensor | None,
-    sink_b: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None,
-    query_mask: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    scale_a: float,
-    scale_b: float,
-    softcap_a: float,
-    softcap_b: float,
-    window_left: int,
-    window_right: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    backend: str,
-    allow_tf32: bool,
-    deterministic: bool,
-    reduction: str,
-    rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`forward_with_gradients` as a custom op (``rows``: 0 where the count is taken on the device): the reduced
-    loss, ``lse_a``, ``lse_b`` and side b's gradients per unit gradient of the loss, the only state its backward
-    keeps."""
+@torch.library.custom_op("streamkl::attention_kl_loss_ahead", mutates_args=(),
+                         schema=f"({_PROBLEM_SCHEMA}, str reduction, int rows) -> (Tensor, Tensor, Tensor, Tensor, "
+                                "Tensor)")
+def attention_kl_loss_ahead_op(*args) -> tuple[torch.Tensor, ...]:
+    """:func:`forward_with_gradients` as a custom op (``(*problem, reduction, rows)``, ``rows``: 0 where the count
+    is taken on the device): the reduced loss, ``lse_a``, ``lse_b`` and side b's gradients per unit gradient of the
+    loss, the only state its backward keeps."""
+    (inputs, spec, backend, allow_tf32, deterministic), (reduction, rows) = _problem_of(args), args[_PROBLEM_ARGS:]
     if backend != "triton" or reduction not in ("sum", "mean"):
         raise ValueError(f"Expected `backend='triton'` and reduction 'sum' or 'mean', but got backend={backend!r}, "
                          f"reduction={reduction!r}.")
-    inputs = KLInputs(q_a, k_a, q_b, k_b, sink_a, sink_b, key_padding_mask, query_mask, cu_seqlens_q, cu_seqlens_k,
-                      attn_mask)
-    spec = KLSpec(scale_a, scale_b, softcap_a, softcap_b, window_left, window_right, max_seqlen_q, max_seqlen_k)
     return forward_with_gradients(inputs, spec, backend, allow_tf32, deterministic, reduction, rows or None)[:5]
 
 
@@ -483,12 +427,12 @@ def attention_kl_per_row(inputs: KLInputs, spec: KLSpec, backend: str, allow_tf3
     """
     fuse, ahead = _training_path(inputs, backend, reduction)
     if ahead and torch.compiler.is_compiling():
-        loss, lse_a, lse_b, _, _ = attention_kl_loss_ahead_op(*_op_tensors(inputs), *dataclasses.astuple(spec),
-                                                              backend, allow_tf32, deterministic, reduction, rows or 0)
+        loss, lse_a, lse_b, _, _ = attention_kl_loss_ahead_op(
+            *_problem_args(inputs, spec, backend, allow_tf32, deterministic), reduction, rows or 0)
         return loss, lse_a, lse_b
     if torch.compiler.is_compiling():
-        kl, lse_a, lse_b, _ = attention_kl_fwd_op(*_op_tensors(inputs), *dataclasses.astuple(spec), backend, allow_tf32,
-                                                  deterministic, fuse)
+        problem = _problem_args(inputs, spec, backend, allow_tf32, deterministic)
+        kl, lse_a, lse_b, _ = attention_kl_fwd_op(*problem, fuse)
         if reduction == "none":
             return kl, lse_a, lse_b
         if reduction == "mean" and rows is not None:  # every row counts
