@@ -69,6 +69,7 @@ from .forward import (
     _load_fixed,
     _longest_first,
     _sequence_of,
+    _stored_extent,
     _tma_load,
     mask_tensors,
     sequence_grid,
@@ -230,11 +231,9 @@ def _hopper_dk_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    # a right-padded batch row's programs also write its padding keys, as zeros (nothing else covers them)
-    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, N_K if VARLEN == 2 else n_k, n0,
-              grad_scale_b, GRAD,
-              KEY_MASK, b, BLOCK_N, D_B, dk_layout, SCALAR_GRAD,
-              qb_desc.dtype == gl.float16, HAS_KEY_MASK)
+    _store_dk(dk, DK_B, (b * H_KB + hk_b) * SPLIT + part, N_K, k0, n_k, _stored_extent(n_k, N_K, VARLEN), n0,
+              grad_scale_b, GRAD, KEY_MASK, b, BLOCK_N, D_B, dk_layout, SCALAR_GRAD, qb_desc.dtype == gl.float16,
+              HAS_KEY_MASK)
 
 
 @gluon.jit

@@ -255,6 +255,17 @@ def _sequence_of(CU_Q, CU_K, s, N_Q, N_K, VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def _stored_extent(n, N, VARLEN: gl.constexpr):
+    """How far a program of a sequence of ``n`` rows (or keys) writes its outputs: ``n``, or, in a masked batch
+    (``VARLEN == 2``), its batch row's ``N``: a right-padded row's programs also write its padding (empty rows, zero
+    key gradients), which nothing else covers."""
+    extent = n
+    if VARLEN == 2:
+        extent = n * 0 + N
+    return extent
+
+
+@gluon.jit
 def _store_kl_lse(m_a, z_a, acc, m_b, z_b, rows, KL, LSE_A, LSE_B, SINK_A, SINK_B, b, h, H, N_Q, q0, n_q, n_store,
                   qk_scale_a, qk_scale_b, HAS_SINKS: gl.constexpr):
     """Write the KL and both log-sum-exps of rows ``rows`` (of the sequence whose ``n_q`` rows start at token ``q0``

@@ -84,6 +84,7 @@ from .forward import (
     _row_tile_start,
     _sequence_of,
     _store_kl_lse,
+    _stored_extent,
     _tma_load,
     forward_outputs,
     mask_tensors,
@@ -399,9 +400,8 @@ def _ws_fwd_consumer(qa_smem, qb_smem, ka_ring, kb_ring, scratch_ring, ready, em
         z_a = gl.where(kept, z_a, 0.0)
     if kb_ring.dtype == gl.float16:
         grad_scale_b = grad_scale_b / w_scale
-    # a right-padded batch row's programs also write its padding rows, as empty rows (nothing else covers them)
     _store_rows(m_a, z_a, acc, m_b, z_b, rho, v, w, w_scale, rows, KL, LSE_A, LSE_B, DQ_B, SINK_A, SINK_B, b, h, H,
-                N_Q, q0, n_q, N_Q if VARLEN == 2 else n_q, qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout,
+                N_Q, q0, n_q, _stored_extent(n_q, N_Q, VARLEN), qk_scale_a, qk_scale_b, grad_scale_b, D_B, o_layout,
                 HAS_SINKS, HAS_QUERY_MASK or VARLEN == 2)
 
 

@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .._triton_common.tiles import LaunchConfig
-from .forward import _longest_first, _sequence_of, _tma_load
+from .forward import _longest_first, _sequence_of, _stored_extent, _tma_load
 from .key_pass_tiles import (
     _causal_mask,
     _ds_operand,
@@ -197,10 +197,7 @@ def _ws_dk_kernel(
     hk_b = (pid_bh // SPLIT) % H_KB
     b, q0, n_q, k0, n_k = _sequence_of(CU_Q, CU_K, pid_bh // (SPLIT * H_KB), N_Q, N_K, VARLEN)
     pair = (b * H_KB + hk_b) * SPLIT + part
-    if VARLEN == 2:  # a right-padded batch row's programs also write its padding keys, as zeros
-        n_store = n_k * 0 + N_K
-    else:
-        n_store = n_k
+    n_store = _stored_extent(n_k, N_K, VARLEN)
     heads = GROUP_B // SPLIT
     h0 = hk_b * GROUP_B + part * heads
     hk_a = h0 // GROUP_A
