@@ -337,8 +337,12 @@ def _mask_mod_values(mask_mod, b_idx: torch.Tensor, h_idx: torch.Tensor, q_idx: 
 
 
 # ------------------------------------------------------------------------------------------------ structure
-def band(n_q: int, n_k: int, causal: bool, window: tuple[int, int] | None, device: torch.device) -> torch.Tensor:
+def band(n_q: int, n_k: int, causal: bool | torch.Tensor, window: tuple[int, int] | None,
+         device: torch.device, rows: slice = slice(None)) -> torch.Tensor:
     """``[N_q, N_k]`` bool: the keys each query may see under ``causal`` and ``window`` (bottom-right aligned).
+
+    ``causal`` and the window's bounds may also be 0-d tensors on ``device``, read there and not on the host;
+    ``rows`` builds only those query rows.
 
     Example:
         >>> band(3, 3, True, (1, 0), torch.device("cpu")).int()
@@ -346,26 +350,38 @@ def band(n_q: int, n_k: int, causal: bool, window: tuple[int, int] | None, devic
                 [1, 1, 0],
                 [0, 1, 1]], dtype=torch.int32)
     """
-    i = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    i = torch.arange(n_q, device=device)[rows, None] + (n_k - n_q)
     j = torch.arange(n_k, device=device)[None, :]
     left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
-    if left >= 0:
-        allowed &= j >= i - left
-    if right >= 0:
-        allowed &= j <= i + right
-    return allowed
+    after_left = (j >= i - left) | (left < 0)
+    before_right = torch.where(torch.as_tensor(causal), j <= i, (j <= i + right) | (right < 0))
+    return after_left & before_right
+
+
+def real_key_span(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """``[2]`` int64 on the mask's device: the first and the last key that any batch row keeps (``[N_k, -1]`` when
+    none does), computed without reading the mask on the host.
+
+    Example:
+        >>> real_key_span(torch.tensor([[False, True, True, False], [False, False, True, False]])).tolist()
+        [1, 2]
+    """
+    n_k = key_padding_mask.shape[-1]
+    cols = torch.arange(n_k, device=key_padding_mask.device)
+    real = key_padding_mask.bool()
+    return torch.stack([torch.where(real, cols, n_k).min(), torch.where(real, cols, -1).max()])
 
 
 def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k: int,
                      key_padding_mask: torch.Tensor | None = None,
-                     packed: PackedSequences | None = None) -> tuple[int, int] | None:
+                     packed: PackedSequences | None = None,
+                     key_span: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """``window`` with the bounds that exclude no key of this call made unbounded (``None`` when both are).
 
     Two calls that allow the same keys then have the same window, whichever way each was described (a
     flash-attention ``sliding_window`` longer than the documents, a mask whose window never bites).
+    ``key_span``: :func:`real_key_span` of ``key_padding_mask`` where the caller already read it on the host (the
+    mask is then not read again).
 
     Example:
         >>> canonical_window((9, 9), True, 8, 8) is None                 # no row looks back more than 7 keys
@@ -386,12 +402,12 @@ def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k
         reach_left = int((nk - 1).max()) if len(nk) else 0
         reach_right = int((nq - 1).max()) if len(nq) else 0
     else:
-        first, last = 0, n_k - 1
-        if key_padding_mask is not None and bool(key_padding_mask.any()):
-            cols = torch.arange(n_k, device=key_padding_mask.device)
-            real = key_padding_mask.bool()
-            first = int(torch.where(real, cols, n_k).min())
-            last = int(torch.where(real, cols, -1).max())
+        if key_span is None:
+            key_span = (0, n_k - 1) if key_padding_mask is None else tuple(
+                int(x) for x in real_key_span(key_padding_mask))
+        first, last = key_span
+        if first > last:  # no real key: every bound excludes nothing
+            first, last = 0, n_k - 1
         reach_left = n_k - 1 - first  # the last row (aligned to key N_k - 1) looking back to the first real key
         reach_right = last - (n_k - n_q)  # the first row (aligned to key N_k - N_q) looking ahead to the last one
     if left >= reach_left:
@@ -436,22 +452,45 @@ def describe_allowed(allowed: torch.Tensor, batch: int, *, self_attention: bool)
     last = n_k - 1 - as_bytes.flip(-1).argmax(-1)
     del as_bytes
     aligned = torch.arange(n_q, device=device) + (n_k - n_q)
-    causal = not bool(((last > aligned) & rows).any())
-    left = int(torch.where(rows, aligned - first, -1).max()) if rows.numel() else -1
-    right = int(torch.where(rows, last - aligned, -1).max()) if rows.numel() else -1
-    kpm_or_none = None if bool(kpm.all()) else kpm
-    qmask_or_none = None if qmask is None or bool(qmask.all()) else qmask
-
-    for window in (None, (left, -1 if causal else right)):
-        candidate = band(n_q, n_k, causal, window, device)[None, None] & kpm[:, None, None, :]
-        if torch.equal(candidate.expand_as(a), a):
-            window = canonical_window(window, causal, n_q, n_k, kpm_or_none)
-            return Masking(causal, window, kpm_or_none, qmask_or_none)
+    causal = ~((last > aligned) & rows).any()
+    unbounded = torch.full((), -1, dtype=torch.long, device=device)
+    left = torch.where(rows, aligned - first, -1).amax() if rows.numel() else unbounded
+    right = torch.where(rows, last - aligned, -1).amax() if rows.numel() else unbounded
+    # both candidates are compared with the map on the device, and all the choice needs is read in one transfer
+    # (one synchronisation per mask, which every layer of a forward pass shares)
+    facts = torch.stack([x.long() for x in (
+        causal, left, right, kpm.all(), qmask.all() if qmask is not None else kpm.new_ones(()),
+        _equals_band(a, kpm, causal, None), _equals_band(a, kpm, causal, (left, right)), *real_key_span(kpm))])
+    causal, left, right, all_keys, all_rows, plain, windowed, *span = facts.tolist()
+    kpm_or_none = None if all_keys else kpm
+    qmask_or_none = None if qmask is None or all_rows else qmask
+    for window, equal in ((None, plain), ((left, -1 if causal else right), windowed)):
+        if equal:
+            window = canonical_window(window, bool(causal), n_q, n_k, kpm_or_none, key_span=tuple(span))
+            return Masking(bool(causal), window, kpm_or_none, qmask_or_none)
     if self_attention and n_q == n_k:
-        packed = _packed_candidate(a, kpm, causal, left, right)
+        packed = _packed_candidate(a, kpm, bool(causal), left, right)
         if packed is not None:
             return packed
     return Masking(False, None, None, qmask_or_none, None, allowed)
+
+
+#: The most elements of the map one comparison step of :func:`_equals_band` holds (a row block: at N = 32768 the
+#: map is 2³⁰ of them, and each step allocates a candidate and a comparison of its size).
+COMPARE_BLOCK_ELEMENTS = 1 << 26
+
+
+def _equals_band(a: torch.Tensor, kpm: torch.Tensor, causal: torch.Tensor,
+                 window: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """0-d bool on ``a``'s device: ``a`` equals :func:`band` ``& kpm`` (compared by row blocks, not read)."""
+    b, h, n_q, n_k = a.shape
+    step = max(1, COMPARE_BLOCK_ELEMENTS // max(1, b * h * n_k))
+    differs = torch.zeros((), dtype=torch.bool, device=a.device)
+    for start in range(0, n_q, step):
+        rows = slice(start, start + step)
+        candidate = band(n_q, n_k, causal, window, a.device, rows)[None, None] & kpm[:, None, None, :]
+        differs = differs | (candidate != a[:, :, rows]).any()
+    return ~differs
 
 
 def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: int, right: int) -> Masking | None:
@@ -512,8 +551,9 @@ def flash_masking(mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, kwa
             kpm = None if bool(real.all()) else real
             return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm), kpm)
         runs = real[:, 0].int() + (torch.diff(real.int(), dim=-1) == 1).sum(-1)  # runs of real tokens per row
-        if bool((runs <= 1).all()):
-            kpm = None if bool(real.all()) else real
+        one_run, all_real = torch.stack([(runs <= 1).all(), real.all()]).tolist()  # (one read of the two)
+        if one_run:
+            kpm = None if all_real else real
             return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm), kpm, kpm)
         lengths = real.sum(-1)
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)

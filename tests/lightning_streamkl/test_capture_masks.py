@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 
@@ -253,6 +254,42 @@ def test_describe_allowed_finds_each_structure():
     assert d.attn_mask is not None and d.causal is False and d.summary() == "bidirectional, a general attention mask"
     cross = describe_allowed(torch.ones(1, 1, 3, 5, dtype=torch.bool), 1, self_attention=False)
     assert (cross.causal, cross.key_padding_mask, cross.query_mask) == (False, None, None)
+
+
+class _HostReads(TorchDispatchMode):
+    """The reads of one value at a time (``bool``, ``int``, ``item``, ``torch.equal``) made under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("block", [None, 7], ids=["whole map", "7-element row blocks"])
+def test_describe_allowed_reads_a_map_in_one_transfer(monkeypatch, block):
+    """A padded, a windowed and a two-sided banded map are described without reading one value at a time (on a GPU,
+    each such read waits for the device: the whole description is one transfer), the same whether the map is
+    compared whole or by row blocks, and a difference in the last row block alone is still found."""
+    import lightning_streamkl.capture.masks as masks
+
+    if block is not None:
+        monkeypatch.setattr(masks, "COMPARE_BLOCK_ELEMENTS", block)
+    real = torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
+    padded = _causal(8)[None, None] & real[:, None, None, :]
+    maps = {"causal, key padding": padded,
+            "causal, window (2, 0), key padding": padded & band(8, 8, True, (2, 0), torch.device("cpu")),
+            "bidirectional, window (1, 2)": band(8, 8, False, (1, 2), torch.device("cpu"))[None, None]}
+    for summary, allowed in maps.items():
+        with _HostReads() as mode:
+            d = describe_allowed(allowed, allowed.shape[0], self_attention=True)
+        assert (d.summary(), mode.reads) == (summary, [])
+    hole = padded.clone()
+    hole[0, 0, 7, 3] = False
+    assert describe_allowed(hole, 2, self_attention=True).attn_mask is not None
 
 
 def test_allowed_map_conversions():
