@@ -710,8 +710,9 @@ class DistillationMetrics:
 
     def __init__(self, pair_names: list[str], weights: list[float], name: str) -> None:
         self.name = name
-        self.train = AttentionKLDivergence(pair_names, weights=weights, prefix=f"{name}/")
-        self.val = AttentionKLDivergence(pair_names, weights=weights, prefix=f"{name}/")
+        # the rows are the op's counts: no check that reads them on the host each step
+        self.train, self.val = (AttentionKLDivergence(pair_names, weights=weights, prefix=f"{name}/",
+                                                      validate_args=False) for _ in range(2))
 
     def __getitem__(self, stage: str) -> AttentionKLDivergence:
         if stage not in ("train", "val"):
@@ -723,7 +724,8 @@ class DistillationMetrics:
         """Add one batch's terms to the stage's metric; returns the step's values (``extra`` goes under the same
         namespace, e.g. ``{"weight": ...}``), total last."""
         metric = self[stage]
-        metric.to(terms.rows.device)
+        if metric.device != terms.rows.device:  # (moving it builds a tensor on the device: only when it moves)
+            metric.to(terms.rows.device)
         metric.update(terms.kl_sums, terms.rows)
         prefix = f"{stage}/{self.name}/"
         values = {prefix + k: v.detach() for k, v in terms.per_pair.items()}

@@ -40,14 +40,14 @@ def state_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type in FLOAT32_DEVICES else torch.float64
 
 
-def _attention_kl_update(kl_sums: Tensor, rows: Tensor, num_pairs: int,
-                         dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+def _attention_kl_update(kl_sums: Tensor, rows: Tensor, num_pairs: int, dtype: torch.dtype = torch.float64,
+                         validate_args: bool = True) -> tuple[Tensor, Tensor]:
     """Check one batch's per-pair KL sums and row counts; return them as ``[P]`` vectors of ``dtype``."""
     kl_sums, rows = torch.as_tensor(kl_sums), torch.as_tensor(rows)
     for name, x in (("kl_sums", kl_sums), ("rows", rows)):
         if x.dim() != 1 or x.shape[0] != num_pairs:
             raise ValueError(f"Expected `{name}` to have shape ({num_pairs},) (one per pair), got {tuple(x.shape)}.")
-    if bool((rows < 0).any()):
+    if validate_args and bool((rows < 0).any()):
         raise ValueError(f"Expected `rows` to be >= 0, but got {rows.tolist()}.")
     return kl_sums.detach().to(dtype), rows.detach().to(dtype)
 
@@ -73,6 +73,9 @@ class AttentionKLDivergence(Metric):
         pair_names: one name per pair, unique.
         weights: optional per-pair weights for the total.
         prefix: prepended to every key. Default: ``"attn_kl/"``.
+        validate_args: check that ``rows`` are ``>= 0`` on every update, which reads them on the host (one
+            synchronisation per update when they are on a GPU). The distillation engine passes ``False``: its rows
+            are the op's counts. Shapes are always checked.
         kwargs: passed to :class:`torchmetrics.Metric` (``sync_on_compute``, ``process_group``, ...).
 
     Raises:
@@ -97,7 +100,7 @@ class AttentionKLDivergence(Metric):
     rows: Tensor
 
     def __init__(self, pair_names: Sequence[str], weights: Sequence[float] | None = None, prefix: str = "attn_kl/",
-                 **kwargs: object) -> None:
+                 validate_args: bool = True, **kwargs: object) -> None:
         super().__init__(**kwargs)
         if isinstance(pair_names, str) or not all(isinstance(n, str) for n in pair_names):
             raise TypeError(f"Expected `pair_names` to be a sequence of str, but got {pair_names!r}.")
@@ -111,6 +114,7 @@ class AttentionKLDivergence(Metric):
         self.pair_names = names
         self.weights = None if weights is None else [float(w) for w in weights]
         self.prefix = prefix
+        self.validate_args = bool(validate_args)
         dtype = state_dtype("cpu")
         self.add_state("kl_sum", torch.zeros(len(names), dtype=dtype), dist_reduce_fx="sum")
         self.add_state("rows", torch.zeros(len(names), dtype=dtype), dist_reduce_fx="sum")
@@ -127,7 +131,8 @@ class AttentionKLDivergence(Metric):
 
     def update(self, kl_sums: Tensor, rows: Tensor) -> None:
         """Accumulate one batch's per-pair KL sums and row counts."""
-        kl_sums, rows = _attention_kl_update(kl_sums, rows, len(self.pair_names), self.kl_sum.dtype)
+        kl_sums, rows = _attention_kl_update(kl_sums, rows, len(self.pair_names), self.kl_sum.dtype,
+                                              self.validate_args)
         # out of place: under `ddp_spawn` on CPU the state tensors arrive in every process in shared memory (torch's
         # multiprocessing pickling; Lightning un-shares only parameters and buffers), so `+=` would sum all processes
         self.kl_sum = self.kl_sum + kl_sums.to(self.kl_sum.device)

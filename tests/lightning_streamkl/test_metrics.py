@@ -61,6 +61,10 @@ def test_metric_contract():
         metric.update(torch.zeros(2), torch.zeros(1))
     with pytest.raises(ValueError, match="Expected `rows` to be >= 0"):
         metric.update(torch.zeros(1), -torch.ones(1))
+    unchecked = AttentionKLDivergence(["a"], validate_args=False)  # the engine's: its rows are the op's counts
+    unchecked.update(torch.zeros(1), -torch.ones(1))  # values are not read on the host; shapes still are
+    with pytest.raises(ValueError, match=r"Expected `rows` to have shape \(1,\)"):
+        unchecked.update(torch.zeros(1), torch.zeros(2))
     with pytest.raises(ValueError, match="Expected `pair_names` to be non-empty and unique"):
         AttentionKLDivergence(["a", "a"])
     with pytest.raises(TypeError, match="Expected `pair_names` to be a sequence of str"):
