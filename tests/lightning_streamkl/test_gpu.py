@@ -1,6 +1,6 @@
 """On one (or two) GPUs: a teacher that lives on another device than the student (its captured queries and keys
-travel, not the model), a teacher kept in host memory and streamed one layer at a time, and the continual
-regulariser's host-memory snapshots. Skipped without CUDA::
+travel, not the model), a teacher kept in host memory and streamed one layer at a time, the continual
+regulariser's host-memory snapshots, and the synchronisations a distilled step makes. Skipped without CUDA::
 
     python -m pytest -m gpu tests/lightning_streamkl/test_gpu.py
 """
@@ -8,12 +8,19 @@ regulariser's host-memory snapshots. Skipped without CUDA::
 from __future__ import annotations
 
 import copy
+import os
+import traceback
+import warnings
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+import lightning as L
+from torch.utils.data import DataLoader
+
+import lightning_streamkl
 from lightning_streamkl import ContinualAttentionRegularizer, StreamKLDistillation
 
 from ._models import VOCAB, loader, tiny_llama
@@ -151,3 +158,59 @@ def test_streamed_blocks_out_of_list_order_on_a_gpu(order):
         module(torch.ones(2, 3, device="cuda"))
     handle.remove()
     assert [t.data_ptr() for t in module.parameters()] == host and not any(p.is_cuda for p in module.parameters())
+
+
+#: The folders of the packages whose synchronisations :class:`_OwnSyncs` counts: this package and the op's.
+_OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (lightning_streamkl, __import__("streamkl")))
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_WARNINGS = ("warnings.py", "_py_warnings.py")
+
+
+class _OwnSyncs(L.Callback):
+    """Per training step, the host synchronisations made by this package's or the op's code: those whose innermost
+    frame outside torch is theirs (torch's sync debug mode; the models' and Lightning's own are not counted)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[str]] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        self.steps.append([])
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._note
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, *args) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(None, None, None)
+
+    def _note(self, message, *args, **kwargs) -> None:
+        if "synchronizing" not in str(message):
+            return
+        # (the frames of this hook's caller, the warnings module, are not the code that synchronised)
+        outside_torch = [f for f in traceback.extract_stack()[:-1]
+                         if not f.filename.startswith(_TORCH) and os.path.basename(f.filename) not in _WARNINGS]
+        if outside_torch and outside_torch[-1].filename.startswith(_OURS):
+            self.steps[-1].append(f"{os.path.basename(outside_torch[-1].filename)}:{outside_torch[-1].lineno} "
+                                  f"{outside_torch[-1].name}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("pad", "expected"), [("none", []), ("right", ["describe_allowed"] * 2 + ["same_mask"])],
+                         ids=["dense", "right-padded"])
+def test_a_distilled_step_synchronises_only_to_read_the_masks(pad, expected):
+    """A distilled Lightning step under ``bf16-mixed`` (the callback, two pairs, sdpa, the metric logged): a dense
+    batch makes no synchronisation of the package's or the op's own; a padded one reads each model's 4-D mask once
+    (every layer of a pass shares it) and compares the two models' key padding once. The first step, which moves
+    the metric to the GPU, is not counted."""
+    from ._models import token_batch
+
+    batch = {**token_batch(3, 40, pad=pad), "labels": token_batch(3, 40, pad=pad)["input_ids"]}
+    syncs = _OwnSyncs()
+    cb = StreamKLDistillation(make_teacher(), pairs=[{"teacher": 0, "student": 0, "name": "first"}, LAST])
+    trainer = gpu_trainer(max_steps=4, precision="bf16-mixed", callbacks=[cb, syncs])
+    trainer.fit(make_student(), DataLoader([batch] * 4, batch_size=None))
+    assert len(syncs.steps) == 4
+    for step in syncs.steps[1:]:
+        assert sorted(s.split()[-1] for s in step) == sorted(expected), step

@@ -207,15 +207,26 @@ def test_gpu_cuda_graph_capture_of_forward_and_backward():
 
 
 def test_gpu_forward_and_backward_never_synchronise_with_the_host():
-    """No host synchronisation anywhere in the op's default path (masks, mean reduction, packed with both maxima
-    given, windows, caps, sinks): ``torch.cuda.set_sync_debug_mode("error")`` raises on any implicit sync."""
+    """No host synchronisation anywhere in the op's default path (masks, a padded batch on the Hopper kernels under
+    autocast, mean reduction, packed with both maxima given, windows, caps, sinks): ``torch.cuda.set_sync_debug_mode("error")`` raises on any implicit sync."""
     q_t, k_t, q_s, k_s = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     q_s.requires_grad_(True)
     kpm = torch.rand(2, 512, device="cuda") > 0.1
     cu = torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda")
     packed = [x.transpose(1, 2).reshape(1024, 4, 64) for x in (q_t, k_t, q_s, k_s)]
     sinks = torch.zeros(4, device="cuda")
+    # a right-padded batch at a shape of the Hopper kernels, its masks on the GPU, under autocast
+    b_t, b_s = (torch.randn(2, 4, 2048, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    b_s.requires_grad_(True)
+    right_padded = torch.arange(2048, device="cuda") < torch.tensor([[2048], [1500]], device="cuda")
+
+    def padded():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return attention_kl(b_t, b_t, b_s, b_s, causal=True, key_padding_mask=right_padded,
+                                query_mask=right_padded)
+
     calls = [
+        padded,
         lambda: attention_kl(q_t, k_t, q_s, k_s, causal=True, key_padding_mask=kpm, window=(100, 0)),
         lambda: attention_kl(q_t, k_t, q_s, k_s, softcap_t=30.0, sinks_t=sinks, sinks_s=sinks),
         lambda: attention_kl(*packed, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=724,
