@@ -796,6 +796,7 @@ PADDED_CASES = [  # (kwargs, loss): a masked batch B=4, N=1000, H=4 (_batch_mask
     (dict(causal=True), "mean"),  # one-warpgroup key pass, head dim 64
     (dict(causal=True, d_t=128, d_s=128, h_kt=2), "sum"),  # warp-specialised key pass, a GQA teacher
     (dict(causal=False, d_t=128), "weighted"),  # not causal, D_t -> D_s, one upstream gradient per row
+    (dict(causal=False), "mean"),  # not causal at head dim 64 on both sides
     (dict(causal=True, window=(100, 0)), "mean"),  # a causal sliding window
     (dict(causal=True, sinks=True), "mean"),  # sinks
 ]
