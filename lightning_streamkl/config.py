@@ -305,7 +305,9 @@ class StreamKLConfig(AttentionKLOptions):
         teacher_early_exit: stop the teacher's forward pass once every paired teacher layer has been captured:
             later layers and the output head (logits) never run; and take each pair's loss as soon as its teacher
             layer has recorded, so its captures go then (with the full pass, a layer that runs twice keeps its last
-            call, and every loss is taken at the end). Default: ``True``.
+            call, and every loss is taken at the end). A compiled teacher (``teacher.compile()`` or
+            ``torch.compile(teacher)``) always runs whole: the exit is an exception, which a graph cannot raise.
+            Default: ``True``.
         teacher_sharding: how the teacher is laid out over the processes of a distributed run: ``"shard"`` shards
             it with FSDP2 over the data-parallel processes (each holds ``1/W`` of its weights; its blocks are
             gathered one at a time during its forward pass and freed after); ``"replicate"`` keeps a whole copy on

@@ -34,6 +34,7 @@ from .teacher import (
     InputRecorder,
     SelfTeacher,
     find_copy,
+    is_compiled,
     stop_after,
     teacher_failed,
     to_device,
@@ -444,7 +445,8 @@ class AttentionDistiller:
         student, teacher_capture, student_capture = self._ready()
         teacher = self.teacher.prepare()
         layers = [m for m in (_submodule(teacher, p) for p in teacher_capture.selected or ()) if m is not None]
-        stops = bool(self.config.teacher_early_exit and teacher_capture.selected)
+        # a compiled teacher runs whole: its graph cannot raise the exception that stops a pass
+        stops = bool(self.config.teacher_early_exit and teacher_capture.selected) and not is_compiled(teacher)
         early_exit = stop_after(layers, lambda: teacher_capture.selected <= teacher_capture.recorded) \
             if stops else nullcontext()
         with ExitStack() as stack:

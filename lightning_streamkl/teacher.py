@@ -376,6 +376,23 @@ class _TeacherDone(BaseException):
     """
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """True when ``module`` or one of its submodules runs compiled (``module.compile()``, or a ``torch.compile``
+    wrapper): a forward hook inside it is traced into the graph, which cannot raise out of itself, so
+    :func:`stop_after` cannot stop such a pass.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> is_compiled(model), is_compiled(torch.compile(model, backend="eager"))
+        (False, True)
+        >>> model[0].compile(backend="eager")
+        >>> is_compiled(model)
+        True
+    """
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+               or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
 @contextmanager
 def stop_after(modules: Iterable[nn.Module], done: Callable[[], bool]) -> Iterator[None]:
     """Stop the forward pass run inside the block as soon as one of ``modules`` finishes and ``done()`` is true.

@@ -3,6 +3,7 @@ the same KL and the same gradients as the plain student; values are recorded onl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -99,6 +100,35 @@ def test_compiled_student_gives_the_same_kl_and_gradients(checkpointing):
         torch.testing.assert_close(compiled(**batch, use_cache=False).logits, student(**batch).logits, rtol=1e-5,
                                    atol=1e-6)
     assert not _PATCHES and not _TRACED
+
+
+@pytest.mark.parametrize("how", ["module.compile()", "torch.compile(module)"])
+def test_a_compiled_teacher_runs_whole_in_one_graph_with_the_same_kl_and_gradients(how, monkeypatch):
+    """A teacher compiled either way (``teacher.compile()`` keeps its layer names; a ``torch.compile`` wrapper
+    prefixes them with ``_orig_mod.``) gives the eager teacher's KL and the student's gradients, in one graph per
+    pass with no graph break: the early exit, a Python exception raised after the deepest paired layer, cannot leave
+    a graph, so a compiled teacher runs whole."""
+    teacher = tiny("llama", seed=0, hidden=64, dtype=torch.float32)
+    student = tiny("llama", seed=1, hidden=32, kv_heads=1, dtype=torch.float32).train()
+    batch = token_batch(3, 11, pad="right")
+    expected = _step(teacher, copy.deepcopy(student), batch, steps=2)
+    compiled = copy.deepcopy(teacher)
+    if how == "module.compile()":
+        compiled.compile(backend="aot_eager")
+    else:
+        compiled = torch.compile(compiled, backend="aot_eager")
+    from lightning_streamkl import engine
+
+    stops = []
+    monkeypatch.setattr(engine, "stop_after", lambda *args: stops.append(args) or contextlib.nullcontext())
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = _step(compiled, student, batch, steps=2)
+    assert (dict(counters["graph_break"]), counters["stats"]["unique_graphs"]) == ({}, 1)
+    _assert_same(got, expected, rtol=1e-5)
+    assert stops == []  # no early exit was set up
 
 
 def test_a_compiled_student_under_autocast_notes_bf16_queries_and_keys(monkeypatch):
