@@ -37,6 +37,8 @@ same command)::
                                                             # resident and offloaded
     python benchmarks/user_path.py --part fp16              # N = 16384: 16-mixed, sdpa, four and uniform, the
                                                             # teacher resident, and offloaded for uniform
+    python benchmarks/user_path.py --part compiled-teacher  # N = 4096: bf16-mixed, sdpa, four, the teacher eager
+                                                            # and compiled, the student eager and compiled
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
@@ -68,7 +70,8 @@ PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
-#: The run of parts ``offload``, ``fp16`` and ``n16384-compile`` the docs render (their own card: one H200).
+#: The run of parts ``offload``, ``fp16``, ``n16384-compile`` and ``compiled-teacher`` the docs render (their own
+#: card: one H200).
 H200_RESULT = os.path.join(RESULTS, "nvidia-h200-user-path.json")
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
@@ -105,20 +108,25 @@ class Cell:
     compiled: bool
     pairs: str  # "plain" | "four" | "uniform" | "naive"
     teacher_device: str = RESIDENT  # "student" (resident) | "offload"
+    teacher_compiled: bool = False  # the callback's teacher wrapped in torch.compile
 
     @property
     def key(self) -> str:
         """``N<n>/<precision>/<attention>/<eager|compiled>/<pairs>``, then ``/teacher-<device>`` when the teacher is
-        not resident (the keys of the runs before the field are unchanged)."""
+        not resident and ``/teacher-compiled`` when it is compiled (the keys of the runs before these fields are
+        unchanged)."""
         key = f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
-        return key if self.teacher_device == RESIDENT else f"{key}/teacher-{self.teacher_device}"
+        key = key if self.teacher_device == RESIDENT else f"{key}/teacher-{self.teacher_device}"
+        return f"{key}/teacher-compiled" if self.teacher_compiled else key
 
     @classmethod
     def from_key(cls, key: str) -> Cell:
         """The cell of a :attr:`key`."""
         n, precision, attention, mode, pairs, *teacher = key.split("/")
-        device = teacher[0].removeprefix("teacher-") if teacher else RESIDENT
-        return cls(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs, device)
+        compiled_teacher = "teacher-compiled" in teacher
+        devices = [t.removeprefix("teacher-") for t in teacher if t != "teacher-compiled"]
+        return cls(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs,
+                   devices[0] if devices else RESIDENT, compiled_teacher)
 
     @property
     def baseline(self) -> Cell:
@@ -128,7 +136,8 @@ class Cell:
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
-    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "smoke", "cpu-smoke"):
+    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "smoke",
+                    "cpu-smoke"):
         raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
@@ -146,6 +155,10 @@ def part_cells(part: str) -> list[Cell]:
     if part == "fp16":  # 16-mixed, whose op keeps fp32 gradients: resident, and offloaded with the most pairs
         cells += _sdpa_four(16384, "16-mixed")
         cells += [Cell(16384, "16-mixed", "sdpa", False, "uniform", t) for t in ("student", "offload")]
+    if part == "compiled-teacher":  # N = 4096, where a step is bound by the host: the teacher eager and compiled
+        for student in (False, True):
+            cells += [Cell(4096, "bf16-mixed", "sdpa", student, p) for p in ("plain", "four")]
+            cells.append(Cell(4096, "bf16-mixed", "sdpa", student, "four", teacher_compiled=True))
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
@@ -160,6 +173,7 @@ def part_cells(part: str) -> list[Cell]:
         cells += [Cell(512, "bf16-mixed", "sdpa", False, "uniform"), Cell(512, "bf16-mixed", "sdpa", False, "naive")]
         cells += [Cell(512, "bf16-mixed", "sdpa", True, p) for p in ("plain", "four")]
         cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", "offload"))
+        cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", teacher_compiled=True))
     return cells
 
 
@@ -236,16 +250,20 @@ def _module_classes():
             return out.loss + kl
 
     class StepTimer(L.Callback):
-        """Wall-clock time of every training batch, the GPU drained at both ends."""
+        """Wall-clock time of every training batch, the GPU drained at both ends, and the host's part of it: the
+        time until the host has queued the whole step (a step whose host time reaches its wall time is bound by the
+        host)."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.host: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             sync()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.host.append(time.perf_counter() - self._start)
             sync()
             self.times.append(time.perf_counter() - self._start)
             print(f"  step {batch_idx}: {self.times[-1] * 1e3:.1f} ms", flush=True)
@@ -386,7 +404,8 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         if cell.pairs in ("four", "uniform"):
             pairs = explicit_pairs(FOUR_PAIRS, head_map="group") if cell.pairs == "four" else \
                 uniform_pairs(teacher, hf, head_map="group")
-            distill = StreamKLDistillation(teacher, pairs=pairs, teacher_device=cell.teacher_device)
+            distill = StreamKLDistillation(torch.compile(teacher) if cell.teacher_compiled else teacher, pairs=pairs,
+                                           teacher_device=cell.teacher_device)
 
             class Breakdown(L.Callback):
                 def on_train_end(self, trainer, pl_module):
@@ -406,7 +425,8 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
                             max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
-    record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times)
+    record.update(step_s=statistics.median(timer.times[warmup:]), steps_s=timer.times,
+                  host_s=statistics.median(timer.host[warmup:]))
     if cuda:
         resident = _bytes(teacher) if cell.pairs in ("four", "uniform", "naive") and not offloaded else 0
         peak = record.pop("step_peak_bytes", None) or torch.cuda.max_memory_allocated()
@@ -500,7 +520,7 @@ def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | Non
         if budget_s is not None and time.perf_counter() - began > budget_s:
             print(f"budget of {budget_s:.0f} s spent: {len(todo) - todo.index(cell)} cells left for the next run")
             break
-        if cell.compiled:
+        if cell.compiled or cell.teacher_compiled:
             torch._dynamo.reset()
         if cell.n not in teachers:
             teachers.clear()
@@ -724,6 +744,26 @@ def offload_table(data: dict, part: str) -> str:
     return "\n".join(rows)
 
 
+def compiled_teacher_table(data: dict) -> str:
+    """The cells of part ``compiled-teacher``: for an eager and a compiled student, the plain step and the four-pair
+    step with the teacher eager and compiled, each with the host's time to queue the step (the median over the
+    timed steps; the host-bound steps are those whose host time reaches their wall time)."""
+    cells = data["cells"]
+    rows = ["| student | teacher | plain step (ms) | with attention KL (ms) | ratio | host: plain step (ms) | host: "
+            "with attention KL (ms) | teacher to the deepest pair (ms) | KL ops, fwd+bwd (ms) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for cell in part_cells("compiled-teacher"):
+        record = cells.get(cell.key)
+        if cell.pairs == "plain" or record is None or "error" in record:
+            continue
+        plain = cells[cell.baseline.key]
+        rows.append(f"| {'compiled' if cell.compiled else 'eager'} | "
+                    f"{'`torch.compile(teacher)`' if cell.teacher_compiled else 'eager'} | {_ms(plain['step_s'])} | "
+                    f"{_ms(record['step_s'])} | {derived(record, cells)['ratio']:.2f}× | {_ms(plain['host_s'])} | "
+                    f"{_ms(record['host_s'])} | {_ms(record['teacher_s'])} | {_ms(sum(record['kl_s']))} |")
+    return "\n".join(rows)
+
+
 def _resident(record: dict) -> bool:
     """True for a cell whose teacher is resident (every cell of the runs before ``teacher_device`` was recorded)."""
     return record.get("teacher_device", RESIDENT) == RESIDENT
@@ -747,7 +787,8 @@ def blocks(data: dict) -> dict[str, dict[str, str]]:
 def committed_blocks() -> dict[str, dict[str, str]]:
     """:func:`blocks` of the committed results (:data:`RESULT`), with the compiled students' table (block
     ``user-path:compiled``) and the tables of parts ``offload`` and ``fp16`` (blocks ``user-path:offload``,
-    ``user-path:fp16``) of :data:`H200_RESULT`."""
+    ``user-path:fp16``) and of part ``compiled-teacher`` (block ``user-path:compiled-teacher``) of
+    :data:`H200_RESULT`."""
     with open(RESULT) as f:
         rendered = blocks(json.load(f))
     with open(H200_RESULT) as f:
@@ -757,6 +798,9 @@ def committed_blocks() -> dict[str, dict[str, str]]:
     for part, precision in (("offload", "bf16-mixed"), ("fp16", "16-mixed")):
         rendered[PRECISION_DOC][f"user-path:{part}"] = (f"{h200['device']}, {precision}, sdpa, eager student; median "
                                                         f"of {h200['steps']} steps.\n\n" + offload_table(h200, part))
+    rendered[PRECISION_DOC]["user-path:compiled-teacher"] = (
+        f"{h200['device']}, N = 4096, bf16-mixed, sdpa; median of {h200['steps']} steps.\n\n"
+        + compiled_teacher_table(h200))
     return rendered
 
 
@@ -772,7 +816,7 @@ def render() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "offload", "fp16",
-                                           "accuracy"))
+                                           "compiled-teacher", "accuracy"))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
     parser.add_argument("--cpu-smoke", action="store_true", help="the script's logic on tiny models, on the CPU")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")

@@ -50,20 +50,28 @@ def test_the_parts_cover_the_matrix(user_path):
     assert offload == {(n, "bf16-mixed", "sdpa", False, pairs, device) for n in (16384, 32768)
                        for pairs, device in (("plain", "student"), ("four", "student"), ("four", "offload"))} | {
         (16384, "bf16-mixed", "sdpa", False, "uniform", device) for device in ("student", "offload")}
+    compiled_teacher = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_compiled)
+                        for c in user_path.part_cells("compiled-teacher")}
+    assert compiled_teacher == {(4096, "bf16-mixed", "sdpa", student, pairs, teacher) for student in (False, True)
+                                for pairs, teacher in (("plain", False), ("four", False), ("four", True))}
     fp16 = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_device) for c in user_path.part_cells("fp16")}
     assert fp16 == {(16384, "16-mixed", "sdpa", False, pairs, device) for pairs, device in (
         ("plain", "student"), ("four", "student"), ("uniform", "student"), ("uniform", "offload"))}
 
 
 def test_a_cell_key_names_the_teacher_only_when_it_is_not_resident(user_path):
-    """The keys of the runs before ``teacher_device`` are unchanged; an offloaded teacher's cell has a key of its own,
-    read back by ``--peak``."""
+    """The keys of the runs before ``teacher_device`` and ``teacher_compiled`` are unchanged; an offloaded or a
+    compiled teacher's cell has a key of its own, read back by ``--peak``."""
     resident = user_path.Cell(16384, "bf16-mixed", "sdpa", False, "four")
     offloaded = user_path.Cell(16384, "bf16-mixed", "sdpa", False, "four", "offload")
+    compiled = user_path.Cell(16384, "bf16-mixed", "sdpa", False, "four", teacher_compiled=True)
     assert resident.key == "N16384/bf16-mixed/sdpa/eager/four"
     assert offloaded.key == "N16384/bf16-mixed/sdpa/eager/four/teacher-offload"
-    assert offloaded.baseline == resident.baseline == user_path.Cell(16384, "bf16-mixed", "sdpa", False, "plain")
-    for cell in (resident, offloaded):
+    assert compiled.key == "N16384/bf16-mixed/sdpa/eager/four/teacher-compiled"
+    assert offloaded.baseline == resident.baseline == compiled.baseline == user_path.Cell(16384, "bf16-mixed", "sdpa",
+                                                                                         False, "plain")
+    for cell in (resident, offloaded, compiled,
+                 user_path.Cell(16384, "bf16-mixed", "sdpa", True, "four", "offload", teacher_compiled=True)):
         assert user_path.Cell.from_key(cell.key) == cell
 
 
