@@ -33,6 +33,7 @@ from .capture.base import AttentionCapture, CapturedAttention, closest
 from .capture.masks import Masking, canonical_window, dense_allowed, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
 from .terms import TermCall, TermResult, run_terms
+from .transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +337,7 @@ class AttentionDistillationLoss:
                     "compute the KL between the layers' own distributions. Pair other layers."
                 )
         device = s.q.device  # the teacher may run elsewhere: its queries and keys travel, not the models
-        q_t, k_t, q_s, k_s = t.q.to(device, non_blocking=True), t.k.to(device, non_blocking=True), s.q, s.k
+        q_t, k_t, q_s, k_s = to_device(t.q, device), to_device(t.k, device), s.q, s.k
         if q_t.dim() != 4 or q_s.dim() != 4 or k_t.dim() != 4 or k_s.dim() != 4:
             raise ValueError(
                 f"StreamKL {label}: expected 4-d [B, H, N, D] queries and keys, but got teacher q {tuple(q_t.shape)}, "
@@ -349,7 +350,7 @@ class AttentionDistillationLoss:
                 f"k {tuple(k_t.shape)} vs student q {tuple(q_s.shape)}, k {tuple(k_s.shape)} ([B, H, N, D]); "
                 "both models must see the same batch and sequence lengths (same tokenizer)."
             )
-        sinks_t = None if t.sinks is None else t.sinks.to(device, non_blocking=True)
+        sinks_t = None if t.sinks is None else to_device(t.sinks, device)
         sinks_s = s.sinks
         if relation == "qk" and (sinks_t is None) != (sinks_s is None):
             side, other = ("teacher", "student") if sinks_t is not None else ("student", "teacher")
@@ -414,7 +415,7 @@ class AttentionDistillationLoss:
                         "capture_values=True)), and a custom attention must hand them over with record(self, q, k, "
                         "v=v); or drop 'vv' from the pair's relations."
                     )
-            x_t, x_s = t.v.to(q_s.device, non_blocking=True), s.v  # type: ignore[union-attr]
+            x_t, x_s = to_device(t.v, q_s.device), s.v  # type: ignore[union-attr]
             if x_t.dim() != 4 or x_s.dim() != 4 or x_t.shape[2] != q_t.shape[2] or x_s.shape[2] != q_s.shape[2]:
                 raise ValueError(
                     f"StreamKL {label}: expected 4-d [B, H, N, D] values with the layers' N={q_t.shape[2]} tokens, "
@@ -500,7 +501,7 @@ class AttentionDistillationLoss:
         """One record's masks on ``device`` (the batch's fill in for a record without its call's masks), and whether
         it is such a record."""
         def move(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.to(device=device, dtype=torch.bool, non_blocking=True)
+            return None if x is None else to_device(x.bool(), device)
 
         m = rec.masking()
         kpm, qm = move(m.key_padding_mask), move(m.query_mask) if self.config.mask_queries else None

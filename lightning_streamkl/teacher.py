@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .transfer import to_device
+
 __all__ = ["AdaptersOff", "FrozenTeacher", "InputRecorder", "SelfTeacher", "TeacherForwardError", "adapters_disabled",
-           "borrowed", "check_separate", "check_teacher_path", "find_adapter_module", "find_copy", "is_sharded",
-           "load_teacher", "looks_like_path", "reshard", "shard_count", "shard_module", "shard_units",
+           "borrowed", "check_separate", "check_teacher_path", "find_adapter_module", "find_copy", "is_compiled",
+           "is_sharded", "load_teacher", "looks_like_path", "reshard", "shard_count", "shard_module", "shard_units",
            "shared_parameters", "stop_after", "streamed", "teacher_failed", "to_device"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -112,24 +114,6 @@ no such directory: '/no/such/teacher' (the nearest existing folder is '/').
     raise FileNotFoundError(
         f"Expected `teacher` to be a Hugging Face hub id or a local model directory, but {what}: {name!r}{hint}."
     )
-
-
-def to_device(data: Any, device: torch.device) -> Any:
-    """``data`` with every tensor in it (in mappings, lists and tuples, at any depth) moved to ``device``.
-
-    Example:
-        >>> to_device({"x": [torch.ones(1)], "n": 3}, torch.device("cpu"))
-        {'x': [tensor([1.])], 'n': 3}
-    """
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=True)
-    if isinstance(data, Mapping):
-        return {k: to_device(v, device) for k, v in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-        return type(data)(*(to_device(v, device) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(to_device(v, device) for v in data)
-    return data
 
 
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transfer import to_device
+
 #: Additive mask values at or below this are "masked": ``exp(-1e4)`` is 0 in every floating-point format.
 MASKED_BELOW = -1.0e4
 
@@ -109,7 +111,7 @@ class PackedSequences:
 
     def to(self, device: torch.device) -> PackedSequences:
         """The same sequences with every tensor on ``device``."""
-        move = (lambda t: None if t is None else t.to(device, non_blocking=True))
+        move = (lambda t: None if t is None else to_device(t, device))
         return PackedSequences(move(self.cu_seqlens_q), move(self.cu_seqlens_k), self.max_seqlen_q,
                                self.max_seqlen_k, move(self.index_q), move(self.index_k), self.host_cu_seqlens_q,
                                self.host_cu_seqlens_k)

@@ -1,4 +1,4 @@
-"""The package's import graph points one way: options/config/capture → loss/metrics/teacher → engine → adapter base
+"""The package's import graph points one way: transfer/options/config/capture → loss/metrics/teacher → engine → adapter base
 → adapters (callback, mixin, continual) → the package and its LightningCLI (cli) → the demo job. No cycles; the
 engine and everything below it work without Lightning; an adapter never imports another adapter or a private name;
 the library never imports the job, and the job uses the library's public names only. Read from the source (every
@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_streamkl"
 
 #: Module (or subpackage) -> layer; a module may import only from its own layer or below.
 LAYERS = {
-    "options": 0, "capture": 0, "config": 1,
+    "transfer": 0, "options": 0, "capture": 0, "config": 1,
     "terms": 2, "loss": 2, "metrics": 2, "teacher": 2,
     "engine": 3,
     "step_wrapper": 4, "adapter": 5,
@@ -26,7 +26,7 @@ LAYERS = {
     "jobs": 8,
 }
 ADAPTERS = {"callback", "mixin", "continual", "indexer", "integrations"}
-LIGHTNING_FREE = {"options", "capture", "config", "terms", "loss", "metrics", "teacher", "engine", "integrations"}
+LIGHTNING_FREE = {"transfer", "options", "capture", "config", "terms", "loss", "metrics", "teacher", "engine", "integrations"}
 
 
 MODULES, GRAPH = import_graph(PACKAGE, runtime_only=False)

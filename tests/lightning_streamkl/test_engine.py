@@ -382,3 +382,27 @@ def test_a_models_forward_signature_is_read_once_per_function(monkeypatch):
     b.forward = functools.partial(lambda self, input_ids: {"only": input_ids}, b)
     assert default_student_forward(b, batch) == {"only": batch["input_ids"]}
     assert len(reads) == 2
+
+
+class _MoveSpy(torch.Tensor):
+    """A tensor that notes the ``non_blocking`` of every ``.to`` it gets."""
+
+    moves: list[tuple[str, bool]] = []
+
+    def to(self, *args, **kwargs):
+        _MoveSpy.moves.append((str(args[0] if args else kwargs.get("device")), kwargs.get("non_blocking", False)))
+        return super().to(*args, **kwargs)
+
+
+def test_copies_to_the_host_complete_before_they_are_read():
+    """A copy to an accelerator does not wait, one to the host does: an asynchronous copy from a GPU returns a host
+    tensor whose contents are undefined until the device is synchronised (a teacher kept on the host read token ids
+    that had not arrived: an embedding's index error, seen in the GPU suite). Every copy of a batch, a capture or a
+    mask goes through :func:`lightning_streamkl.transfer.to_device`."""
+    from lightning_streamkl.transfer import to_device
+
+    _MoveSpy.moves.clear()
+    batch = {"input_ids": torch.arange(4).as_subclass(_MoveSpy), "nested": [torch.ones(2).as_subclass(_MoveSpy)]}
+    to_device(batch, torch.device("cpu"))
+    to_device(batch, "meta")  # (an accelerator's kind of device, without one)
+    assert _MoveSpy.moves == [("cpu", False)] * 2 + [("meta", True)] * 2
