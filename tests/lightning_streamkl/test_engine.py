@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -387,7 +388,7 @@ def test_a_models_forward_signature_is_read_once_per_function(monkeypatch):
 class _MoveSpy(torch.Tensor):
     """A tensor that notes the ``non_blocking`` of every ``.to`` it gets."""
 
-    moves: list[tuple[str, bool]] = []
+    moves: ClassVar[list[tuple[str, bool]]] = []
 
     def to(self, *args, **kwargs):
         _MoveSpy.moves.append((str(args[0] if args else kwargs.get("device")), kwargs.get("non_blocking", False)))
