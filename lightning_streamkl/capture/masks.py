@@ -446,13 +446,10 @@ def describe_allowed(allowed: torch.Tensor, batch: int, *, self_attention: bool)
     _, _, n_q, n_k = allowed.shape
     a = allowed.expand(batch, allowed.shape[1], n_q, n_k)
     device = a.device
-    kpm = a.any(dim=1).any(dim=1)  # [B, N_k]: keys some query sees
+    kpm = a.any(dim=2).any(dim=1)  # [B, N_k]: keys some query sees
     qmask = kpm[:, n_k - n_q:] if self_attention and n_q <= n_k else None
     rows = a.any(-1)  # [B, H, N_q]
-    as_bytes = a.to(torch.uint8)
-    first = as_bytes.argmax(-1)  # the first allowed key of each row (argmax returns the first maximum)
-    last = n_k - 1 - as_bytes.flip(-1).argmax(-1)
-    del as_bytes
+    first, last = _row_extents(a)
     aligned = torch.arange(n_q, device=device) + (n_k - n_q)
     causal = ~((last > aligned) & rows).any()
     unbounded = torch.full((), -1, dtype=torch.long, device=device)
@@ -477,19 +474,39 @@ def describe_allowed(allowed: torch.Tensor, batch: int, *, self_attention: bool)
     return Masking(False, None, None, qmask_or_none, None, allowed)
 
 
-#: The most elements of the map one comparison step of :func:`_equals_band` holds (a row block: at N = 32768 the
-#: map is 2³⁰ of them, and each step allocates a candidate and a comparison of its size).
+#: The most elements of the map one step of :func:`describe_allowed` holds (a row block: at N = 32768 the map is 2³⁰
+#: of them, and each step allocates a copy, a candidate or a comparison of the block's size, not of the map's).
 COMPARE_BLOCK_ELEMENTS = 1 << 26
+
+
+def _row_blocks(a: torch.Tensor) -> list[slice]:
+    """The row blocks of a ``[B, H, N_q, N_k]`` map, each of at most :data:`COMPARE_BLOCK_ELEMENTS` elements."""
+    b, h, n_q, n_k = a.shape
+    step = max(1, COMPARE_BLOCK_ELEMENTS // max(1, b * h * n_k))
+    return [slice(start, start + step) for start in range(0, n_q, step)]
+
+
+def _row_extents(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and the last allowed key of each row of ``a`` (``[B, H, N_q]`` each; a row with none gives 0 and
+    ``N_k - 1``), by row blocks."""
+    n_k = a.shape[-1]
+    firsts, lasts = [], []
+    for rows in _row_blocks(a):
+        block = a[:, :, rows].to(torch.uint8)
+        firsts.append(block.argmax(-1))  # (argmax returns the first maximum)
+        lasts.append(n_k - 1 - block.flip(-1).argmax(-1))
+    if not firsts:
+        empty = torch.zeros(a.shape[:3], dtype=torch.long, device=a.device)
+        return empty, empty
+    return torch.cat(firsts, -1), torch.cat(lasts, -1)
 
 
 def _equals_band(a: torch.Tensor, kpm: torch.Tensor, causal: torch.Tensor,
                  window: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """0-d bool on ``a``'s device: ``a`` equals :func:`band` ``& kpm`` (compared by row blocks, not read)."""
-    b, h, n_q, n_k = a.shape
-    step = max(1, COMPARE_BLOCK_ELEMENTS // max(1, b * h * n_k))
+    n_q, n_k = a.shape[-2:]
     differs = torch.zeros((), dtype=torch.bool, device=a.device)
-    for start in range(0, n_q, step):
-        rows = slice(start, start + step)
+    for rows in _row_blocks(a):
         candidate = band(n_q, n_k, causal, window, a.device, rows)[None, None] & kpm[:, None, None, :]
         differs = differs | (candidate != a[:, :, rows]).any()
     return ~differs
