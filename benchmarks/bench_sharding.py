@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -146,9 +147,16 @@ class Decoder(nn.Module):
 
 
 def _library_teacher_module():
-    """``lightning_streamkl/teacher.py`` (torch only), loaded from its file: the package needs omegaconf."""
-    spec = importlib.util.spec_from_file_location("streamkl_teacher_layout", ROOT / "lightning_streamkl" / "teacher.py")
+    """``lightning_streamkl/teacher.py`` (torch and its torch-only siblings), loaded from its file as a module of a
+    package that is never initialised: the package's ``__init__`` needs omegaconf."""
+    package = "_streamkl_teacher_layout"
+    if package not in sys.modules:
+        shell = types.ModuleType(package)
+        shell.__path__ = [str(ROOT / "lightning_streamkl")]  # its relative imports find the siblings' files
+        sys.modules[package] = shell
+    spec = importlib.util.spec_from_file_location(f"{package}.teacher", ROOT / "lightning_streamkl" / "teacher.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
