@@ -92,19 +92,16 @@ def forward_with_gradients(inputs: KLInputs, spec: KLSpec, backend: str, allow_t
 
 
 def scaled_gradients(grad_loss: torch.Tensor | None, dq_b: torch.Tensor, dk_b: torch.Tensor, need_k_b: bool,
-                     dtype: torch.dtype, dq_factor: torch.Tensor | None = None):
+                     dtype: torch.dtype, dq_factor: torch.Tensor | None = None, traced: bool = False):
     """``(dq_b, dk_b)`` times the loss's upstream gradient (``dq_b`` also times ``dq_factor``, a 0-dim tensor, where
     given: :func:`forward_with_gradients`), in side b's input ``dtype`` (None without one, and ``dk_b`` None unless
     ``need_k_b``); new tensors, so a second backward (``retain_graph``) finds the saved ones unchanged. One
-    elementwise pass per gradient: the product rounds to ``dtype`` as it is written."""
+    elementwise launch for both (:func:`streamkl.dispatch.scaled_copies`; ``traced``: torch ops, for the custom op's
+    backward, which the compiler traces): each product rounds to ``dtype`` as it is written."""
     if grad_loss is None:
         return None, None
-
-    def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        return torch.mul(x, factor, out=torch.empty_like(x, dtype=dtype))
-
     dq_scale = grad_loss if dq_factor is None else grad_loss * dq_factor
-    return scaled(dq_b, dq_scale), (scaled(dk_b, grad_loss) if need_k_b else None)
+    return dispatch.scaled_copies(dq_b, dq_scale, dk_b if need_k_b else None, grad_loss, dtype, traced)
 
 
 def backward_impl(grad_kl, inputs: KLInputs, spec: KLSpec, kl, lse_a, lse_b, need_grad_a: bool,
@@ -393,14 +390,19 @@ def _setup_ahead_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse_a, lse_b, dq_b, dk_b)
 
 
-def _ahead_backward(ctx, grad_loss, *_unused):
-    """The backward of a call that computed side b's gradients ahead (the Function's and the custom op's)."""
+def _ahead_backward(ctx, grad_loss, *_unused, traced: bool = False):
+    """The backward of a call that computed side b's gradients ahead (the Function's and, ``traced``, the custom
+    op's)."""
     dq_b, dk_b = scaled_gradients(grad_loss, *ctx.saved_tensors, ctx.needs_input_grad[3], ctx.input_dtype,
-                                  ctx.dq_factor)
+                                  ctx.dq_factor, traced)
     return None, None, dq_b, dk_b, *(None,) * (len(ctx.needs_input_grad) - 4)
 
 
-attention_kl_loss_ahead_op.register_autograd(_ahead_backward, setup_context=_setup_ahead_context)
+def _traced_ahead_backward(ctx, grad_loss, *_unused):
+    return _ahead_backward(ctx, grad_loss, traced=True)
+
+
+attention_kl_loss_ahead_op.register_autograd(_traced_ahead_backward, setup_context=_setup_ahead_context)
 
 
 def _training_path(inputs: KLInputs, backend: str, reduction: str) -> tuple[bool, bool]:

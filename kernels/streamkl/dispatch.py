@@ -63,6 +63,7 @@ __all__ = [
     "read_masks",
     "read_offsets",
     "saved_dq_b_dtype",
+    "scaled_copies",
     "select",
     "select_backend",
     "table_markdown",
@@ -731,6 +732,37 @@ def saved_dq_b_dtype(dtype: torch.dtype, numel: int) -> torch.dtype:
     """The dtype the training forward saves side b's query gradient in
     (:func:`streamkl._triton.forward.saved_dq_b_dtype`)."""
     return _module("_triton.forward").saved_dq_b_dtype(dtype, numel)
+
+
+#: Side-b gradients of at least this many elements are scaled by one Triton launch (:func:`scaled_copies`); smaller
+#: ones, whose calls are bound by the host, by ``torch.mul``, whose launches cost the host less.
+SCALE_KERNEL_MIN_ELEMENTS = 1 << 23
+
+
+def scaled_copies(dq_b: torch.Tensor, dq_scale: torch.Tensor, dk_b: torch.Tensor | None, dk_scale: torch.Tensor,
+                  dtype: torch.dtype, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dq_b · dq_scale, dk_b · dk_scale)`` (each scale a 0-dim tensor; ``dk_b`` may be None) as new tensors of
+    ``dtype``, with ``torch.mul``'s bits: the backward of a call whose gradients were computed ahead
+    (:func:`gradients_ahead`). Contiguous CUDA gradients from :data:`SCALE_KERNEL_MIN_ELEMENTS` up (and any contiguous
+    CPU ones under the Triton interpreter) take one launch of :func:`streamkl._triton.scaling.scaled_copies`
+    (``torch.mul`` by a 0-dim CUDA tensor takes PyTorch's non-vectorised kernel); anything else, and a traced call,
+    ``torch.mul`` (``traced``: a backward the compiler traces, which it fuses).
+
+    Example:
+        >>> dq, dk = scaled_copies(torch.ones(2), torch.tensor(3.0), None, torch.tensor(1.0), torch.float32)
+        >>> dq.tolist(), dk
+        ([3.0, 3.0], None)
+    """
+    tensors = (dq_b,) if dk_b is None else (dq_b, dk_b)
+    large = dq_b.is_cuda and dq_b.numel() >= SCALE_KERNEL_MIN_ELEMENTS
+    if (not traced and not torch.compiler.is_compiling() and all(x.is_contiguous() for x in tensors)
+            and (large or triton_interpreter_enabled())):
+        return _module("_triton.scaling").scaled_copies(dq_b, dq_scale, dk_b, dk_scale, dtype)
+
+    def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, factor, out=torch.empty_like(x, dtype=dtype))
+
+    return scaled(dq_b, dq_scale), (None if dk_b is None else scaled(dk_b, dk_scale))
 
 
 # ---------------------------------------------------------------------------------------------- the table in words

@@ -525,6 +525,34 @@ def test_fp16_training_call_on_the_hopper_kernels_matches_the_oracle(case: Case,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("closeness", [1e-2, 1e-4], ids=["close", "closer"])
+def test_fp16_training_forward_of_a_student_close_to_its_teacher_keeps_its_query_gradient(closeness, monkeypatch):
+    """fp16 with the student within ``closeness`` of its teacher (the end of a distillation): ``p_b·r − p_a`` is far
+    below the probabilities, and the Gluon training forward's fp16 frames (one power of two per row, set by its first
+    tile, moved down only: :func:`streamkl._hopper.fused_forward._fp16_frame`) must keep it from fp16's subnormals.
+    Its ``dQ_s`` stays within 1.5× the portable kernel's error against the float64 oracle (the portable kernel scales
+    every tile by its own largest magnitude)."""
+    fused_calls = _count_calls(monkeypatch, _fused, "attention_kl_fused_fwd_hopper")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_t, k_t = (torch.randn(2, 4, 1000, 64, device="cuda", generator=g, dtype=torch.float64) for _ in range(2))
+    q_s, k_s = (x + closeness * torch.randn(x.shape, device="cuda", generator=g, dtype=torch.float64)
+                for x in (q_t, k_t))
+    q_t, k_t, q_s, k_s = (x.to(torch.float16) for x in (q_t, k_t, q_s, k_s))  # the oracle sees the same inputs
+    ref_q = q_s.double().requires_grad_(True)
+    ref_grad, = torch.autograd.grad(
+        attention_kl(q_t.double(), k_t.double(), ref_q, k_s.double(), causal=True, backend="reference"), ref_q)
+    errors = {}
+    for switch in ("gluon", "portable"):
+        q = q_s.clone().requires_grad_(True)
+        with forced(switch):
+            grad, = torch.autograd.grad(attention_kl(q_t, k_t, q, k_s, causal=True), q)
+        errors[switch] = float((grad.double() - ref_grad).norm() / ref_grad.norm())
+    assert len(fused_calls) == 1
+    assert errors["gluon"] <= 1.5 * errors["portable"] + 1e-6, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 (Hopper) GPU")
 def test_default_key_pass_selection_on_the_gpu():
     """Without an override: both head dims at the threshold run a Hopper key pass (measured faster there); small
     problems and a trainable teacher do not."""

@@ -559,3 +559,37 @@ def test_a_clipped_band_visits_every_kept_position_once_and_only_band_tiles():
             assert not loop or start % block == 0
         if lo == b:
             assert not loops[0]
+
+
+@pytest.mark.parametrize(("source", "target"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+                                                (torch.float32, torch.float32)], ids=["bf16", "fp32-to-fp16", "fp32"])
+def test_scaled_copies_have_the_bits_of_torch_mul(source, target, monkeypatch):
+    """The backward of a call whose gradients were computed ahead: both products in one launch, each with the bits
+    ``torch.mul`` by the 0-dim factor gives on CUDA (a bf16 tensor's factor rounded to bf16, the product in fp32,
+    rounded once), for tensors longer than a program's block, of different sizes, either the longer; a missing second
+    tensor; a factor that overflows fp16; the dispatch's own ``torch.mul`` path (a tensor that is not contiguous)."""
+    import streamkl.dispatch as dispatch
+    from streamkl._triton.scaling import BLOCK, scaled_copies
+
+    monkeypatch.setattr(dispatch, "SCALE_KERNEL_MIN_ELEMENTS", 1)  # (on a GPU too)
+    g = torch.Generator().manual_seed(0)
+    long = (torch.randn(3, BLOCK + 37, generator=g) * 1e-3).to(source).to(DEVICE)
+    short = torch.randn(2, 5, 7, generator=g).to(source).to(DEVICE)
+    small, large = torch.tensor(0.37, device=DEVICE), torch.tensor(-3e4, device=DEVICE)
+
+    def expected(x, factor):
+        if DEVICE == "cuda":
+            return torch.mul(x, factor, out=torch.zeros_like(x, dtype=target))
+        # torch.mul's CUDA bits, emulated (its CPU kernel takes a 0-dim factor as a host scalar)
+        return (x.double() * factor.to(source).double()).float().to(target)  # (the fp32 product is exact in fp64)
+
+    for first, first_factor, second, second_factor in ((long, small, short, large), (short, large, long, small)):
+        for scale in (scaled_copies, dispatch.scaled_copies):
+            a, b = scale(first, first_factor, second, second_factor, target)
+            assert a.dtype == b.dtype == target
+            assert torch.equal(a, expected(first, first_factor)) and torch.equal(b, expected(second, second_factor))
+    alone, missing = scaled_copies(long, large, None, small, target)
+    assert missing is None and torch.equal(alone, expected(long, large))
+    if DEVICE == "cuda":
+        strided, _ = dispatch.scaled_copies(long.t(), small, None, small, target)  # not contiguous: torch.mul
+        assert torch.equal(strided, expected(long.t(), small))
