@@ -389,7 +389,7 @@ def attention_kl_key_pass_hopper(grad_kl: torch.Tensor, inputs: KLInputs, spec: 
         grid = (grid[0] * grid[1], 1)
         # the queries one program sweeps
         query_bytes = (group_b // split) * rows_per_sequence * (d_a + d_b) * q_a.element_size()
-        order_chunk = longest_first_chunk(query_bytes, l2_cache_bytes(q_a.device.index))
+        order_chunk = longest_first_chunk(query_bytes, l2_cache_bytes(q_a.device.index), sequences * h_kb * split)
     launch(
         grid,
         (_descriptor(q_a, cfg.block_m), _descriptor(k_a, cfg.block_n), _descriptor(q_b, cfg.block_m),

@@ -187,7 +187,7 @@ def row_tile_grid(inputs: KLInputs, spec: KLSpec, rows: int) -> tuple[tuple[int,
         ((64, 16), 1)
         >>> row_tile_grid(KLInputs(q, q, q, q, None, None, None, None, None, None), KLSpec(0.125, 0.125,
         ...                                                                              window_right=0), 128)
-        ((1024, 1), 12)
+        ((1024, 1), 8)
     """
     q_a, k_a, k_b = inputs.q_a, inputs.k_a, inputs.k_b
     sequences, n_q, n_k = sequence_grid(inputs, spec, check=False)
@@ -198,7 +198,7 @@ def row_tile_grid(inputs: KLInputs, spec: KLSpec, rows: int) -> tuple[tuple[int,
     key_bytes = key_bytes_per_head(n_k, heads, (k_a.shape[-1], k_a.dtype, k_a.shape[1]),
                                    (k_b.shape[-1], k_b.dtype, k_b.shape[1]))
     l2_bytes = l2_cache_bytes(q_a.device.index if q_a.is_cuda else -1)
-    return (grid[0] * grid[1], 1), longest_first_chunk(key_bytes, l2_bytes)
+    return (grid[0] * grid[1], 1), longest_first_chunk(key_bytes, l2_bytes, grid[1])
 
 
 @gluon.jit

@@ -665,7 +665,8 @@ def _backward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, flags: tuple, s
         dk_grid, dq_grid = (dk_grid[0] * dk_grid[1], 1), (dq_grid[0] * dq_grid[1], 1)
         query_bytes = heads // h_kg * n_q * (d_a * dtype_a.itemsize + d_b * dtype_b.itemsize)
         key_bytes = key_bytes_per_head(n_k, heads, (d_a, dtype_a, h_ka), (d_b, dtype_b, h_kb))
-        chunk_k, chunk_q = longest_first_chunk(query_bytes, l2_bytes), longest_first_chunk(key_bytes, l2_bytes)
+        chunk_k = longest_first_chunk(query_bytes, l2_bytes, sequences * h_kg)
+        chunk_q = longest_first_chunk(key_bytes, l2_bytes, sequences * heads)
     return (dk_grid, (*scalars, h_kg, *scales, chunk_k), tuple(dk_meta.items()), dq_grid, (*scalars, *scales, chunk_q),
             tuple(dq_meta.items()), dk_a_per_head)
 

@@ -416,7 +416,7 @@ def _forward_plan(geometry: tuple, dtypes: tuple, spec: KLSpec, optional: tuple,
     if longest_first:
         grid = (grid[0] * grid[1], 1)
         key_bytes = key_bytes_per_head(n_k, heads, (d_a, dtype_a, ka_g[0][1]), (d_b, dtype_b, kb_g[0][1]))
-        order_chunk = longest_first_chunk(key_bytes, l2_bytes)
+        order_chunk = longest_first_chunk(key_bytes, l2_bytes, sequences * heads)
     (qk_a, cap_a), (qk_b, cap_b) = side_scales(spec.scale_a, spec.softcap_a), side_scales(spec.scale_b, spec.softcap_b)
     scalars = (
         *qa_g[1], *ka_g[1], *qb_g[1], *kb_g[1], *km_strides, *qm_strides, *am_strides,
