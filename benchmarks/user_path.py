@@ -39,6 +39,8 @@ same command)::
                                                             # teacher resident, and offloaded for uniform
     python benchmarks/user_path.py --part compiled-teacher  # N = 4096: bf16-mixed, sdpa, four, the teacher eager
                                                             # and compiled, the student eager and compiled
+    python benchmarks/user_path.py --part windowed          # N = 8192: bf16-mixed, sdpa, four, the models as built
+                                                            # and as Mistral models with a 2048-token sliding window
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
@@ -67,6 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 ROOT = os.path.dirname(HERE)
 PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
+REAL_TEACHERS_DOC = os.path.join(ROOT, "docs", "guides", "real-teachers.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
@@ -80,6 +83,8 @@ DEVICE = "cuda"
 ATTENTIONS = ("sdpa", "flex_attention")
 #: student layer -> teacher layer of the four pairs (the student's 16 layers against the teacher's 22, spread evenly)
 FOUR_PAIRS = {3: 5, 7: 10, 11: 15, 15: 21}
+#: Part ``windowed``: the sliding window of both models (Mistral 7B's is 4096 tokens at up to 32768).
+WINDOW = 2048
 TEACHER = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=8)
 STUDENT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
@@ -109,35 +114,39 @@ class Cell:
     pairs: str  # "plain" | "four" | "uniform" | "naive"
     teacher_device: str = RESIDENT  # "student" (resident) | "offload"
     teacher_compiled: bool = False  # the callback's teacher wrapped in torch.compile
+    window: int = 0  # > 0: both models are Mistral models of the same shapes with this sliding window
 
     @property
     def key(self) -> str:
         """``N<n>/<precision>/<attention>/<eager|compiled>/<pairs>``, then ``/teacher-<device>`` when the teacher is
-        not resident and ``/teacher-compiled`` when it is compiled (the keys of the runs before these fields are
-        unchanged)."""
+        not resident, ``/teacher-compiled`` when it is compiled and ``/window-<w>`` for windowed models (the keys of
+        the runs before these fields are unchanged)."""
         key = f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
         key = key if self.teacher_device == RESIDENT else f"{key}/teacher-{self.teacher_device}"
-        return f"{key}/teacher-compiled" if self.teacher_compiled else key
+        key = f"{key}/teacher-compiled" if self.teacher_compiled else key
+        return f"{key}/window-{self.window}" if self.window else key
 
     @classmethod
     def from_key(cls, key: str) -> Cell:
         """The cell of a :attr:`key`."""
-        n, precision, attention, mode, pairs, *teacher = key.split("/")
+        n, precision, attention, mode, pairs, *rest = key.split("/")
+        windows = [int(t.removeprefix("window-")) for t in rest if t.startswith("window-")]
+        teacher = [t for t in rest if t.startswith("teacher-")]
         compiled_teacher = "teacher-compiled" in teacher
         devices = [t.removeprefix("teacher-") for t in teacher if t != "teacher-compiled"]
         return cls(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs,
-                   devices[0] if devices else RESIDENT, compiled_teacher)
+                   devices[0] if devices else RESIDENT, compiled_teacher, windows[0] if windows else 0)
 
     @property
     def baseline(self) -> Cell:
-        return Cell(self.n, self.precision, self.attention, self.compiled, "plain")
+        return Cell(self.n, self.precision, self.attention, self.compiled, "plain", window=self.window)
 
 
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
-    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "smoke",
-                    "cpu-smoke"):
+    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "windowed",
+                    "smoke", "cpu-smoke"):
         raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
@@ -159,6 +168,9 @@ def part_cells(part: str) -> list[Cell]:
         for student in (False, True):
             cells += [Cell(4096, "bf16-mixed", "sdpa", student, p) for p in ("plain", "four")]
             cells.append(Cell(4096, "bf16-mixed", "sdpa", student, "four", teacher_compiled=True))
+    if part == "windowed":  # sliding-window models (Mistral's, Qwen2's), and the same shapes without a window
+        for window in (0, WINDOW):
+            cells += [Cell(8192, "bf16-mixed", "sdpa", False, p, window=window) for p in ("plain", "four")]
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
@@ -167,6 +179,7 @@ def part_cells(part: str) -> list[Cell]:
                   for p in ("plain", "four")]
         cells += [Cell(64, "bf16-true", "sdpa", False, "uniform"), Cell(64, "bf16-mixed", "sdpa", False, "naive")]
         cells.append(Cell(64, "bf16-mixed", "sdpa", False, "four", "offload"))
+        cells += [Cell(64, "bf16-mixed", "sdpa", False, p, window=16) for p in ("plain", "four")]
     if part == "smoke":  # every kind of cell once
         cells += [Cell(512, precision, "sdpa", False, p) for precision in PRECISIONS for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "flex_attention", False, p) for p in ("plain", "four")]
@@ -174,6 +187,7 @@ def part_cells(part: str) -> list[Cell]:
         cells += [Cell(512, "bf16-mixed", "sdpa", True, p) for p in ("plain", "four")]
         cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", "offload"))
         cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", teacher_compiled=True))
+        cells += [Cell(512, "bf16-mixed", "sdpa", False, p, window=128) for p in ("plain", "four")]
     return cells
 
 
@@ -184,18 +198,22 @@ def _sdpa_four(n: int, precision: str, teachers: tuple[str, ...] = (RESIDENT,)) 
 
 
 # ---------------------------------------------------------------------------------------------- models and the fit
-def llama(shape: dict, n: int, attention: str, seed: int, dtype):
+def llama(shape: dict, n: int, attention: str, seed: int, dtype, window: int = 0):
+    """A Llama model of ``shape`` built from its config; with ``window``, a Mistral model of the same shapes whose
+    every layer attends through a ``window``-token sliding window."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
     if DEVICE == "cpu":
         shape = {**shape, **TINY, "num_attention_heads": shape["num_attention_heads"] // 4,
                  "num_key_value_heads": shape["num_key_value_heads"] // 4}
-    cfg = LlamaConfig(**shape, vocab_size=VOCAB if DEVICE == "cuda" else 97, max_position_embeddings=max(n, 2048),
-                      attn_implementation=attention, tie_word_embeddings=False)
+    config, model = (MistralConfig, MistralForCausalLM) if window else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(**shape, vocab_size=VOCAB if DEVICE == "cuda" else 97, max_position_embeddings=max(n, 2048),
+                 attn_implementation=attention, tie_word_embeddings=False, **({"sliding_window": window} if window
+                                                                             else {}))
     with torch.device(DEVICE):
-        return LlamaForCausalLM(cfg).to(dtype)
+        return model(cfg).to(dtype)
 
 
 def enable_checkpointing(model) -> None:
@@ -367,7 +385,9 @@ def breakdown(distill, module, batch: dict, plugin) -> dict[str, Any]:
     calls = op_calls(distiller, module.model, batch, plugin.forward_context())
     out["kl_s"] = [replay_seconds(c) for c in calls]
     out["kl_calls"] = [{"shapes": [list(x.shape) for x in c[0][:4]], "dtypes": [str(x.dtype) for x in c[0][:4]],
-                        "reduction": c[1].get("reduction")} for c in calls]
+                        "reduction": c[1].get("reduction"),
+                        "window": list(c[1]["window"]) if c[1].get("window") else None,
+                        "general_mask": c[1].get("attn_mask") is not None} for c in calls]
     out["pairing"] = distiller.describe()
     return out
 
@@ -392,7 +412,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     with matmul_precision("high" if cell.precision == "32-true" else "highest"):
         hf = llama(STUDENT, cell.n, "eager" if cell.pairs == "naive" else cell.attention, seed=1,
-                   dtype=torch.float32)
+                   dtype=torch.float32, window=cell.window)
         record["student_params"] = sum(p.numel() for p in hf.parameters())
         enable_checkpointing(hf)
         hf.train()
@@ -479,7 +499,7 @@ def peak_trace(key: str) -> None:
 
     global TRACES
     cell = Cell.from_key(key)
-    teacher = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
+    teacher = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16, window=cell.window).eval()
     TRACES = []
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     record = run_cell(cell, teacher, steps=1, warmup=1)
@@ -522,16 +542,18 @@ def run_part(part: str, out: str, steps: int, warmup: int, budget_s: float | Non
             break
         if cell.compiled or cell.teacher_compiled:
             torch._dynamo.reset()
-        if cell.n not in teachers:
+        model = (cell.n, cell.window)
+        if model not in teachers:
             teachers.clear()
             gc.collect()
-            teachers[cell.n] = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16).eval()
-            data["teacher_gib"] = _bytes(teachers[cell.n]) / 2**30
-            data["teacher_params"] = sum(p.numel() for p in teachers[cell.n].parameters())
+            teachers[model] = llama(TEACHER, cell.n, cell.attention, seed=0, dtype=torch.bfloat16,
+                                    window=cell.window).eval()
+            data["teacher_gib"] = _bytes(teachers[model]) / 2**30
+            data["teacher_params"] = sum(p.numel() for p in teachers[model].parameters())
         print(f"{cell.key} ...", flush=True)
         start = time.perf_counter()
         try:
-            record = run_cell(cell, teachers[cell.n], steps, warmup)
+            record = run_cell(cell, teachers[model], steps, warmup)
         except torch.OutOfMemoryError:
             total = torch.cuda.get_device_properties(0).total_memory / 2**30
             record = {"key": cell.key, **cell.__dict__, "error": f"out of memory ({total:.0f} GiB card)"}
@@ -615,7 +637,8 @@ def accuracy_table(data: dict) -> str:
 def derived(record: dict, cells: dict) -> dict[str, float] | None:
     """Ratios of a distilled cell against its plain cell of the same run: step and memory, and the pipeline's
     extra time over its irreducible parts (``None`` when either cell failed or is missing)."""
-    plain = cells.get(Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain").key)
+    plain = cells.get(Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain",
+                           window=record.get("window", 0)).key)
     if plain is None or "error" in plain or "error" in record:
         return None
     out = {"ratio": record["step_s"] / plain["step_s"], "memory": record["peak_gib"] / plain["peak_gib"]}
@@ -655,7 +678,7 @@ def matrix_table(data: dict, n: int, compiled: bool = False) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for record in ordered:
         if record["n"] != n or record["pairs"] in ("plain", "naive") or record["compiled"] != compiled \
-                or not _resident(record):
+                or not _resident(record) or record.get("window"):
             continue
         plain = cells.get(Cell(n, record["precision"], record["attention"], record["compiled"], "plain").key, {})
         head = (f"| {record['precision']} | {record['attention']} | {'compiled' if record['compiled'] else 'eager'} | "
@@ -764,6 +787,26 @@ def compiled_teacher_table(data: dict) -> str:
     return "\n".join(rows)
 
 
+def windowed_table(data: dict) -> str:
+    """The cells of part ``windowed``: the plain and the four-pair step of the models as built (full causal
+    attention) and of the same shapes as Mistral models with a sliding window, whose layers' 4-D masks the capture
+    reads as the window (the op then visits only the band)."""
+    cells = data["cells"]
+    rows = ["| attention | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair (ms) | "
+            "KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for cell in part_cells("windowed"):
+        record = cells.get(cell.key)
+        if cell.pairs == "plain" or record is None or "error" in record:
+            continue
+        plain = cells[cell.baseline.key]
+        kind = f"sliding window of {cell.window} (Mistral)" if cell.window else "full causal (Llama)"
+        rows.append(f"| {kind} | {_ms(plain['step_s'])} | {_ms(record['step_s'])} | "
+                    f"{derived(record, cells)['ratio']:.2f}× | {_ms(record['teacher_s'])} | "
+                    f"{_ms(sum(record['kl_s']))} | {plain['peak_gib']:.2f} | {record['peak_gib']:.2f} |")
+    return "\n".join(rows)
+
+
 def _resident(record: dict) -> bool:
     """True for a cell whose teacher is resident (every cell of the runs before ``teacher_device`` was recorded)."""
     return record.get("teacher_device", RESIDENT) == RESIDENT
@@ -787,7 +830,8 @@ def blocks(data: dict) -> dict[str, dict[str, str]]:
 def committed_blocks() -> dict[str, dict[str, str]]:
     """:func:`blocks` of the committed results (:data:`RESULT`), with the compiled students' table (block
     ``user-path:compiled``) and the tables of parts ``offload`` and ``fp16`` (blocks ``user-path:offload``,
-    ``user-path:fp16``) and of part ``compiled-teacher`` (block ``user-path:compiled-teacher``) of
+    ``user-path:fp16``), of part ``compiled-teacher`` (block ``user-path:compiled-teacher``) and of part
+    ``windowed`` (block ``user-path:windowed`` of the real-teachers guide, once the run holds it) of
     :data:`H200_RESULT`."""
     with open(RESULT) as f:
         rendered = blocks(json.load(f))
@@ -801,6 +845,10 @@ def committed_blocks() -> dict[str, dict[str, str]]:
     rendered[PRECISION_DOC]["user-path:compiled-teacher"] = (
         f"{h200['device']}, N = 4096, bf16-mixed, sdpa; median of {h200['steps']} steps.\n\n"
         + compiled_teacher_table(h200))
+    if any(cell.key in h200["cells"] for cell in part_cells("windowed")):
+        rendered[REAL_TEACHERS_DOC] = {"user-path:windowed": (
+            f"{h200['device']}, N = 8192, bf16-mixed, sdpa, eager student, four pairs; median of {h200['steps']} "
+            "steps.\n\n" + windowed_table(h200))}
     return rendered
 
 
@@ -816,7 +864,7 @@ def render() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "offload", "fp16",
-                                           "compiled-teacher", "accuracy"))
+                                           "compiled-teacher", "windowed", "accuracy"))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
     parser.add_argument("--cpu-smoke", action="store_true", help="the script's logic on tiny models, on the CPU")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")

@@ -54,6 +54,9 @@ def test_the_parts_cover_the_matrix(user_path):
                         for c in user_path.part_cells("compiled-teacher")}
     assert compiled_teacher == {(4096, "bf16-mixed", "sdpa", student, pairs, teacher) for student in (False, True)
                                 for pairs, teacher in (("plain", False), ("four", False), ("four", True))}
+    windowed = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.window) for c in user_path.part_cells("windowed")}
+    assert windowed == {(8192, "bf16-mixed", "sdpa", False, pairs, window) for pairs in ("plain", "four")
+                        for window in (0, user_path.WINDOW)}
     fp16 = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_device) for c in user_path.part_cells("fp16")}
     assert fp16 == {(16384, "16-mixed", "sdpa", False, pairs, device) for pairs, device in (
         ("plain", "student"), ("four", "student"), ("uniform", "student"), ("uniform", "offload"))}
@@ -70,8 +73,12 @@ def test_a_cell_key_names_the_teacher_only_when_it_is_not_resident(user_path):
     assert compiled.key == "N16384/bf16-mixed/sdpa/eager/four/teacher-compiled"
     assert offloaded.baseline == resident.baseline == compiled.baseline == user_path.Cell(16384, "bf16-mixed", "sdpa",
                                                                                          False, "plain")
-    for cell in (resident, offloaded, compiled,
-                 user_path.Cell(16384, "bf16-mixed", "sdpa", True, "four", "offload", teacher_compiled=True)):
+    windowed = user_path.Cell(8192, "bf16-mixed", "sdpa", False, "four", window=2048)
+    assert windowed.key == "N8192/bf16-mixed/sdpa/eager/four/window-2048"
+    assert windowed.baseline == user_path.Cell(8192, "bf16-mixed", "sdpa", False, "plain", window=2048)
+    for cell in (resident, offloaded, compiled, windowed,
+                 user_path.Cell(16384, "bf16-mixed", "sdpa", True, "four", "offload", teacher_compiled=True),
+                 user_path.Cell(512, "bf16-mixed", "sdpa", True, "four", "offload", True, 128)):
         assert user_path.Cell.from_key(cell.key) == cell
 
 
@@ -96,6 +103,12 @@ def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, 
     assert offloaded["teacher_device"] == "offload" and offloaded["teacher_s"] > 0
     assert "the teacher is streamed from host memory one block at a time" in offloaded["pairing"]
     assert "streamed" not in four["pairing"]
+    assert all(call["window"] is None and not call["general_mask"] for call in four["kl_calls"])
+    # Mistral models with a sliding window: the capture reads each layer's 4-D mask as the window, which the op takes
+    windowed = cells["N64/bf16-mixed/sdpa/eager/four/window-16"]
+    assert [call["window"] for call in windowed["kl_calls"]] == [[15, 0]] * len(windowed["kl_calls"])
+    assert not any(call["general_mask"] for call in windowed["kl_calls"])
+    assert user_path.derived(windowed, cells)["ratio"] > 0  # against the windowed plain cell
     derived = user_path.derived(four, cells)  # (on tiny models a distilled step may time below the plain one)
     assert derived["ratio"] > 0 and math.isfinite(derived["pipeline"]) and derived["irreducible_s"] > 0
     # a second run of the same part finds every cell done and runs none
