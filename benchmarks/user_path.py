@@ -767,6 +767,14 @@ def offload_table(data: dict, part: str) -> str:
     return "\n".join(rows)
 
 
+def _distilled(cells: dict, part: str) -> Iterator[tuple[Cell, dict, dict]]:
+    """``(cell, record, plain record)`` of each distilled cell of ``part`` that ran, in the part's order."""
+    for cell in part_cells(part):
+        record = cells.get(cell.key)
+        if cell.pairs != "plain" and record is not None and "error" not in record:
+            yield cell, record, cells[cell.baseline.key]
+
+
 def compiled_teacher_table(data: dict) -> str:
     """The cells of part ``compiled-teacher``: for an eager and a compiled student, the plain step and the four-pair
     step with the teacher eager and compiled, each with the host's time to queue the step (the median over the
@@ -775,11 +783,7 @@ def compiled_teacher_table(data: dict) -> str:
     rows = ["| student | teacher | plain step (ms) | with attention KL (ms) | ratio | host: plain step (ms) | host: "
             "with attention KL (ms) | teacher to the deepest pair (ms) | KL ops, fwd+bwd (ms) |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for cell in part_cells("compiled-teacher"):
-        record = cells.get(cell.key)
-        if cell.pairs == "plain" or record is None or "error" in record:
-            continue
-        plain = cells[cell.baseline.key]
+    for cell, record, plain in _distilled(cells, "compiled-teacher"):
         rows.append(f"| {'compiled' if cell.compiled else 'eager'} | "
                     f"{'`torch.compile(teacher)`' if cell.teacher_compiled else 'eager'} | {_ms(plain['step_s'])} | "
                     f"{_ms(record['step_s'])} | {derived(record, cells)['ratio']:.2f}× | {_ms(plain['host_s'])} | "
@@ -795,11 +799,7 @@ def windowed_table(data: dict) -> str:
     rows = ["| attention | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair (ms) | "
             "KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) |",
             "|---|---|---|---|---|---|---|---|"]
-    for cell in part_cells("windowed"):
-        record = cells.get(cell.key)
-        if cell.pairs == "plain" or record is None or "error" in record:
-            continue
-        plain = cells[cell.baseline.key]
+    for cell, record, plain in _distilled(cells, "windowed"):
         kind = f"sliding window of {cell.window} (Mistral)" if cell.window else "full causal (Llama)"
         rows.append(f"| {kind} | {_ms(plain['step_s'])} | {_ms(record['step_s'])} | "
                     f"{derived(record, cells)['ratio']:.2f}× | {_ms(record['teacher_s'])} | "
