@@ -30,7 +30,7 @@ from streamkl.options import AttentionKLOptions
 
 from .capture import build_capture
 from .capture.base import AttentionCapture, CapturedAttention, closest
-from .capture.masks import Masking, canonical_window, dense_allowed, same_mask
+from .capture.masks import Masking, canonical_window, dense_allowed, same_keys_on_host, same_mask
 from .config import LayerPair, StreamKLConfig, validate_config
 from .terms import TermCall, TermResult, run_terms
 from .transfer import to_device
@@ -457,8 +457,9 @@ class AttentionDistillationLoss:
         qm = self._both(mt.query_mask, ms.query_mask)
         if legacy_t or legacy_s:  # a record without its call's masks: the batch's padding fills in, combined
             kpm = self._both(mt.key_padding_mask, ms.key_padding_mask)
-            mt, ms = replace(mt, key_padding_mask=kpm), replace(ms, key_padding_mask=kpm)
-        same = mt.window == ms.window and self._same_mask(mt.key_padding_mask, ms.key_padding_mask) and \
+            rows = next((m.key_rows for m in (mt, ms) if m.key_padding_mask is kpm), None)
+            mt, ms = (replace(m, key_padding_mask=kpm, key_rows=rows) for m in (mt, ms))
+        same = mt.window == ms.window and self._same_keys(mt, ms) and \
             self._same_mask(mt.attn_mask, ms.attn_mask) and (
                 (mt.packed is None and ms.packed is None)
                 or (mt.packed is not None and ms.packed is not None and mt.packed.same_as(ms.packed)))
@@ -479,6 +480,12 @@ class AttentionDistillationLoss:
         if a is None or b is None or a is b:
             return a if b is None else b
         return self._per_call("both", a, b, lambda: a & b.to(a.device))
+
+    def _same_keys(self, a: Masking, b: Masking) -> bool:
+        """Whether the key padding of ``a`` and ``b`` keeps the same keys: from the rows each capture read on the host
+        where both are runs (a right- or left-padded batch: no synchronisation), else :meth:`_same_mask`."""
+        on_host = same_keys_on_host(a, b)
+        return self._same_mask(a.key_padding_mask, b.key_padding_mask) if on_host is None else on_host
 
     def _same_mask(self, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         """:func:`~lightning_streamkl.capture.masks.same_mask`, compared once per call of the loss for each two
@@ -514,9 +521,10 @@ class AttentionDistillationLoss:
                     )
                 kpm = move(key_padding_mask)
             qm = move(query_mask) if query_mask is not None and tuple(query_mask.shape) == (batch, n_q) else None
+        rows = m.key_rows if m.key_padding_mask is not None else None  # (the rows of the record's own mask)
         packed = None if m.packed is None else m.packed.to(device)
-        window = canonical_window(m.window, causal, n_q, n_k, kpm, packed)
-        return Masking(causal, window, kpm, qm, packed, move(m.attn_mask)), not rec.masks_from_call
+        window = canonical_window(m.window, causal, n_q, n_k, kpm, packed, None if rows is None else rows.span)
+        return Masking(causal, window, kpm, qm, packed, move(m.attn_mask), rows), not rec.masks_from_call
 
     def _map_heads(self, pair: LayerPair, label: str, q_t: torch.Tensor, q_s: torch.Tensor,
                    sinks_t: torch.Tensor | None = None, sinks_s: torch.Tensor | None = None,

@@ -24,7 +24,7 @@ from torch import nn
 
 from streamkl.precision import cast_for_autocast
 
-from .masks import Masking, PackedSequences
+from .masks import KeyRows, Masking, PackedSequences
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class CapturedAttention:
             ``None``.
         masks_from_call: True when the fields above are the call's complete mask; False (the manual recorder):
             the batch's padding mask fills in ``key_padding_mask`` and the query mask.
+        key_rows: ``key_padding_mask``'s rows as the capture read them on the host
+            (:class:`~lightning_streamkl.capture.masks.KeyRows`), or ``None``.
 
     Example:
         >>> record = CapturedAttention(torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), causal=True)
@@ -84,10 +86,12 @@ class CapturedAttention:
     query_mask: torch.Tensor | None = None
     packed: PackedSequences | None = None
     masks_from_call: bool = False
+    key_rows: KeyRows | None = None
 
     def masking(self) -> Masking:
         """The mask fields as one :class:`~lightning_streamkl.capture.masks.Masking`."""
-        return Masking(self.causal, self.window, self.key_padding_mask, self.query_mask, self.packed, self.attn_mask)
+        return Masking(self.causal, self.window, self.key_padding_mask, self.query_mask, self.packed, self.attn_mask,
+                       self.key_rows)
 
 
 #: What the captures find by themselves, for messages about a model where none was found.
@@ -310,6 +314,7 @@ class AttentionCapture(ABC):
         query_mask: torch.Tensor | None = None,
         packed: PackedSequences | None = None,
         masks_from_call: bool = False,
+        key_rows: KeyRows | None = None,
     ) -> None:
         """Store the call of layer ``name`` (ignored when the layer is not selected); see :class:`CapturedAttention`.
 
@@ -327,7 +332,7 @@ class AttentionCapture(ABC):
             q, k, v = cast_for_autocast(q, k, v)
         record = CapturedAttention(
             q, k, scale, causal, key_padding_mask, exact, note, layer_idx, v if self.capture_values else None,
-            window, softcap, sinks, attn_mask, query_mask, packed, masks_from_call)
+            window, softcap, sinks, attn_mask, query_mask, packed, masks_from_call, key_rows)
         if self._take is not None and self._take(name, record):
             self._records.pop(name, None)
             self._taken.add(name)

@@ -613,4 +613,4 @@ class HFAttentionCapture(AttentionCapture):
                     key_padding_mask=masking.key_padding_mask, layer_idx=getattr(module, "layer_idx", None),
                     v=value, window=masking.window, softcap=None if softcap is None else float(softcap),
                     sinks=sinks, attn_mask=masking.attn_mask, query_mask=masking.query_mask, packed=masking.packed,
-                    masks_from_call=True)
+                    key_rows=masking.key_rows, masks_from_call=True)

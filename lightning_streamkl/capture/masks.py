@@ -131,6 +131,69 @@ class PackedSequences:
         return f"{len(self.cu_seqlens_q) - 1} packed sequences"
 
 
+@dataclass(frozen=True)
+class KeyRows:
+    """What a ``[B, N_k]`` key padding mask keeps in each batch row, read on the host with the rest of its call's
+    mask (:meth:`values` on the device, then one transfer): two masks of one shape whose rows are each one run of
+    real keys (right or left padding) are compared here, without reading either again.
+
+    Attributes:
+        first: each row's first real key (``N_k`` for a row with none).
+        stop: one past each row's last real key (0 for a row with none).
+        count: each row's real keys.
+        n_k: ``N_k``.
+
+    Example:
+        >>> rows = KeyRows.read(torch.tensor([[True, True, False], [False, True, True]]))
+        >>> rows.runs, rows.span, rows.keeps_all
+        (((0, 2), (1, 3)), (0, 2), False)
+        >>> KeyRows.read(torch.tensor([[True, False, True]])).runs is None     # a hole: not one run
+        True
+    """
+
+    first: tuple[int, ...]
+    stop: tuple[int, ...]
+    count: tuple[int, ...]
+    n_k: int
+
+    @staticmethod
+    def values(real: torch.Tensor) -> torch.Tensor:
+        """``[3, B]`` int64 on ``real``'s device (``[B, N_k]`` bool, True = a real key): the rows' ``first``,
+        ``stop`` and ``count``, computed without reading the mask."""
+        cols = torch.arange(real.shape[-1], device=real.device)
+        return torch.stack([torch.where(real, cols, real.shape[-1]).amin(-1), torch.where(real, cols + 1, 0).amax(-1),
+                            real.sum(-1)])
+
+    @classmethod
+    def from_values(cls, values: list[list[int]], n_k: int) -> KeyRows:
+        """The rows from :meth:`values` read on the host (``.tolist()``)."""
+        first, stop, count = (tuple(int(x) for x in row) for row in values)
+        return cls(first, stop, count, n_k)
+
+    @classmethod
+    def read(cls, real: torch.Tensor) -> KeyRows:
+        """:meth:`values` of ``real``, read on the host (one device synchronisation for a mask on a GPU)."""
+        return cls.from_values(cls.values(real.bool()).tolist(), real.shape[-1])
+
+    @property
+    def keeps_all(self) -> bool:
+        """Every row keeps every key."""
+        return all(c == self.n_k for c in self.count)
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...] | None:
+        """Each row's real keys as one half-open run ``(start, stop)`` (``(0, 0)`` for a row with none), or ``None``
+        when some row's real keys have a gap. Two masks of one shape with runs are equal exactly when their runs are."""
+        if any(c and s - f != c for f, s, c in zip(self.first, self.stop, self.count)):
+            return None
+        return tuple((f, s) if c else (0, 0) for f, s, c in zip(self.first, self.stop, self.count))
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The first and the last key any row keeps (``(N_k, -1)`` when none does)."""
+        return min(self.first, default=self.n_k), max(self.stop, default=0) - 1
+
+
 @dataclass
 class Masking:
     """The complete mask of one attention call (see :class:`~lightning_streamkl.capture.CapturedAttention`).
@@ -144,6 +207,8 @@ class Masking:
         packed: the call's packed sequences, or ``None``.
         attn_mask: ``[B|1, H|1, N_q, N_k]`` bool, True = allowed: a mask nothing structured describes (it then
             holds everything, padding included), or ``None``.
+        key_rows: ``key_padding_mask``'s rows as read on the host where the mask was described, or ``None`` (not
+            read, or no key padding).
 
     Example:
         >>> Masking(causal=True).summary()
@@ -158,6 +223,7 @@ class Masking:
     query_mask: torch.Tensor | None = None
     packed: PackedSequences | None = None
     attn_mask: torch.Tensor | None = None
+    key_rows: KeyRows | None = None
 
     def summary(self) -> str:
         """A short description for messages."""
@@ -360,20 +426,6 @@ def band(n_q: int, n_k: int, causal: bool | torch.Tensor, window: tuple[int, int
     return after_left & before_right
 
 
-def real_key_span(key_padding_mask: torch.Tensor) -> torch.Tensor:
-    """``[2]`` int64 on the mask's device: the first and the last key that any batch row keeps (``[N_k, -1]`` when
-    none does), computed without reading the mask on the host.
-
-    Example:
-        >>> real_key_span(torch.tensor([[False, True, True, False], [False, False, True, False]])).tolist()
-        [1, 2]
-    """
-    n_k = key_padding_mask.shape[-1]
-    cols = torch.arange(n_k, device=key_padding_mask.device)
-    real = key_padding_mask.bool()
-    return torch.stack([torch.where(real, cols, n_k).min(), torch.where(real, cols, -1).max()])
-
-
 def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k: int,
                      key_padding_mask: torch.Tensor | None = None,
                      packed: PackedSequences | None = None,
@@ -382,7 +434,7 @@ def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k
 
     Two calls that allow the same keys then have the same window, whichever way each was described (a
     flash-attention ``sliding_window`` longer than the documents, a mask whose window never bites).
-    ``key_span``: :func:`real_key_span` of ``key_padding_mask`` where the caller already read it on the host (the
+    ``key_span``: :attr:`KeyRows.span` of ``key_padding_mask`` where the caller already read it on the host (the
     mask is then not read again).
 
     Example:
@@ -405,8 +457,7 @@ def canonical_window(window: tuple[int, int] | None, causal: bool, n_q: int, n_k
         reach_right = int((nq - 1).max()) if len(nq) else 0
     else:
         if key_span is None:
-            key_span = (0, n_k - 1) if key_padding_mask is None else tuple(
-                int(x) for x in real_key_span(key_padding_mask))
+            key_span = (0, n_k - 1) if key_padding_mask is None else KeyRows.read(key_padding_mask).span
         first, last = key_span
         if first > last:  # no real key: every bound excludes nothing
             first, last = 0, n_k - 1
@@ -457,16 +508,18 @@ def describe_allowed(allowed: torch.Tensor, batch: int, *, self_attention: bool)
     right = torch.where(rows, last - aligned, -1).amax() if rows.numel() else unbounded
     # both candidates are compared with the map on the device, and all the choice needs is read in one transfer
     # (one synchronisation per mask, which every layer of a forward pass shares)
-    facts = torch.stack([x.long() for x in (
-        causal, left, right, kpm.all(), qmask.all() if qmask is not None else kpm.new_ones(()),
-        _equals_band(a, kpm, causal, None), _equals_band(a, kpm, causal, (left, right)), *real_key_span(kpm))])
-    causal, left, right, all_keys, all_rows, plain, windowed, *span = facts.tolist()
-    kpm_or_none = None if all_keys else kpm
+    facts = torch.cat([torch.stack([x.long() for x in (
+        causal, left, right, qmask.all() if qmask is not None else kpm.new_ones(()),
+        _equals_band(a, kpm, causal, None), _equals_band(a, kpm, causal, (left, right)))]),
+        KeyRows.values(kpm).flatten()]).tolist()
+    (causal, left, right, all_rows, plain, windowed), rows = facts[:6], facts[6:]
+    key_rows = KeyRows.from_values([rows[i * batch:(i + 1) * batch] for i in range(3)], n_k)
+    kpm_or_none, rows_or_none = (None, None) if key_rows.keeps_all else (kpm, key_rows)
     qmask_or_none = None if qmask is None or all_rows else qmask
     for window, equal in ((None, plain), ((left, -1 if causal else right), windowed)):
         if equal:
-            window = canonical_window(window, bool(causal), n_q, n_k, kpm_or_none, key_span=tuple(span))
-            return Masking(bool(causal), window, kpm_or_none, qmask_or_none)
+            window = canonical_window(window, bool(causal), n_q, n_k, kpm_or_none, key_span=key_rows.span)
+            return Masking(bool(causal), window, kpm_or_none, qmask_or_none, key_rows=rows_or_none)
     if self_attention and n_q == n_k:
         packed = _packed_candidate(a, kpm, bool(causal), left, right)
         if packed is not None:
@@ -566,14 +619,11 @@ def flash_masking(mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, kwa
     causal_ = bool(causal) if causal is not None else None
     if mask is not None:
         real = mask.bool()[:, -n_k:]
-        if not self_attention or n_q != n_k:
-            kpm = None if bool(real.all()) else real
-            return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm), kpm)
-        runs = real[:, 0].int() + (torch.diff(real.int(), dim=-1) == 1).sum(-1)  # runs of real tokens per row
-        one_run, all_real = torch.stack([(runs <= 1).all(), real.all()]).tolist()  # (one read of the two)
-        if one_run:
-            kpm = None if all_real else real
-            return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm), kpm, kpm)
+        rows = KeyRows.read(real)  # (one read of all the host needs)
+        kpm, rows_or_none = (None, None) if rows.keeps_all else (real, rows)
+        if not self_attention or n_q != n_k or rows.runs is not None:
+            return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm, key_span=rows.span), kpm,
+                           kpm if self_attention and n_q == n_k else None, key_rows=rows_or_none)
         lengths = real.sum(-1)
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
         index = real.flatten().nonzero().flatten()
@@ -607,6 +657,36 @@ def _packed_positions(position_ids: torch.Tensor | None, batch: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ comparison
+def same_keys_on_host(a: Masking, b: Masking) -> bool | None:
+    """Whether the key padding of ``a`` and of ``b`` keeps the same keys, decided from their :class:`KeyRows` without
+    reading a mask; ``None`` when that cannot decide it (a side's rows not read, or with a gap).
+
+    Example:
+        >>> right = torch.tensor([[True, True, False]])
+        >>> same_keys_on_host(Masking(key_padding_mask=right, key_rows=KeyRows.read(right)),
+        ...                   Masking(key_padding_mask=right.clone(), key_rows=KeyRows.read(right)))
+        True
+        >>> same_keys_on_host(Masking(), Masking(key_padding_mask=right, key_rows=KeyRows.read(right)))
+        False
+    """
+    sides: list[KeyRows | None] = []
+    for m in (a, b):
+        if m.key_padding_mask is None:
+            sides.append(None)  # every key
+        elif m.key_rows is None or m.key_rows.runs is None:
+            return None  # rows not read, or one with a gap
+        else:
+            sides.append(m.key_rows)
+    known = [r for r in sides if r is not None]
+    if not known:
+        return True
+    if len({(len(r.count), r.n_k) for r in known}) > 1:
+        return None  # shapes that differ: the masks decide
+    full = ((0, known[0].n_k),) * len(known[0].count)
+    first, second = (full if r is None else r.runs for r in sides)
+    return first == second
+
+
 def same_mask(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """True when two optional boolean masks allow the same entries (``None`` = everything allowed).
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import AttentionCapture
-from .masks import MASKED_BELOW, Masking, allowed_map, describe_allowed
+from .masks import MASKED_BELOW, KeyRows, Masking, allowed_map, describe_allowed
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -111,12 +111,12 @@ class MultiheadAttentionCapture(AttentionCapture):
         masking = self._masking(name, call, unbatched, batch, heads, n_q, n_k, self_attention)
         self.record(name, q, k, scale=None, causal=masking.causal, key_padding_mask=masking.key_padding_mask, v=v,
                     window=masking.window, attn_mask=masking.attn_mask, query_mask=masking.query_mask,
-                    packed=masking.packed, masks_from_call=True)
+                    packed=masking.packed, key_rows=masking.key_rows, masks_from_call=True)
 
     @staticmethod
     def _masking(name: str, call: dict[str, Any], unbatched: bool, batch: int, heads: int, n_q: int, n_k: int,
                  self_attention: bool) -> Masking:
-        kpm = call.get("key_padding_mask")
+        kpm, rows = call.get("key_padding_mask"), None
         if kpm is not None:
             if unbatched:
                 kpm = kpm.unsqueeze(0)
@@ -126,11 +126,12 @@ class MultiheadAttentionCapture(AttentionCapture):
                     "other than 0 and a masking value (a score bias, which attention_kl cannot express)."
                 )
             kpm = ~kpm if kpm.dtype == torch.bool else kpm == 0
-            kpm = None if bool(kpm.all()) else kpm
+            rows = KeyRows.read(kpm)
+            kpm, rows = (None, None) if rows.keeps_all else (kpm, rows)
         attn_mask = call.get("attn_mask")
         causal = bool(call.get("is_causal", False))
         if attn_mask is None or causal:
-            return Masking(causal, None, kpm, kpm if self_attention and n_q == n_k else None)
+            return Masking(causal, None, kpm, kpm if self_attention and n_q == n_k else None, key_rows=rows)
         mask = attn_mask.view(batch, heads, n_q, n_k) if attn_mask.dim() == 3 else attn_mask
         try:
             allowed = allowed_map(mask, n_q, n_k, blocked=True)

@@ -14,7 +14,9 @@ pytest.importorskip("transformers")
 import lightning as L
 
 from lightning_streamkl import StreamKLDistillation
+from lightning_streamkl.capture import CapturedAttention, RecorderCapture
 from lightning_streamkl.capture.masks import (
+    KeyRows,
     Masking,
     PackedSequences,
     allowed_map,
@@ -23,7 +25,10 @@ from lightning_streamkl.capture.masks import (
     dense_allowed,
     describe_allowed,
     flash_masking,
+    same_keys_on_host,
+    same_mask,
 )
+from lightning_streamkl.loss import AttentionDistillationLoss
 from lightning_streamkl.terms import count_rows
 from streamkl import attention_kl
 
@@ -151,6 +156,75 @@ def test_padding_from_the_call(impl, mask_queries):
     rows = real if mask_queries else real.cumsum(-1) > 0
     torch.testing.assert_close(out.per_pair["t-1_s-1"], mean_kl(p_t, p_s, rows), rtol=1e-9, atol=0)
     assert out.rows.item() == 4 * rows.sum()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "flash_attention_2"])
+def test_the_two_models_key_padding_is_compared_on_the_host(monkeypatch, impl):
+    """Each capture reads its mask's real keys per batch row on the host with the rest of the mask's description,
+    so the loss compares the teacher's and the student's key padding there when every row's real keys are one run
+    (left or right padding): neither mask is read again (on a GPU that read waited for the device, once a step).
+    The KL is the one the test above checks. A row with a gap in its real keys is compared on the device still."""
+    import lightning_streamkl.loss as loss_module
+
+    compared = []
+    monkeypatch.setattr(loss_module, "same_mask", lambda a, b: compared.append((a, b)) or same_mask(a, b))
+    teacher = tiny("llama", seed=0, hidden=64, kv_heads=2, impl=impl)
+    student = tiny("llama", seed=1, hidden=32, kv_heads=1, impl=impl)
+    batch = token_batch(3, 10, pad="left")
+    batch["attention_mask"][0, 7:] = 0
+    with cpu_flash():
+        out, t_rec, s_rec, _ = distil(teacher, student, batch, [[-1, -1], [0, 0]])
+    rows = t_rec["model.layers.1.self_attn"].key_rows
+    assert compared == [] and rows.runs == ((0, 7), (0, 10), (4, 10)), rows  # right-padded, full, left-padded
+    assert t_rec["model.layers.1.self_attn"].key_padding_mask is not s_rec["model.layers.1.self_attn"].key_padding_mask
+    assert torch.isfinite(out.total)
+    if impl == "flash_attention_2":
+        return  # (flash-attention packs a row with a gap: the packed sequences are compared instead)
+    batch["attention_mask"][1, 5] = 0  # a gap: not one run
+    with cpu_flash():
+        distil(teacher, student, batch, [[-1, -1], [0, 0]])
+    assert len(compared) == 1  # once for the step, not per pair
+
+
+def test_key_rows_decide_equal_key_padding_on_the_host(monkeypatch):
+    """Equal runs are equal masks, different runs different ones (and the loss then compares the keys each row sees,
+    refusing a pair whose rows see different keys); a gap, rows not read or shapes that differ leave it to the
+    masks. A windowed pair's window is made canonical from the rows read, without reading its mask again."""
+    right, left = torch.tensor([[True, True, False]] * 2), torch.tensor([[True, True, False], [False, True, True]])
+    gap = torch.tensor([[True, False, True]] * 2)
+
+    def masking(m):
+        return Masking(key_padding_mask=m, key_rows=KeyRows.read(m))
+
+    assert same_keys_on_host(masking(right), masking(right.clone())) is True
+    assert same_keys_on_host(masking(right), masking(left)) is False
+    assert same_keys_on_host(Masking(), masking(right)) is False
+    assert same_keys_on_host(Masking(), Masking()) is True
+    assert same_keys_on_host(masking(gap), masking(gap.clone())) is None
+    assert same_keys_on_host(Masking(key_padding_mask=right), masking(right)) is None
+    assert same_keys_on_host(masking(right[:1]), masking(right)) is None
+    empty = KeyRows.read(torch.tensor([[False, False, False], [True, True, True]]))
+    assert (empty.runs, empty.span, empty.keeps_all) == (((0, 0), (0, 3)), (0, 2), False)
+    none = KeyRows.read(torch.zeros(2, 3, dtype=torch.bool))
+    assert none.span == (3, -1) and canonical_window((1, 0), True, 3, 3, torch.zeros(2, 3, dtype=torch.bool)) \
+        == canonical_window((1, 0), True, 3, 3, torch.zeros(2, 3, dtype=torch.bool), key_span=none.span)
+
+    q = torch.randn(2, 2, 3, 8)
+
+    def record(m, window=None):
+        return CapturedAttention(q, q, causal=True, key_padding_mask=m, key_rows=KeyRows.read(m), window=window,
+                                 masks_from_call=True)
+
+    teacher, student = RecorderCapture(torch.nn.Identity(), names=["a"]), RecorderCapture(torch.nn.Identity(), names=["b"])
+    loss = AttentionDistillationLoss({"pairs": [{"teacher": "a", "student": "b"}]})
+    loss.resolve(teacher, student)
+    with pytest.raises(ValueError, match="attend to different keys"):
+        loss({"a": record(right)}, {"b": record(left)})
+    windowed = {"a": record(right, (1, 0))}, {"b": record(right.clone(), (1, 0))}
+    reads, read = [], KeyRows.read
+    monkeypatch.setattr(KeyRows, "read", staticmethod(lambda real: reads.append(real) or read(real)))
+    out = loss(*windowed)
+    assert reads == [] and out.rows.item() == 2 * 2 * 3  # batch rows x heads x query rows (no query mask)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
