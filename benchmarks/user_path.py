@@ -41,6 +41,8 @@ same command)::
                                                             # and compiled, the student eager and compiled
     python benchmarks/user_path.py --part windowed          # N = 8192: bf16-mixed, sdpa, four, the models as built
                                                             # and as Mistral models with a 2048-token sliding window
+    python benchmarks/user_path.py --part padded            # N = 4096: bf16-mixed, sdpa, four, batches of 4
+                                                            # sequences, of full length and right-padded
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
@@ -70,6 +72,7 @@ RESULTS = os.path.join(HERE, "results")
 ROOT = os.path.dirname(HERE)
 PRECISION_DOC = os.path.join(ROOT, "docs", "guides", "precision.md")
 REAL_TEACHERS_DOC = os.path.join(ROOT, "docs", "guides", "real-teachers.md")
+HF_MODELS_DOC = os.path.join(ROOT, "docs", "guides", "hf-models.md")
 README = os.path.join(ROOT, "README.md")
 #: The committed run the docs render.
 RESULT = os.path.join(RESULTS, "nvidia-h100-80gb-hbm3-user-path.json")
@@ -85,6 +88,9 @@ ATTENTIONS = ("sdpa", "flex_attention")
 FOUR_PAIRS = {3: 5, 7: 10, 11: 15, 15: 21}
 #: Part ``windowed``: the sliding window of both models (Mistral 7B's is 4096 tokens at up to 32768).
 WINDOW = 2048
+#: Part ``padded``: each sequence's share of ``N`` in a batch right-padded to its longest sequence, as a data collator
+#: pads it (the real-batches benchmark's right-padded batch).
+PADDED_FRACTIONS = (1.0, 0.8, 0.55, 0.3)
 TEACHER = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=8)
 STUDENT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
@@ -98,6 +104,8 @@ MEMORY_TARGET = 1.15  # peak memory <= 1.15 x the plain step's
 HEADLINE_TARGET = 2.6  # bf16-mixed, N = 32768, four pairs: step <= 2.6 x the plain step
 
 
+#: The parts of cells (``--part``; part ``accuracy`` measures no cell).
+PARTS = ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "windowed", "padded")
 #: The placement of a distilled cell's teacher unless the cell names another (the callback's default).
 RESIDENT = "student"
 
@@ -115,38 +123,45 @@ class Cell:
     teacher_device: str = RESIDENT  # "student" (resident) | "offload"
     teacher_compiled: bool = False  # the callback's teacher wrapped in torch.compile
     window: int = 0  # > 0: both models are Mistral models of the same shapes with this sliding window
+    batch: int = 1  # sequences per step
+    padded: bool = False  # the batch right-padded: its sequences' lengths are PADDED_FRACTIONS of n
 
     @property
     def key(self) -> str:
         """``N<n>/<precision>/<attention>/<eager|compiled>/<pairs>``, then ``/teacher-<device>`` when the teacher is
-        not resident, ``/teacher-compiled`` when it is compiled and ``/window-<w>`` for windowed models (the keys of
-        the runs before these fields are unchanged)."""
+        not resident, ``/teacher-compiled`` when it is compiled, ``/window-<w>`` for windowed models,
+        ``/batch-<b>`` for more than one sequence a step and ``/padded`` for a right-padded batch (the keys of the
+        runs before these fields are unchanged)."""
         key = f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
         key = key if self.teacher_device == RESIDENT else f"{key}/teacher-{self.teacher_device}"
         key = f"{key}/teacher-compiled" if self.teacher_compiled else key
-        return f"{key}/window-{self.window}" if self.window else key
+        key = f"{key}/window-{self.window}" if self.window else key
+        key = f"{key}/batch-{self.batch}" if self.batch != 1 else key
+        return f"{key}/padded" if self.padded else key
 
     @classmethod
     def from_key(cls, key: str) -> Cell:
         """The cell of a :attr:`key`."""
         n, precision, attention, mode, pairs, *rest = key.split("/")
         windows = [int(t.removeprefix("window-")) for t in rest if t.startswith("window-")]
+        batches = [int(t.removeprefix("batch-")) for t in rest if t.startswith("batch-")]
         teacher = [t for t in rest if t.startswith("teacher-")]
         compiled_teacher = "teacher-compiled" in teacher
         devices = [t.removeprefix("teacher-") for t in teacher if t != "teacher-compiled"]
         return cls(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs,
-                   devices[0] if devices else RESIDENT, compiled_teacher, windows[0] if windows else 0)
+                   devices[0] if devices else RESIDENT, compiled_teacher, windows[0] if windows else 0,
+                   batches[0] if batches else 1, "padded" in rest)
 
     @property
     def baseline(self) -> Cell:
-        return Cell(self.n, self.precision, self.attention, self.compiled, "plain", window=self.window)
+        return Cell(self.n, self.precision, self.attention, self.compiled, "plain", window=self.window,
+                    batch=self.batch, padded=self.padded)
 
 
 def part_cells(part: str) -> list[Cell]:
     """The cells of a part (see the module docstring), plain cells first within each setting."""
     cells: list[Cell] = []
-    if part not in ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "windowed",
-                    "smoke", "cpu-smoke"):
+    if part not in PARTS + ("smoke", "cpu-smoke"):
         raise SystemExit(f"unknown part {part!r}")
     if part in ("n16384", "n16384-compile"):
         compiled = part.endswith("compile")
@@ -171,6 +186,10 @@ def part_cells(part: str) -> list[Cell]:
     if part == "windowed":  # sliding-window models (Mistral's, Qwen2's), and the same shapes without a window
         for window in (0, WINDOW):
             cells += [Cell(8192, "bf16-mixed", "sdpa", False, p, window=window) for p in ("plain", "four")]
+    if part == "padded":  # a batch of sequences of full length, and the same batch right-padded
+        for padded in (False, True):
+            cells += [Cell(4096, "bf16-mixed", "sdpa", False, p, batch=len(PADDED_FRACTIONS), padded=padded)
+                      for p in ("plain", "four")]
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
@@ -180,6 +199,8 @@ def part_cells(part: str) -> list[Cell]:
         cells += [Cell(64, "bf16-true", "sdpa", False, "uniform"), Cell(64, "bf16-mixed", "sdpa", False, "naive")]
         cells.append(Cell(64, "bf16-mixed", "sdpa", False, "four", "offload"))
         cells += [Cell(64, "bf16-mixed", "sdpa", False, p, window=16) for p in ("plain", "four")]
+        cells += [Cell(64, "bf16-mixed", "sdpa", False, p, batch=len(PADDED_FRACTIONS), padded=True)
+                  for p in ("plain", "four")]
     if part == "smoke":  # every kind of cell once
         cells += [Cell(512, precision, "sdpa", False, p) for precision in PRECISIONS for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "flex_attention", False, p) for p in ("plain", "four")]
@@ -188,6 +209,8 @@ def part_cells(part: str) -> list[Cell]:
         cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", "offload"))
         cells.append(Cell(512, "bf16-mixed", "sdpa", False, "four", teacher_compiled=True))
         cells += [Cell(512, "bf16-mixed", "sdpa", False, p, window=128) for p in ("plain", "four")]
+        cells += [Cell(512, "bf16-mixed", "sdpa", False, p, batch=len(PADDED_FRACTIONS), padded=True)
+                  for p in ("plain", "four")]
     return cells
 
 
@@ -222,12 +245,21 @@ def enable_checkpointing(model) -> None:
     enable()
 
 
-def batch_of(n: int, seed: int = 0) -> dict:
+def batch_of(n: int, seed: int = 0, batch: int = 1, padded: bool = False) -> dict:
+    """``batch`` sequences of ``n`` random tokens; ``padded``: right-padded, the sequences ``PADDED_FRACTIONS`` of
+    ``n`` long (their padding masked out of the attention and of the labels, as a data collator pads them)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB if DEVICE == "cuda" else 97, (1, n), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    ids = torch.randint(1, VOCAB if DEVICE == "cuda" else 97, (batch, n), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        if batch != len(PADDED_FRACTIONS):
+            raise ValueError(f"a padded batch has {len(PADDED_FRACTIONS)} sequences, not {batch}")
+        for row, fraction in enumerate(PADDED_FRACTIONS):
+            mask[row, round(fraction * n):] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _module_classes():
@@ -387,7 +419,8 @@ def breakdown(distill, module, batch: dict, plugin) -> dict[str, Any]:
     out["kl_calls"] = [{"shapes": [list(x.shape) for x in c[0][:4]], "dtypes": [str(x.dtype) for x in c[0][:4]],
                         "reduction": c[1].get("reduction"),
                         "window": list(c[1]["window"]) if c[1].get("window") else None,
-                        "general_mask": c[1].get("attn_mask") is not None} for c in calls]
+                        "general_mask": c[1].get("attn_mask") is not None,
+                        "key_padding": c[1].get("key_padding_mask") is not None} for c in calls]
     out["pairing"] = distiller.describe()
     return out
 
@@ -420,7 +453,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         module = NaiveKD(student, teacher) if cell.pairs == "naive" else StudentLM(student)
         timer = StepTimer()
         callbacks: list[Any] = [timer]
-        data = [batch_of(cell.n, seed) for seed in range(warmup + steps)]
+        data = [batch_of(cell.n, seed, cell.batch, cell.padded) for seed in range(warmup + steps)]
         if cell.pairs in ("four", "uniform"):
             pairs = explicit_pairs(FOUR_PAIRS, head_map="group") if cell.pairs == "four" else \
                 uniform_pairs(teacher, hf, head_map="group")
@@ -637,8 +670,7 @@ def accuracy_table(data: dict) -> str:
 def derived(record: dict, cells: dict) -> dict[str, float] | None:
     """Ratios of a distilled cell against its plain cell of the same run: step and memory, and the pipeline's
     extra time over its irreducible parts (``None`` when either cell failed or is missing)."""
-    plain = cells.get(Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain",
-                           window=record.get("window", 0)).key)
+    plain = cells.get(Cell.from_key(record["key"]).baseline.key)
     if plain is None or "error" in plain or "error" in record:
         return None
     out = {"ratio": record["step_s"] / plain["step_s"], "memory": record["peak_gib"] / plain["peak_gib"]}
@@ -704,7 +736,7 @@ def naive_table(data: dict) -> str:
     for record in cells.values():
         if record["pairs"] != "naive":
             continue
-        plain = cells.get(record["key"].replace("/naive", "/plain"), {})
+        plain = cells.get(Cell.from_key(record["key"]).baseline.key, {})
         if "error" in record:
             rows.append(f"| {record['n']} | {_ms(plain['step_s']) if 'step_s' in plain else '–'} | {record['error']} | "
                         f"| {plain.get('peak_gib', 0):.1f} / – |")
@@ -757,7 +789,7 @@ def offload_table(data: dict, part: str) -> str:
     for record in sorted(cells.values(), key=lambda r: (r["n"], r["pairs"] != "four", not _resident(r))):
         if record["key"] not in distilled or "error" in record:
             continue
-        plain = cells[Cell(record["n"], record["precision"], record["attention"], record["compiled"], "plain").key]
+        plain = cells[Cell.from_key(record["key"]).baseline.key]
         d = derived(record, cells)
         where = "resident" if _resident(record) else "`teacher_device=\"offload\"`"
         rows.append(f"| {record['n']} | {record['pairs']} | {where} | {_ms(plain['step_s'])} | "
@@ -807,6 +839,24 @@ def windowed_table(data: dict) -> str:
     return "\n".join(rows)
 
 
+def padded_table(data: dict) -> str:
+    """The cells of part ``padded``: the plain and the four-pair step of a batch of sequences of full length and of
+    the same batch right-padded (the capture reads each model's 4-D mask as key padding and query masks, which the
+    op takes with each row's lengths)."""
+    cells = data["cells"]
+    rows = ["| batch | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair (ms) | "
+            "KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for cell, record, plain in _distilled(cells, "padded"):
+        shares = "/".join(f"{f:.0%}".removesuffix("%") for f in PADDED_FRACTIONS)
+        kind = f"{cell.batch} × {cell.n}, right-padded to {shares}% of N" if cell.padded else \
+            f"{cell.batch} × {cell.n}, no padding"
+        rows.append(f"| {kind} | {_ms(plain['step_s'])} | {_ms(record['step_s'])} | "
+                    f"{derived(record, cells)['ratio']:.2f}× | {_ms(record['teacher_s'])} | "
+                    f"{_ms(sum(record['kl_s']))} | {plain['peak_gib']:.2f} | {record['peak_gib']:.2f} |")
+    return "\n".join(rows)
+
+
 def _resident(record: dict) -> bool:
     """True for a cell whose teacher is resident (every cell of the runs before ``teacher_device`` was recorded)."""
     return record.get("teacher_device", RESIDENT) == RESIDENT
@@ -831,8 +881,8 @@ def committed_blocks() -> dict[str, dict[str, str]]:
     """:func:`blocks` of the committed results (:data:`RESULT`), with the compiled students' table (block
     ``user-path:compiled``) and the tables of parts ``offload`` and ``fp16`` (blocks ``user-path:offload``,
     ``user-path:fp16``), of part ``compiled-teacher`` (block ``user-path:compiled-teacher``) and of part
-    ``windowed`` (block ``user-path:windowed`` of the real-teachers guide, once the run holds it) of
-    :data:`H200_RESULT`."""
+    ``windowed`` (block ``user-path:windowed`` of the real-teachers guide) and of part ``padded`` (block
+    ``user-path:padded`` of the Hugging Face models guide), each once the run holds it, of :data:`H200_RESULT`."""
     with open(RESULT) as f:
         rendered = blocks(json.load(f))
     with open(H200_RESULT) as f:
@@ -849,6 +899,10 @@ def committed_blocks() -> dict[str, dict[str, str]]:
         rendered[REAL_TEACHERS_DOC] = {"user-path:windowed": (
             f"{h200['device']}, N = 8192, bf16-mixed, sdpa, eager student, four pairs; median of {h200['steps']} "
             "steps.\n\n" + windowed_table(h200))}
+    if any(cell.key in h200["cells"] for cell in part_cells("padded")):
+        rendered[HF_MODELS_DOC] = {"user-path:padded": (
+            f"{h200['device']}, N = 4096, bf16-mixed, sdpa, eager student, four pairs; median of {h200['steps']} "
+            "steps.\n\n" + padded_table(h200))}
     return rendered
 
 
@@ -863,8 +917,7 @@ def render() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("n16384", "n16384-compile", "ends", "naive", "offload", "fp16",
-                                           "compiled-teacher", "windowed", "accuracy"))
+    parser.add_argument("--part", choices=PARTS + ("accuracy",))
     parser.add_argument("--smoke", action="store_true", help="every cell kind at N = 512, 2 steps, into /tmp")
     parser.add_argument("--cpu-smoke", action="store_true", help="the script's logic on tiny models, on the CPU")
     parser.add_argument("--out", help="results file (default: benchmarks/results/<gpu>-user-path.json)")

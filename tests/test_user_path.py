@@ -57,6 +57,10 @@ def test_the_parts_cover_the_matrix(user_path):
     windowed = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.window) for c in user_path.part_cells("windowed")}
     assert windowed == {(8192, "bf16-mixed", "sdpa", False, pairs, window) for pairs in ("plain", "four")
                         for window in (0, user_path.WINDOW)}
+    padded = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.batch, c.padded)
+              for c in user_path.part_cells("padded")}
+    assert padded == {(4096, "bf16-mixed", "sdpa", False, pairs, 4, p) for pairs in ("plain", "four")
+                      for p in (False, True)}
     fp16 = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_device) for c in user_path.part_cells("fp16")}
     assert fp16 == {(16384, "16-mixed", "sdpa", False, pairs, device) for pairs, device in (
         ("plain", "student"), ("four", "student"), ("uniform", "student"), ("uniform", "offload"))}
@@ -76,7 +80,10 @@ def test_a_cell_key_names_the_teacher_only_when_it_is_not_resident(user_path):
     windowed = user_path.Cell(8192, "bf16-mixed", "sdpa", False, "four", window=2048)
     assert windowed.key == "N8192/bf16-mixed/sdpa/eager/four/window-2048"
     assert windowed.baseline == user_path.Cell(8192, "bf16-mixed", "sdpa", False, "plain", window=2048)
-    for cell in (resident, offloaded, compiled, windowed,
+    padded = user_path.Cell(4096, "bf16-mixed", "sdpa", False, "four", batch=4, padded=True)
+    assert padded.key == "N4096/bf16-mixed/sdpa/eager/four/batch-4/padded"
+    assert padded.baseline == user_path.Cell(4096, "bf16-mixed", "sdpa", False, "plain", batch=4, padded=True)
+    for cell in (resident, offloaded, compiled, windowed, padded, user_path.Cell(64, "32-true", "sdpa", False, "four", batch=2),
                  user_path.Cell(16384, "bf16-mixed", "sdpa", True, "four", "offload", teacher_compiled=True),
                  user_path.Cell(512, "bf16-mixed", "sdpa", True, "four", "offload", True, 128)):
         assert user_path.Cell.from_key(cell.key) == cell
@@ -109,6 +116,12 @@ def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, 
     assert [call["window"] for call in windowed["kl_calls"]] == [[15, 0]] * len(windowed["kl_calls"])
     assert not any(call["general_mask"] for call in windowed["kl_calls"])
     assert user_path.derived(windowed, cells)["ratio"] > 0  # against the windowed plain cell
+    # a right-padded batch: the capture reads each model's 4-D mask as key padding (and query masks), not a general mask
+    padded = cells["N64/bf16-mixed/sdpa/eager/four/batch-4/padded"]
+    assert all(call["key_padding"] and not call["general_mask"] and call["shapes"][0][0] == 4
+               for call in padded["kl_calls"])
+    assert not any(call["key_padding"] for call in four["kl_calls"])
+    assert user_path.derived(padded, cells)["ratio"] > 0
     derived = user_path.derived(four, cells)  # (on tiny models a distilled step may time below the plain one)
     assert derived["ratio"] > 0 and math.isfinite(derived["pipeline"]) and derived["irreducible_s"] > 0
     # a second run of the same part finds every cell done and runs none
