@@ -117,14 +117,30 @@ class PackedSequences:
                                self.host_cu_seqlens_k)
 
     def same_as(self, other: PackedSequences) -> bool:
-        """True when both describe the same tokens and sequences (``None`` indices equal the full range)."""
-        def index(i: torch.Tensor | None, cu: torch.Tensor) -> torch.Tensor:
-            return torch.arange(int(cu[-1]), device=cu.device) if i is None else i.to(cu.device)
+        """True when both describe the same tokens and sequences (``None`` indices equal the full range). Offsets
+        whose values both were read on the host (:meth:`from_offsets`) are compared there, and indices that are one
+        tensor, or ``None`` on both, need no comparison: two models' reads of one packed batch are compared without
+        reading the device.
 
-        return all(torch.equal(a.to(b.device).long(), b.long()) for a, b in (
-            (self.cu_seqlens_q, other.cu_seqlens_q), (self.cu_seqlens_k, other.cu_seqlens_k),
-            (index(self.index_q, self.cu_seqlens_q), index(other.index_q, other.cu_seqlens_q)),
-            (index(self.index_k, self.cu_seqlens_k), index(other.index_k, other.cu_seqlens_k))))
+        Example:
+            >>> cu = torch.tensor([0, 3, 5])
+            >>> PackedSequences.from_offsets(cu, cu).same_as(PackedSequences.from_offsets(cu.clone(), cu.clone()))
+            True
+        """
+        hosts = (self.host_cu_seqlens_q, self.host_cu_seqlens_k, other.host_cu_seqlens_q, other.host_cu_seqlens_k)
+        offsets = zip(hosts[:2], hosts[2:]) if all(h is not None for h in hosts) else (
+            (self.cu_seqlens_q, other.cu_seqlens_q), (self.cu_seqlens_k, other.cu_seqlens_k))
+        if not all(torch.equal(a.to(b.device).long(), b.long()) for a, b in offsets):
+            return False
+
+        def index(i: torch.Tensor | None, cu: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+            total = int((cu if host is None else host)[-1])
+            return torch.arange(total, device=cu.device) if i is None else i.to(cu.device)
+
+        return all(a is b or torch.equal(index(a, cu_a, h_a).long(), index(b, cu_b, h_b).to(cu_a.device).long())
+                   for a, b, cu_a, cu_b, h_a, h_b in (
+                       (self.index_q, other.index_q, self.cu_seqlens_q, other.cu_seqlens_q, hosts[0], hosts[2]),
+                       (self.index_k, other.index_k, self.cu_seqlens_k, other.cu_seqlens_k, hosts[1], hosts[3])))
 
     def describe(self) -> str:
         """E.g. ``"3 packed sequences"``."""
@@ -521,7 +537,7 @@ def describe_allowed(allowed: torch.Tensor, batch: int, *, self_attention: bool)
             window = canonical_window(window, bool(causal), n_q, n_k, kpm_or_none, key_span=key_rows.span)
             return Masking(bool(causal), window, kpm_or_none, qmask_or_none, key_rows=rows_or_none)
     if self_attention and n_q == n_k:
-        packed = _packed_candidate(a, kpm, bool(causal), left, right)
+        packed = _packed_candidate(a, kpm, bool(causal), left, right, every_token=key_rows.keeps_all)
         if packed is not None:
             return packed
     return Masking(False, None, None, qmask_or_none, None, allowed)
@@ -565,8 +581,10 @@ def _equals_band(a: torch.Tensor, kpm: torch.Tensor, causal: torch.Tensor,
     return ~differs
 
 
-def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: int, right: int) -> Masking | None:
-    """Packed documents whose map equals ``a`` on the real query rows, or ``None``."""
+def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: int, right: int, *,
+                      every_token: bool) -> Masking | None:
+    """Packed documents whose map equals ``a`` on the real query rows, or ``None``; ``every_token``: ``real`` keeps
+    every token (the sequences' indices are then ``None``, all of them in order)."""
     batch, _, n, _ = a.shape
     device = a.device
     seen = a.any(1)  # [B, N, N]
@@ -581,7 +599,7 @@ def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: i
     start[1:] = ~((b[1:] == b[:-1]) & joined)
     starts = start.nonzero().flatten()
     cu = torch.cat([starts, starts.new_tensor([index.numel()])]).to(torch.int32)
-    packed = PackedSequences.from_offsets(cu, cu, index, index)
+    packed = PackedSequences.from_offsets(cu, cu, *(None, None) if every_token else (index, index))
     max_len = packed.max_seqlen_q
     window = canonical_window((left, -1 if causal else right), causal, max_len, max_len, packed=packed)
     candidate = packed_allowed(packed, causal, window, batch, n, n)

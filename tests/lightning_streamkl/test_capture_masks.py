@@ -227,6 +227,28 @@ def test_key_rows_decide_equal_key_padding_on_the_host(monkeypatch):
     assert reads == [] and out.rows.item() == 2 * 2 * 3  # batch rows x heads x query rows (no query mask)
 
 
+def test_packed_sequences_read_on_the_host_are_compared_there():
+    """Two models' reads of one packed batch (offsets read on the host, every token kept) are compared without reading
+    the device: the offsets on a device no value can be read from (meta) are never touched. Different offsets, or
+    different kept tokens, are still found, and the sdpa capture of a packed row without padding keeps every token."""
+    host = torch.tensor([0, 3, 5], dtype=torch.int32)
+    on_meta = host.to("meta")
+
+    def read(offsets, index=None):
+        return PackedSequences(on_meta.clone(), on_meta.clone(), 3, 3, index, index, offsets, offsets.clone())
+
+    assert read(host).same_as(read(host.clone()))
+    assert not read(host).same_as(read(torch.tensor([0, 2, 5], dtype=torch.int32)))
+    kept = PackedSequences.from_offsets(host, host, torch.tensor([0, 1, 2, 4, 5]), torch.tensor([0, 1, 2, 4, 5]))
+    assert not kept.same_as(PackedSequences.from_offsets(host, host)) and kept.same_as(
+        PackedSequences.from_offsets(host, host, kept.index_q.clone(), kept.index_k.clone()))
+    batch, _ = packed_row(LENGTHS)
+    teacher = tiny("llama", seed=0, hidden=64, kv_heads=2, impl="sdpa")
+    _, t_rec, _, _ = distil(teacher, tiny("llama", seed=1, hidden=32, kv_heads=1, impl="sdpa"), batch, [[-1, -1]])
+    packed = t_rec["model.layers.1.self_attn"].packed
+    assert (packed.index_q, packed.index_k, packed.host_cu_seqlens_q.tolist()) == (None, None, [0, 4, 7, 12])
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_masks_made_under_inference_mode(impl):
     """Lightning runs validation under ``torch.inference_mode()``, whose tensors have no version counter: the 4D mask
