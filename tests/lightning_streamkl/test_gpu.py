@@ -214,3 +214,27 @@ def test_a_distilled_step_synchronises_only_to_read_the_masks(pad, expected):
     assert len(syncs.steps) == 4
     for step in syncs.steps[1:]:
         assert sorted(s.split()[-1] for s in step) == sorted(expected), step
+
+
+@pytest.mark.timeout(300)
+def test_a_packed_step_synchronises_only_in_the_captures():
+    """A packed row (documents of 14, 9 and 17 tokens, ``position_ids`` restarting, no attention mask, sdpa) under
+    ``bf16-mixed``: the package's own synchronisations are each capture reading its model's block-diagonal mask as
+    packed documents (in ``capture/masks.py``), the same with one pair as with two: the loss compares the two models'
+    documents from their offsets' host copies, so no pair adds one."""
+    lengths = (14, 9, 17)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False,
+             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    per_step = []
+    for pairs in ([LAST], [{"teacher": 0, "student": 0, "name": "first"}, LAST]):
+        syncs = _OwnSyncs()
+        cb = StreamKLDistillation(make_teacher(), pairs=pairs)
+        gpu_trainer(max_steps=3, precision="bf16-mixed", callbacks=[cb, syncs]).fit(
+            make_student(), DataLoader([batch] * 3, batch_size=None))
+        assert len(syncs.steps) == 3
+        for step in syncs.steps[1:]:
+            assert any(s.split()[-1] == "_packed_candidate" for s in step), step  # (read as packed documents)
+            assert all(s.startswith("masks.py:") for s in step), step
+        per_step.append(sorted(syncs.steps[-1]))
+    assert per_step[0] == per_step[1], per_step
