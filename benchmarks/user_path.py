@@ -43,6 +43,8 @@ same command)::
                                                             # and as Mistral models with a 2048-token sliding window
     python benchmarks/user_path.py --part padded            # N = 4096: bf16-mixed, sdpa, four, batches of 4
                                                             # sequences, of full length and right-padded
+    python benchmarks/user_path.py --part packed            # N = 16384: bf16-mixed, sdpa, four, one sequence and
+                                                            # the same tokens as 8 packed documents
     python benchmarks/user_path.py --part accuracy          # each precision setting against the float64 oracle
     python benchmarks/user_path.py --smoke                  # every cell kind at N = 512, 2 steps, into /tmp
     python benchmarks/user_path.py --render                 # the committed results into docs/guides/precision.md
@@ -91,6 +93,8 @@ WINDOW = 2048
 #: Part ``padded``: each sequence's share of ``N`` in a batch right-padded to its longest sequence, as a data collator
 #: pads it (the real-batches benchmark's right-padded batch).
 PADDED_FRACTIONS = (1.0, 0.8, 0.55, 0.3)
+#: Part ``packed``: documents packed into one row (the real-batches benchmark's lengths for the row's ``N``).
+PACKED_DOCUMENTS = 8
 TEACHER = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=8)
 STUDENT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
@@ -105,7 +109,8 @@ HEADLINE_TARGET = 2.6  # bf16-mixed, N = 32768, four pairs: step <= 2.6 x the pl
 
 
 #: The parts of cells (``--part``; part ``accuracy`` measures no cell).
-PARTS = ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "windowed", "padded")
+PARTS = ("n16384", "n16384-compile", "ends", "naive", "offload", "fp16", "compiled-teacher", "windowed", "padded",
+         "packed")
 #: The placement of a distilled cell's teacher unless the cell names another (the callback's default).
 RESIDENT = "student"
 
@@ -125,19 +130,21 @@ class Cell:
     window: int = 0  # > 0: both models are Mistral models of the same shapes with this sliding window
     batch: int = 1  # sequences per step
     padded: bool = False  # the batch right-padded: its sequences' lengths are PADDED_FRACTIONS of n
+    documents: int = 0  # > 0: each row this many packed documents (position_ids restarting, no attention mask)
 
     @property
     def key(self) -> str:
         """``N<n>/<precision>/<attention>/<eager|compiled>/<pairs>``, then ``/teacher-<device>`` when the teacher is
         not resident, ``/teacher-compiled`` when it is compiled, ``/window-<w>`` for windowed models,
-        ``/batch-<b>`` for more than one sequence a step and ``/padded`` for a right-padded batch (the keys of the
-        runs before these fields are unchanged)."""
+        ``/batch-<b>`` for more than one sequence a step, ``/padded`` for a right-padded batch and ``/packed-<d>``
+        for rows of packed documents (the keys of the runs before these fields are unchanged)."""
         key = f"N{self.n}/{self.precision}/{self.attention}/{'compiled' if self.compiled else 'eager'}/{self.pairs}"
         key = key if self.teacher_device == RESIDENT else f"{key}/teacher-{self.teacher_device}"
         key = f"{key}/teacher-compiled" if self.teacher_compiled else key
         key = f"{key}/window-{self.window}" if self.window else key
         key = f"{key}/batch-{self.batch}" if self.batch != 1 else key
-        return f"{key}/padded" if self.padded else key
+        key = f"{key}/padded" if self.padded else key
+        return f"{key}/packed-{self.documents}" if self.documents else key
 
     @classmethod
     def from_key(cls, key: str) -> Cell:
@@ -145,17 +152,18 @@ class Cell:
         n, precision, attention, mode, pairs, *rest = key.split("/")
         windows = [int(t.removeprefix("window-")) for t in rest if t.startswith("window-")]
         batches = [int(t.removeprefix("batch-")) for t in rest if t.startswith("batch-")]
+        documents = [int(t.removeprefix("packed-")) for t in rest if t.startswith("packed-")]
         teacher = [t for t in rest if t.startswith("teacher-")]
         compiled_teacher = "teacher-compiled" in teacher
         devices = [t.removeprefix("teacher-") for t in teacher if t != "teacher-compiled"]
         return cls(int(n.removeprefix("N")), precision, attention, mode == "compiled", pairs,
                    devices[0] if devices else RESIDENT, compiled_teacher, windows[0] if windows else 0,
-                   batches[0] if batches else 1, "padded" in rest)
+                   batches[0] if batches else 1, "padded" in rest, documents[0] if documents else 0)
 
     @property
     def baseline(self) -> Cell:
         return Cell(self.n, self.precision, self.attention, self.compiled, "plain", window=self.window,
-                    batch=self.batch, padded=self.padded)
+                    batch=self.batch, padded=self.padded, documents=self.documents)
 
 
 def part_cells(part: str) -> list[Cell]:
@@ -190,6 +198,9 @@ def part_cells(part: str) -> list[Cell]:
         for padded in (False, True):
             cells += [Cell(4096, "bf16-mixed", "sdpa", False, p, batch=len(PADDED_FRACTIONS), padded=padded)
                       for p in ("plain", "four")]
+    if part == "packed":  # one document, and the same tokens as packed documents (both run here, in one run)
+        for documents in (1, PACKED_DOCUMENTS):
+            cells += [Cell(16384, "bf16-mixed", "sdpa", False, p, documents=documents) for p in ("plain", "four")]
     if part == "naive":
         for n in (4096, 8192):
             cells += [Cell(n, "bf16-mixed", "sdpa", False, p) for p in ("plain", "naive")]
@@ -201,6 +212,7 @@ def part_cells(part: str) -> list[Cell]:
         cells += [Cell(64, "bf16-mixed", "sdpa", False, p, window=16) for p in ("plain", "four")]
         cells += [Cell(64, "bf16-mixed", "sdpa", False, p, batch=len(PADDED_FRACTIONS), padded=True)
                   for p in ("plain", "four")]
+        cells += [Cell(64, "bf16-mixed", "sdpa", False, p, documents=3) for p in ("plain", "four")]
     if part == "smoke":  # every kind of cell once
         cells += [Cell(512, precision, "sdpa", False, p) for precision in PRECISIONS for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "flex_attention", False, p) for p in ("plain", "four")]
@@ -211,6 +223,7 @@ def part_cells(part: str) -> list[Cell]:
         cells += [Cell(512, "bf16-mixed", "sdpa", False, p, window=128) for p in ("plain", "four")]
         cells += [Cell(512, "bf16-mixed", "sdpa", False, p, batch=len(PADDED_FRACTIONS), padded=True)
                   for p in ("plain", "four")]
+        cells += [Cell(512, "bf16-mixed", "sdpa", False, p, documents=PACKED_DOCUMENTS) for p in ("plain", "four")]
     return cells
 
 
@@ -245,13 +258,23 @@ def enable_checkpointing(model) -> None:
     enable()
 
 
-def batch_of(n: int, seed: int = 0, batch: int = 1, padded: bool = False) -> dict:
+def batch_of(n: int, seed: int = 0, batch: int = 1, padded: bool = False, documents: int = 0) -> dict:
     """``batch`` sequences of ``n`` random tokens; ``padded``: right-padded, the sequences ``PADDED_FRACTIONS`` of
-    ``n`` long (their padding masked out of the attention and of the labels, as a data collator pads them)."""
+    ``n`` long (their padding masked out of the attention and of the labels, as a data collator pads them);
+    ``documents``: each row that many packed documents, as ``DataCollatorWithFlattening`` packs them
+    (``position_ids`` restarting, no attention mask, and ``use_cache=False``, without which transformers' sdpa
+    attends across them)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB if DEVICE == "cuda" else 97, (batch, n), generator=g)
+    if documents:
+        sys.path.insert(0, HERE)
+        from real_batches import doc_lengths
+
+        positions = torch.cat([torch.arange(length) for length in doc_lengths(n, documents)])
+        return {"input_ids": ids, "position_ids": positions.expand(batch, n).clone(), "labels": ids.clone(),
+                "use_cache": False}
     mask = torch.ones_like(ids)
     if padded:
         if batch != len(PADDED_FRACTIONS):
@@ -420,7 +443,8 @@ def breakdown(distill, module, batch: dict, plugin) -> dict[str, Any]:
                         "reduction": c[1].get("reduction"),
                         "window": list(c[1]["window"]) if c[1].get("window") else None,
                         "general_mask": c[1].get("attn_mask") is not None,
-                        "key_padding": c[1].get("key_padding_mask") is not None} for c in calls]
+                        "key_padding": c[1].get("key_padding_mask") is not None,
+                        "packed": c[1].get("cu_seqlens_q") is not None} for c in calls]
     out["pairing"] = distiller.describe()
     return out
 
@@ -453,7 +477,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
         module = NaiveKD(student, teacher) if cell.pairs == "naive" else StudentLM(student)
         timer = StepTimer()
         callbacks: list[Any] = [timer]
-        data = [batch_of(cell.n, seed, cell.batch, cell.padded) for seed in range(warmup + steps)]
+        data = [batch_of(cell.n, seed, cell.batch, cell.padded, cell.documents) for seed in range(warmup + steps)]
         if cell.pairs in ("four", "uniform"):
             pairs = explicit_pairs(FOUR_PAIRS, head_map="group") if cell.pairs == "four" else \
                 uniform_pairs(teacher, hf, head_map="group")
@@ -466,7 +490,7 @@ def run_cell(cell: Cell, teacher, steps: int, warmup: int) -> dict[str, Any]:
                         record["step_peak_bytes"] = torch.cuda.max_memory_allocated()
                         if TRACES is not None:  # --peak: the allocation history of the steps
                             TRACES.append(torch.cuda.memory._snapshot())
-                    batch = {k: v.to(DEVICE) for k, v in data[0].items()}
+                    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in data[0].items()}
                     try:
                         record.update(breakdown(distill, pl_module, batch, trainer.precision_plugin))
                     except Exception as err:  # the steps are a result without it
@@ -839,18 +863,20 @@ def windowed_table(data: dict) -> str:
     return "\n".join(rows)
 
 
-def padded_table(data: dict) -> str:
-    """The cells of part ``padded``: the plain and the four-pair step of a batch of sequences of full length and of
-    the same batch right-padded (the capture reads each model's 4-D mask as key padding and query masks, which the
-    op takes with each row's lengths)."""
+def batches_table(data: dict, part: str) -> str:
+    """The cells of part ``padded`` or ``packed``: the plain and the four-pair step of each batch (sequences of full
+    length; the same right-padded, which the capture reads as key padding and query masks; the same tokens as packed
+    documents, which it reads as the op's packed layout)."""
     cells = data["cells"]
     rows = ["| batch | plain step (ms) | with attention KL (ms) | ratio | teacher to the deepest pair (ms) | "
             "KL ops, fwd+bwd (ms) | plain peak (GiB) | peak with attention KL (GiB) |",
             "|---|---|---|---|---|---|---|---|"]
-    for cell, record, plain in _distilled(cells, "padded"):
-        shares = "/".join(f"{f:.0%}".removesuffix("%") for f in PADDED_FRACTIONS)
-        kind = f"{cell.batch} × {cell.n}, right-padded to {shares}% of N" if cell.padded else \
-            f"{cell.batch} × {cell.n}, no padding"
+    shares = "/".join(f"{f:.0%}".removesuffix("%") for f in PADDED_FRACTIONS)
+    for cell, record, plain in _distilled(cells, part):
+        kind = f"{cell.batch} × {cell.n}, " + (f"right-padded to {shares}% of N" if cell.padded else
+                                              "one document" if cell.documents == 1 else
+                                              f"{cell.documents} packed documents" if cell.documents else
+                                              "no padding" if cell.batch > 1 else "one sequence")
         rows.append(f"| {kind} | {_ms(plain['step_s'])} | {_ms(record['step_s'])} | "
                     f"{derived(record, cells)['ratio']:.2f}× | {_ms(record['teacher_s'])} | "
                     f"{_ms(sum(record['kl_s']))} | {plain['peak_gib']:.2f} | {record['peak_gib']:.2f} |")
@@ -881,8 +907,9 @@ def committed_blocks() -> dict[str, dict[str, str]]:
     """:func:`blocks` of the committed results (:data:`RESULT`), with the compiled students' table (block
     ``user-path:compiled``) and the tables of parts ``offload`` and ``fp16`` (blocks ``user-path:offload``,
     ``user-path:fp16``), of part ``compiled-teacher`` (block ``user-path:compiled-teacher``) and of part
-    ``windowed`` (block ``user-path:windowed`` of the real-teachers guide) and of part ``padded`` (block
-    ``user-path:padded`` of the Hugging Face models guide), each once the run holds it, of :data:`H200_RESULT`."""
+    ``windowed`` (block ``user-path:windowed`` of the real-teachers guide) and of parts ``padded`` and ``packed``
+    (blocks ``user-path:padded``, ``user-path:packed`` of the Hugging Face models guide), each once the run holds
+    it, of :data:`H200_RESULT`."""
     with open(RESULT) as f:
         rendered = blocks(json.load(f))
     with open(H200_RESULT) as f:
@@ -899,10 +926,11 @@ def committed_blocks() -> dict[str, dict[str, str]]:
         rendered[REAL_TEACHERS_DOC] = {"user-path:windowed": (
             f"{h200['device']}, N = 8192, bf16-mixed, sdpa, eager student, four pairs; median of {h200['steps']} "
             "steps.\n\n" + windowed_table(h200))}
-    if any(cell.key in h200["cells"] for cell in part_cells("padded")):
-        rendered[HF_MODELS_DOC] = {"user-path:padded": (
-            f"{h200['device']}, N = 4096, bf16-mixed, sdpa, eager student, four pairs; median of {h200['steps']} "
-            "steps.\n\n" + padded_table(h200))}
+    for part, n in (("padded", 4096), ("packed", 16384)):
+        if any(cell.key in h200["cells"] for cell in part_cells(part) if cell.batch > 1 or cell.documents):
+            rendered.setdefault(HF_MODELS_DOC, {})[f"user-path:{part}"] = (
+                f"{h200['device']}, N = {n}, bf16-mixed, sdpa, eager student, four pairs; median of "
+                f"{h200['steps']} steps.\n\n" + batches_table(h200, part))
     return rendered
 
 

@@ -61,6 +61,10 @@ def test_the_parts_cover_the_matrix(user_path):
               for c in user_path.part_cells("padded")}
     assert padded == {(4096, "bf16-mixed", "sdpa", False, pairs, 4, p) for pairs in ("plain", "four")
                       for p in (False, True)}
+    packed = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.batch, c.documents)
+              for c in user_path.part_cells("packed")}
+    assert packed == {(16384, "bf16-mixed", "sdpa", False, pairs, 1, d) for pairs in ("plain", "four")
+                      for d in (1, user_path.PACKED_DOCUMENTS)}
     fp16 = {(c.n, c.precision, c.attention, c.compiled, c.pairs, c.teacher_device) for c in user_path.part_cells("fp16")}
     assert fp16 == {(16384, "16-mixed", "sdpa", False, pairs, device) for pairs, device in (
         ("plain", "student"), ("four", "student"), ("uniform", "student"), ("uniform", "offload"))}
@@ -83,7 +87,9 @@ def test_a_cell_key_names_the_teacher_only_when_it_is_not_resident(user_path):
     padded = user_path.Cell(4096, "bf16-mixed", "sdpa", False, "four", batch=4, padded=True)
     assert padded.key == "N4096/bf16-mixed/sdpa/eager/four/batch-4/padded"
     assert padded.baseline == user_path.Cell(4096, "bf16-mixed", "sdpa", False, "plain", batch=4, padded=True)
-    for cell in (resident, offloaded, compiled, windowed, padded, user_path.Cell(64, "32-true", "sdpa", False, "four", batch=2),
+    packed = user_path.Cell(16384, "bf16-mixed", "sdpa", False, "four", documents=8)
+    assert packed.key == "N16384/bf16-mixed/sdpa/eager/four/packed-8" and packed.baseline.documents == 8
+    for cell in (resident, offloaded, compiled, windowed, padded, packed, user_path.Cell(64, "32-true", "sdpa", False, "four", batch=2),
                  user_path.Cell(16384, "bf16-mixed", "sdpa", True, "four", "offload", teacher_compiled=True),
                  user_path.Cell(512, "bf16-mixed", "sdpa", True, "four", "offload", True, 128)):
         assert user_path.Cell.from_key(cell.key) == cell
@@ -122,6 +128,10 @@ def test_a_run_on_tiny_models_times_the_step_and_its_parts(user_path, tmp_path, 
                for call in padded["kl_calls"])
     assert not any(call["key_padding"] for call in four["kl_calls"])
     assert user_path.derived(padded, cells)["ratio"] > 0
+    # packed documents: the capture reads the block-diagonal 4-D mask as the op's packed layout
+    packed = cells["N64/bf16-mixed/sdpa/eager/four/packed-3"]
+    assert all(call["packed"] and not call["key_padding"] and not call["general_mask"] for call in packed["kl_calls"])
+    assert not any(call["packed"] for call in four["kl_calls"]) and user_path.derived(packed, cells)["ratio"] > 0
     derived = user_path.derived(four, cells)  # (on tiny models a distilled step may time below the plain one)
     assert derived["ratio"] > 0 and math.isfinite(derived["pipeline"]) and derived["irreducible_s"] > 0
     # a second run of the same part finds every cell done and runs none
