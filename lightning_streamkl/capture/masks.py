@@ -584,28 +584,50 @@ def _equals_band(a: torch.Tensor, kpm: torch.Tensor, causal: torch.Tensor,
 def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: int, right: int, *,
                       every_token: bool) -> Masking | None:
     """Packed documents whose map equals ``a`` on the real query rows, or ``None``; ``every_token``: ``real`` keeps
-    every token (the sequences' indices are then ``None``, all of them in order)."""
+    every token (the sequences' indices are then ``None``, all of them in order, and found without a read).
+
+    A document starts at each real token that does not see the real token before it (or, not causal, is not seen by
+    it). The candidate map (each document a band of ``left`` and ``right`` around the diagonal, over its tokens) is
+    compared with ``a`` by the row blocks of :func:`_row_blocks`, on the device, and read with the documents' starts
+    in one transfer: no ``N × N`` map beyond a block's is built.
+    """
     batch, _, n, _ = a.shape
     device = a.device
-    seen = a.any(1)  # [B, N, N]
-    index = real.flatten().nonzero().flatten()  # the real tokens, in [B·N] order
-    if index.numel() < 2:
+    index = torch.arange(batch * n, device=device) if every_token else real.flatten().nonzero().flatten()
+    tokens = index.numel()  # the real tokens, in [B·N] order
+    if tokens < 2:
         return None
     b, pos = index // n, index % n
-    joined = seen[b[1:], pos[1:], pos[:-1]]  # a token sees the real token before it: the same document
+    joined = a[b[1:], :, pos[1:], pos[:-1]].any(-1)  # a token sees the real token before it: the same document
     if not causal:
-        joined |= seen[b[:-1], pos[:-1], pos[1:]]
-    start = torch.ones(index.numel(), dtype=torch.bool, device=device)
+        joined |= a[b[:-1], :, pos[:-1], pos[1:]].any(-1)
+    start = torch.ones(tokens, dtype=torch.bool, device=device)
     start[1:] = ~((b[1:] == b[:-1]) & joined)
-    starts = start.nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([index.numel()])]).to(torch.int32)
-    packed = PackedSequences.from_offsets(cu, cu, *(None, None) if every_token else (index, index))
-    max_len = packed.max_seqlen_q
-    window = canonical_window((left, -1 if causal else right), causal, max_len, max_len, packed=packed)
-    candidate = packed_allowed(packed, causal, window, batch, n, n)
-    keep = real[:, None, :, None]  # compare the real query rows: a padded position's row is not a document's row
-    if not torch.equal(candidate[:, None] & keep, a & keep):
+    order = torch.arange(tokens, device=device)
+    doc = torch.full((batch * n,), -1, dtype=torch.long, device=device)  # each position's document (-1: padding)
+    doc[index] = torch.cumsum(start, 0) - 1
+    rank = torch.zeros(batch * n, dtype=torch.long, device=device)  # each token's place in its document
+    rank[index] = order - torch.cummax(torch.where(start, order, 0), 0).values
+    doc, rank = doc.view(batch, n), rank.view(batch, n)
+    differs = torch.zeros((), dtype=torch.bool, device=device)
+    for rows in _row_blocks(a):
+        q_doc, q_rank, k_rank = doc[:, rows, None], rank[:, rows, None], rank[:, None, :]
+        candidate = (q_doc == doc[:, None, :]) & (q_doc >= 0)
+        if left >= 0:
+            candidate &= k_rank >= q_rank - left
+        if causal or right >= 0:
+            candidate &= k_rank <= q_rank + (0 if causal else right)
+        keep = real[:, None, rows, None]  # the real query rows: a padded position's row is not a document's row
+        differs |= ((candidate[:, None] & keep) != (a[:, :, rows] & keep)).any()
+    read = torch.cat([differs.view(1), start]).cpu()  # (the one read: whether they match, and where each starts)
+    if bool(read[0]):
         return None
+    host_cu = torch.cat([read[1:].nonzero().flatten(), torch.tensor([tokens])]).to(torch.int32)
+    longest = int(torch.diff(host_cu).max())
+    kept = None if every_token else index
+    cu = to_device(host_cu, device)
+    packed = PackedSequences(cu, cu, longest, longest, kept, kept, host_cu, host_cu)
+    window = canonical_window((left, -1 if causal else right), causal, longest, longest, packed=packed)
     return Masking(causal, window, None, None, packed)
 
 

@@ -388,6 +388,59 @@ def test_describe_allowed_reads_a_map_in_one_transfer(monkeypatch, block):
     assert describe_allowed(hole, 2, self_attention=True).attn_mask is not None
 
 
+def _packed_map(lengths: list[list[int]], pads: list[tuple[int, int]], causal: bool, window: tuple[int, int] | None,
+                heads: int) -> torch.Tensor:
+    """``[B, heads, N, N]``: each batch row its documents (``lengths``) between ``pads`` (left, right) padding tokens,
+    each document a band (``causal``, ``window``), padding seeing nothing and seen by nothing."""
+    n = sum(lengths[0]) + sum(pads[0])
+    rows = []
+    for docs, (before, after) in zip(lengths, pads):
+        blocks = [band(d, d, causal, window, torch.device("cpu")) for d in docs]
+        rows.append(torch.nn.functional.pad(torch.block_diag(*blocks), (before, after, before, after)))
+    assert all(r.shape == (n, n) for r in rows)
+    return torch.stack(rows)[:, None].expand(-1, heads, -1, -1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_packed_map_is_described_exactly(seed):
+    """Random packed maps (one or two batch rows, padding on either side or none, causal or not, a window that bites
+    or none, a mask over one or two heads): the description's own map (``dense_allowed``) equals the map on every
+    real row, and so does that of the same map with one entry of a real row flipped (then no packed description
+    holds it)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(high, (), generator=g))
+
+    causal, heads, batch = bool(draw(2)), 1 + draw(2), 1 + draw(2)
+    window = None if draw(2) else (1 + draw(3), 0 if causal else 1 + draw(3))
+    pads = [(draw(3), draw(3)) if draw(2) else (0, 0) for _ in range(batch)]
+    total = 9 + draw(6)
+    lengths = []
+    for before, after in pads:
+        room, docs = total - before - after, []
+        while room:
+            docs.append(min(room, 1 + draw(5)))
+            room -= docs[-1]
+        lengths.append(docs)
+    allowed = _packed_map(lengths, pads, causal, window, heads)
+    real = allowed.any(2).any(1)
+    keep = real[:, None, :, None]
+    d = describe_allowed(allowed, batch, self_attention=True)
+    assert d.packed is not None or (len(lengths[0]) == 1 and batch == 1), (lengths, pads, d.summary())
+    assert torch.equal(dense_allowed(d, batch, total, total, torch.device("cpu")).expand_as(allowed) & keep,
+                       allowed & keep), (lengths, pads, causal, window, d.summary())
+    if d.packed is not None and all(before == after == 0 for before, after in pads):
+        assert d.packed.index_q is None and d.packed.host_cu_seqlens_q.tolist()[-1] == batch * total
+    flipped = allowed.clone()
+    row = int(real[0].nonzero()[draw(int(real[0].sum()))])
+    flipped[0, :, row, draw(total)] ^= True
+    f = describe_allowed(flipped, batch, self_attention=True)
+    f_real = flipped.any(2).any(1)[:, None, :, None] & keep
+    assert torch.equal(dense_allowed(f, batch, total, total, torch.device("cpu")).expand_as(flipped) & f_real,
+                       flipped & f_real), (lengths, pads, causal, window, f.summary())
+
+
 def test_allowed_map_conversions():
     additive = torch.tensor([[0.0, -torch.inf, torch.finfo(torch.float32).min, -1e4]])
     assert allowed_map(additive, 1, 4).flatten().tolist() == [True, False, False, False]
