@@ -811,11 +811,11 @@ def packed_allowed(packed: PackedSequences, causal: bool, window: tuple[int, int
     allowed = torch.zeros(batch, n_q, n_k, dtype=torch.bool, device=device)
     for b in range(batch):
         tq, tk = (row_q == b).nonzero().flatten(), (row_k == b).nonzero().flatten()
-        d = local_k[tk][None, :] - aligned[tq][:, None]
+        keys, rows = local_k[tk][None, :], aligned[tq][:, None]  # (compared by broadcasting: no int64 map)
         ok = seq_q[tq][:, None] == seq_k[tk][None, :]
         if left >= 0:
-            ok &= d >= -left
+            ok &= keys >= rows - left
         if right >= 0:
-            ok &= d <= right
+            ok &= keys <= rows + right
         allowed[b, (iq[tq] % n_q)[:, None], (ik[tk] % n_k)[None, :]] = ok
     return allowed
