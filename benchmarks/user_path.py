@@ -269,7 +269,8 @@ def batch_of(n: int, seed: int = 0, batch: int = 1, padded: bool = False, docume
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB if DEVICE == "cuda" else 97, (batch, n), generator=g)
     if documents:
-        sys.path.insert(0, HERE)
+        if HERE not in sys.path:  # (called once per batch)
+            sys.path.insert(0, HERE)
         from real_batches import doc_lengths
 
         positions = torch.cat([torch.arange(length) for length in doc_lengths(n, documents)])

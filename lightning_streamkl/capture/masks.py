@@ -88,6 +88,22 @@ class PackedSequences:
         longest = [int(torch.diff(h).max()) if h.numel() > 1 else 0 for h in (host_q, host_k)]
         return cls(cu_q, cu_k, *longest, index_q, index_k, host_q, host_k)
 
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device, index: torch.Tensor | None = None
+                     ) -> PackedSequences:
+        """One set of sequences (queries and keys alike) of the given lengths, known on the host: their offsets are
+        sent to ``device`` without a synchronisation and kept on the CPU too; ``index`` as in the class.
+
+        Example:
+            >>> packed = PackedSequences.from_lengths([3, 2], torch.device("cpu"))
+            >>> packed.max_seqlen_q, packed.host_cu_seqlens_k.tolist()
+            (3, [0, 3, 5])
+        """
+        host = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu = to_device(host, device)
+        longest = max(lengths, default=0)
+        return cls(cu, cu, longest, longest, index, index, host, host)
+
     def op_offsets(self) -> dict:
         """The op's keywords for these sequences (:func:`streamkl.attention_kl` with ``layout="thd"``): the offsets,
         on the CPU where their values were read (no synchronisation in the op), and the longest sequences.
@@ -622,11 +638,9 @@ def _packed_candidate(a: torch.Tensor, real: torch.Tensor, causal: bool, left: i
     read = torch.cat([differs.view(1), start]).cpu()  # (the one read: whether they match, and where each starts)
     if bool(read[0]):
         return None
-    host_cu = torch.cat([read[1:].nonzero().flatten(), torch.tensor([tokens])]).to(torch.int32)
-    longest = int(torch.diff(host_cu).max())
-    kept = None if every_token else index
-    cu = to_device(host_cu, device)
-    packed = PackedSequences(cu, cu, longest, longest, kept, kept, host_cu, host_cu)
+    starts = torch.cat([read[1:].nonzero().flatten(), torch.tensor([tokens])])
+    packed = PackedSequences.from_lengths(torch.diff(starts).tolist(), device, None if every_token else index)
+    longest = packed.max_seqlen_q
     window = canonical_window((left, -1 if causal else right), causal, longest, longest, packed=packed)
     return Masking(causal, window, None, None, packed)
 
@@ -664,10 +678,8 @@ def flash_masking(mask: torch.Tensor | None, batch: int, n_q: int, n_k: int, kwa
         if not self_attention or n_q != n_k or rows.runs is not None:
             return Masking(causal_, canonical_window(window, bool(causal), n_q, n_k, kpm, key_span=rows.span), kpm,
                            kpm if self_attention and n_q == n_k else None, key_rows=rows_or_none)
-        lengths = real.sum(-1)
-        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-        index = real.flatten().nonzero().flatten()
-        packed = PackedSequences.from_offsets(cu, cu, index, index)
+        # each row's real tokens one sequence: their lengths were read with the rows
+        packed = PackedSequences.from_lengths(list(rows.count), real.device, real.flatten().nonzero().flatten())
         m = packed.max_seqlen_q
         return Masking(causal_, canonical_window(window, bool(causal), m, m, packed=packed), None, None, packed)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
