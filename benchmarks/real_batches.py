@@ -569,7 +569,31 @@ def _targets(targets: dict[str, float], group: str) -> str:
             or ("(reference row)" if group == "headline" else "(no target)"))
 
 
+#: QK^T-sized products per score element of a frozen-teacher training call, by the head dim they run at: the
+#: teacher's scores in the training forward and again in the key pass; the student's scores in both, the two query-
+#: gradient products of the training forward and the key gradient of the key pass. cuDNN's forward+backward on the
+#: student's shapes runs seven at the student's head dim (the scores and P·V; the scores again, dP, dV, dQ and dK).
+TEACHER_PRODUCTS, STUDENT_PRODUCTS, CUDNN_PRODUCTS = 2, 5, 7
+
+
+def products_over_cudnn(shape: dict[str, Any]) -> float:
+    """The tensor-core work of our training call over cuDNN's forward+backward on the student's shapes, per score
+    element (:data:`TEACHER_PRODUCTS`, ...): 1 where teacher and student share their head dim.
+
+    Example:
+        >>> products_over_cudnn({"d": 128, "d_s": 64}), products_over_cudnn({"d": 64, "d_s": None})
+        (1.2857142857142858, 1.0)
+    """
+    d_t, d_s = shape["d"], shape.get("d_s") or shape["d"]
+    return (TEACHER_PRODUCTS * d_t + STUDENT_PRODUCTS * d_s) / (CUDNN_PRODUCTS * d_s)
+
+
 def _other(r: dict[str, Any]) -> str:
+    work = products_over_cudnn(r["shape"]) if "shape" in r else 1.0
+    if work != 1.0:
+        ratio = r.get("ratio_cudnn")
+        per_work = ratio / work if isinstance(ratio, float) else None
+        return f"products ÷ cuDNN's {_f(work)}×; ÷ cuDNN × that: {_f(per_work)}×"
     if r.get("ratio_separate") is not None or "separate_ms" in r:
         what = "the documents run separately" if r.get("docs") else "the op on the same work, dense"
         extra = f"; cuDNN same work {_f(r.get('ratio_cudnn_same_work'))}×" if "cudnn_same_work_ms" in r else ""

@@ -96,6 +96,8 @@ def test_a_result_renders_into_the_kernels_page(rb, tmp_path, monkeypatch):
     data["after_profiler"] = {"row": rb.PROFILER_PROBE_ROW, "host_ms_before": 0.6, "host_ms_after": 0.9}
     assert f"the {rb.PROFILER_PROBE_ROW} row's host time per call was 0.60 ms before" in rb.table(data)
     assert "and 0.90 ms after" in rb.table(data)
+    narrower = {"shape": {"d": 128, "d_s": 64}, "ratio_cudnn": 1.45}  # a student of half the teacher's head dim
+    assert rb._other(narrower) == "products ÷ cuDNN's 1.29×; ÷ cuDNN × that: 1.13×"
 
 
 def test_every_row_is_timed_before_the_profiler_takes_any_kernel_time(rb, tmp_path, monkeypatch):
