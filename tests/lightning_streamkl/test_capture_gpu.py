@@ -1,6 +1,7 @@
 """On a GPU: the capture under the real flash-attention kernels (2, 3 and 4, each when its package imports:
 ``flash_attn.flash_attn_interface``, ``flash_attn_interface``, ``flash_attn.cute`` of the ``flash-attn-4`` wheel, the optional extra
-``fa4``), and a student compiled with the default ``torch.compile`` backend (inductor). Skipped without CUDA::
+``fa4``), and a student compiled with the default ``torch.compile`` backend (inductor), also replayed from CUDA graphs
+(``mode="reduce-overhead"``). Skipped without CUDA::
 
     python -m pytest -m gpu tests/lightning_streamkl/test_capture_gpu.py
 """
@@ -95,4 +96,23 @@ def test_inductor_compiled_student_gives_the_same_kl_and_gradients():
     expected = _step(teacher, copy.deepcopy(student), batch, steps=2)
     torch._dynamo.reset()
     got = _step(teacher, student, batch, forward=torch.compile(student), steps=2)
+    _assert_same(got, expected, rtol=1e-4)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("teacher_graphed", [False, True], ids=["student", "student-and-teacher"])
+def test_a_student_replayed_from_cuda_graphs_gives_the_same_kl_and_gradients(teacher_graphed):
+    """``torch.compile(mode="reduce-overhead")``: from its third step the student's forward and backward replay CUDA
+    graphs, so the captured queries and keys live in the graphs' memory pool, which the next replay overwrites. The KL
+    of every step, read within the step, and the student's gradients equal the eager student's; so they do with the
+    teacher replayed from graphs too (its captures are outputs of another graph of the same pool)."""
+    teacher = tiny("llama", seed=0, hidden=64, dtype=torch.float32).cuda()
+    student = tiny("llama", seed=1, hidden=32, kv_heads=1, dtype=torch.float32).cuda().train()
+    batch = _on_gpu(token_batch(3, 11, pad="right"))
+    expected = _step(teacher, copy.deepcopy(student), batch, steps=4)
+    torch._dynamo.reset()
+    if teacher_graphed:
+        teacher = copy.deepcopy(teacher)
+        teacher.compile(mode="reduce-overhead")
+    got = _step(teacher, student, batch, forward=torch.compile(student, mode="reduce-overhead"), steps=4)
     _assert_same(got, expected, rtol=1e-4)

@@ -170,3 +170,35 @@ def test_documented_code_is_the_example_code(doc):
         source = iter(line.strip() for line in (ROOT / file).read_text().splitlines())
         for shown in (line.strip() for line in lines if line.strip()):
             assert any(line == shown for line in source), f"{doc}: {shown!r} is not (in order) in {file}"
+
+
+def test_callback_example_with_its_student_model_compiled_logs_the_eager_values():
+    """The callback under a ``Trainer`` with the student's Hugging Face model compiled in place (``model.compile()``,
+    what ``docs/reliability.md`` advises: Lightning cannot compile a whole module whose ``training_step`` logs): every
+    logged value of three steps is the eager run's, and the compiled model's graph does not break."""
+    import lightning as L
+    import torch
+    from lightning_tiny import CausalLMModule, TokenDataModule, tiny_teacher
+    from torch._dynamo.utils import counters
+
+    from lightning_streamkl import LayerPair
+
+    def run(compiled: bool) -> dict[str, float]:
+        L.seed_everything(0)
+        student = CausalLMModule()
+        if compiled:
+            student.model.compile(backend="aot_eager")
+        distill = StreamKLDistillation(tiny_teacher(), pairs=[LayerPair(0, 0, name="first"),
+                                                              LayerPair(-1, -1, name="last")], weight=5.0)
+        trainer = L.Trainer(max_steps=3, callbacks=[distill], limit_val_batches=0, **QUIET)
+        trainer.fit(student, datamodule=TokenDataModule())
+        return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    eager = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run(True)
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] >= 1
+    assert "train/attn_kl/total_step" in eager and compiled.keys() == eager.keys()
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
