@@ -115,6 +115,7 @@ SOURCES: dict[str, Callable[[], dict[str, dict[str, str]]]] = {
     "benchmarks/user_path.py": _user_path,
     "benchmarks/user_path_trl.py": _one("benchmarks/user_path_trl.py", "docs/guides/trl.md", "user-path-trl",
                                         "markdown", "nvidia-h100-80gb-hbm3-user-path-trl.json"),
+    "benchmarks/overhead.py": _named("benchmarks/overhead.py", "docs/concepts/kernels.md", "nvidia-h200-overhead.json"),
     "benchmarks/real_batches.py": lambda: {"docs/concepts/kernels.md": script("benchmarks/real_batches.py").blocks(
         script("benchmarks/real_batches.py").load())},
 }

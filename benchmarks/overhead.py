@@ -9,7 +9,11 @@ On a GPU it measures, for the default (Triton) path in bf16:
   SDPA (the default backend, with a ``.sum()`` loss) and the naive materialising loss under ``torch.compile``, each
   called eagerly and replayed from a CUDA graph (what ``torch.compile(mode="reduce-overhead")`` does);
 * the host µs of the pieces a tiny forward+backward is made of (torch's own floor: an allocation, a kernel, an
-  autograd Function that does nothing, SDPA; then the op's stages), and the top cProfile and torch.profiler entries;
+  autograd Function that does nothing, a graph of two native ops, SDPA; then the op's stages), and the top cProfile
+  and torch.profiler entries;
+* the host µs of the real-batches table's host-bound rows (N=5000 causal, the BERT shape), uninstrumented and split by
+  stage (:func:`host_stages`), which ``python benchmarks/blocks.py --write`` renders into docs/concepts/kernels.md from
+  ``results/nvidia-h200-overhead.json``;
 * with ``--against DIR`` (a copy of an earlier ``kernels/streamkl``), both versions in alternating rounds in the same
   process: the per-round ratios and an exact sign test (host speed differs between machines and drifts within a run,
   so only such paired comparisons show a change of the host path).
@@ -33,6 +37,7 @@ import os
 import platform
 import pstats
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +111,7 @@ def measure_gpu(profile: bool) -> dict:
         torch.cuda.set_sync_debug_mode("default")
     result = {"tiny_shape": {**TINY, "dtype": "bfloat16"}, "host": host}
     result["breakdown_us"] = host_breakdown(sync)
+    result["host_stages"] = host_stages(sync=sync)
     result["bert_shape"] = {**BERT, "dtype": "bfloat16"}
     result["bert_fwd_bwd_ms"] = bert_wall_times()
     if profile:  # last: no timing follows a use of torch's profiler (benchmarks/real_batches.py, kernel_ms)
@@ -117,7 +123,8 @@ def measure_gpu(profile: bool) -> dict:
 def host_breakdown(sync) -> dict:
     """Host µs per call of the pieces a tiny forward+backward is made of (same tiny problem, same timing as
     :func:`measure_gpu`), so that the op's host time can be attributed: torch's own floor (an allocation, an
-    elementwise kernel, an autograd Function that does nothing, SDPA), then the op's stages."""
+    elementwise kernel, an autograd Function that does nothing, a graph of two native ops, SDPA), then the op's
+    stages."""
     from streamkl._validation import prepare_problem
     from streamkl.autograd import AttentionKLFunction
     from streamkl.options import AttentionKLOptions
@@ -125,6 +132,7 @@ def host_breakdown(sync) -> dict:
     inputs = tiny_inputs("cuda")
     q_t, k_t, q_s, k_s = inputs
     small = torch.zeros(4, device="cuda")
+    leaf = torch.zeros(4, device="cuda", requires_grad=True)
 
     class Noop(torch.autograd.Function):
         @staticmethod
@@ -141,7 +149,8 @@ def host_breakdown(sync) -> dict:
     rows = q_t.shape[0] * q_t.shape[1] * q_t.shape[2]
 
     def apply(reduction="mean"):
-        return AttentionKLFunction.apply(*kernel_inputs, spec, "triton", False, True, reduction, rows, True)[0]
+        return AttentionKLFunction.apply(*kernel_inputs[:-1], spec, "triton", False, True, reduction, rows, True, False,
+                                         kernel_inputs.lengths)[0]
 
     def sdpa_fwd():
         with torch.no_grad():
@@ -152,6 +161,7 @@ def host_breakdown(sync) -> dict:
         "torch_elementwise": lambda: small.mul_(1.0),
         "torch_sum": lambda: small.sum(),
         "noop_function_fwd_bwd": lambda: Noop.apply(q_s, k_s).backward(),
+        "native_two_ops_fwd_bwd": lambda: (leaf * 2).sum().backward(),
         "sdpa_fwd": sdpa_fwd,
         "sdpa_fwd_bwd": lambda: F.scaled_dot_product_attention(q_s, k_s, q_t, is_causal=True).sum().backward(),
         "prepare_problem": lambda: prepare_problem(q_t, k_t, q_s, k_s,
@@ -261,6 +271,199 @@ def graphed_ms(loss_fn, targets) -> float:
     with torch.cuda.graph(graph):
         step()
     return do_bench_ms(graph.replay)
+
+
+# ----------------------------------------------------------------------------------------- host time by stage
+#: The host-bound rows of the real-batches table (``benchmarks/real_batches.py``) whose host time :func:`host_stages`
+#: splits by stage: the same problems, called the same way (bf16, frozen teacher, ``reduction="mean"``, then
+#: ``torch.autograd.grad`` of the student's query and key).
+STAGE_ROWS = {"H=16 N=5000 D=64 causal": dict(b=1, h=16, n=5000, d=64, causal=True),
+              "BERT B=8 H=12 N=512 D=64, 1 pair": BERT}
+#: The stages, in the order the table lists them: (label, what it holds). Each is timed exclusive of the stages
+#: nested in it (:class:`StageTimer`).
+STAGES = (
+    ("front", "the op's front: options, checks, autocast cast, masks and offsets, the backend"),
+    ("autograd Function and glue", "the autograd Function's forward and the training call's Python around the passes: "
+                                   "output buffers, the reduction, the gradient of the mean"),
+    ("training forward", "its kernel's choice, output buffers, grid and arguments (streamkl.dispatch.forward), the "
+                         "launch excluded"),
+    ("key pass", "likewise for the key pass, run in the forward (streamkl.dispatch.backward)"),
+    ("TMA descriptors", "the Gluon kernels' host-side tensor descriptors, four a launch"),
+    ("kernel launches", "streamkl's launcher and Triton's compiled launcher, per call of the op"),
+    ("backward node", "the backward of the op's autograd node: the gradients computed ahead times the upstream "
+                      "gradient"),
+    ("autograd engine", "torch.autograd.grad around that node (the engine and its device thread)"),
+)
+
+
+class StageTimer:
+    """Host time by stage: :meth:`wrap` makes a function record its time under a stage, exclusive of the stages
+    called inside it; :meth:`per_call` gives µs per call over the calls made since :meth:`reset`.
+
+    Example:
+        >>> timer = StageTimer()
+        >>> outer = timer.wrap("outer", lambda: inner())
+        >>> inner = timer.wrap("inner", lambda: sum(range(1000)))
+        >>> _ = outer()
+        >>> sorted(timer.per_call(1))
+        ['inner', 'outer']
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._stack: list[list] = []
+
+    def wrap(self, stage: str, fn):
+        def timed(*args, **kwargs):
+            frame = [0.0]  # time spent in nested stages
+            self._stack.append(frame)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self._stack.pop()
+                if self._stack:
+                    self._stack[-1][0] += elapsed
+                self.totals[stage] = self.totals.get(stage, 0.0) + elapsed - frame[0]
+
+        return timed
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+    def per_call(self, calls: int) -> dict[str, float]:
+        return {stage: total / calls * 1e6 for stage, total in self.totals.items()}
+
+
+def _stage_patches(timer: StageTimer) -> list[tuple[object, str, object]]:
+    """``(owner, attribute, timed replacement)`` for every function a stage of :data:`STAGES` starts in (the Gluon
+    modules only where they import)."""
+    import streamkl.api as api
+    import streamkl.autograd as ag
+    import streamkl.dispatch as dispatch
+    from streamkl._triton_common.launch import KernelLauncher
+
+    patches = [(api, "attention_kl_per_row", "autograd Function and glue"), (dispatch, "forward", "training forward"),
+               (dispatch, "backward", "key pass"), (KernelLauncher, "__call__", "kernel launches"),
+               (ag, "_ahead_backward", "backward node")]
+    for name in ("_hopper.forward", "_hopper.fused_forward", "_hopper.backward"):
+        module = dispatch._module(name)
+        if module is not None:
+            patches.append((module, "_descriptor", "TMA descriptors"))
+    return [(owner, attr, timer.wrap(stage, getattr(owner, attr))) for owner, attr, stage in patches]
+
+
+def _host_us(fn, calls: int, sync, repeats: int = 5) -> float:
+    """Best of ``repeats`` host times per call (µs) of ``calls`` back-to-back calls, the device not waited for
+    inside (as ``real_batches.time_split`` measures ``host_ms``)."""
+    for _ in range(10):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        sync()
+    return best
+
+
+def host_stages(device: str = "cuda", calls: int = 200, sync=torch.cuda.synchronize,
+                rows: dict[str, dict] | None = None) -> dict:
+    """For each row of ``rows`` (default :data:`STAGE_ROWS`): the host µs per forward+backward call, uninstrumented
+    and by stage (:data:`STAGES`, timed by :class:`StageTimer`; their sum is the instrumented call), and SDPA's
+    forward+backward on the student's shapes (torch's own floor is :func:`host_breakdown`'s)."""
+    timer = StageTimer()
+    out = {"rows": {}}
+    for name, shape in (rows or STAGE_ROWS).items():
+        out["rows"][name] = _row_stages(shape, timer, device, calls, sync)
+    return out
+
+
+def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync) -> dict:
+    """One row of :func:`host_stages`."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q_t, k_t, q_s, k_s = (torch.randn(s["b"], s["h"], s["n"], s["d"], device=device, generator=g)
+                          .to(torch.bfloat16) for _ in range(4))
+    q_s.requires_grad_(True)
+    k_s.requires_grad_(True)
+    v, grad_out = torch.randn_like(k_s, requires_grad=True), torch.randn_like(q_s)
+
+    def call():
+        return attention_kl(q_t, k_t, q_s, k_s, causal=s["causal"], reduction="mean", backend="triton")
+
+    def ours():
+        torch.autograd.grad(call(), (q_s, k_s))
+
+    timed_call, timed_grad = timer.wrap("front", call), timer.wrap("autograd engine", torch.autograd.grad)
+
+    def ours_timed():
+        timed_grad(timed_call(), (q_s, k_s))
+
+    def sdpa():
+        torch.autograd.grad(F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]), (q_s, k_s, v),
+                            grad_out)
+
+    row = {"sdpa_host_us": _host_us(sdpa, calls, sync), "host_us": float("inf"),
+           "instrumented_host_us": float("inf")}
+    patches = _stage_patches(timer)
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    # five rounds of a loop of plain calls and a loop with the stages timed: the host's speed drifts within a run, so
+    # each is the fastest of its loops, and the two are taken in alternation
+    for _ in range(5):
+        row["host_us"] = min(row["host_us"], _host_us(ours, calls, sync, repeats=1))
+        try:
+            for owner, attr, timed in patches:
+                setattr(owner, attr, timed)
+            for _ in range(10):
+                ours_timed()
+            sync()
+            timer.reset()
+            start = time.perf_counter()
+            for _ in range(calls):
+                ours_timed()
+            host = (time.perf_counter() - start) / calls * 1e6
+            if host < row["instrumented_host_us"]:
+                row["instrumented_host_us"], row["stages_us"] = host, timer.per_call(calls)
+            sync()
+        finally:
+            for owner, attr, original in saved:
+                setattr(owner, attr, original)
+    return row
+
+
+def stages_markdown(result: dict) -> str:
+    """The host-stages table of a GPU run's results (:func:`host_stages`), for the kernel design page."""
+    stages = result["host_stages"]
+    rows = stages["rows"]
+    env = result["env"]
+    lines = [f"{env['device']}, torch {env['torch']}, Triton {env['triton']}; host µs per forward+backward call "
+             "(the fastest of five loops of back-to-back calls, the GPU not waited for inside; "
+             "`python benchmarks/overhead.py`). The stages are timed in five loops taken in turn with those, each "
+             "stage's functions wrapped (the wrappers' own time is in the sum) and each stage exclusive of the stages "
+             "nested in it: the fastest loop's.", "",
+             "| stage | what it holds | " + " | ".join(rows) + " |", "|---|---|" + "---|" * len(rows)]
+    for stage, what in STAGES:
+        cells = [f"{r['stages_us'][stage]:.0f}" if stage in r["stages_us"] else "–" for r in rows.values()]
+        lines.append(f"| {stage} | {what} | " + " | ".join(cells) + " |")
+    lines.append("| **sum of the stages** | (the instrumented call) | "
+                 + " | ".join(f"{sum(r['stages_us'].values()):.0f}" for r in rows.values()) + " |")
+    lines.append("| **the call, uninstrumented** | | " + " | ".join(f"{r['host_us']:.0f}" for r in rows.values())
+                 + " |")
+    lines.append("| SDPA forward+backward, the student's shapes | | "
+                 + " | ".join(f"{r['sdpa_host_us']:.0f}" for r in rows.values()) + " |")
+    floor = result["breakdown_us"]
+    lines += ["", "torch's own floor in the same run (tiny tensors, the script's `host_breakdown`): an autograd "
+                  f"Function that does nothing, forward and backward, {floor['noop_function_fwd_bwd']:.0f} µs; "
+                  f"a graph of two native ops (`(x * 2).sum()`), {floor['native_two_ops_fwd_bwd']:.0f} µs."]
+    return "\n".join(lines)
+
+
+def blocks(result: dict) -> dict[str, str]:
+    """The generated blocks of a GPU run's results: block name -> markdown (``benchmarks/blocks.py`` renders them)."""
+    return {"overhead:host-stages": stages_markdown(result)}
 
 
 # -------------------------------------------------------------------------------------------- CPU stub run

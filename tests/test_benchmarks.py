@@ -379,3 +379,26 @@ def test_kernel_profile_reads_ncu_raw_csv_and_splits_the_calls_at_the_marker():
         bench.split_calls([k for k in kernels if "spin" not in k["name"]])
 
 
+
+
+# ------------------------------------------------------------------------------------ the host path by stage
+def test_the_host_stages_split_a_training_call_and_leave_the_op_as_it_was():
+    """Under the interpreter, on a tiny problem: every stage of a frozen-teacher training call is timed (no Gluon
+    kernel here, so no descriptors), the stages add up to the instrumented call, and the wrapped functions are the
+    originals again afterwards."""
+    import streamkl.api as api
+    import streamkl.dispatch as dispatch
+    from streamkl._triton_common.launch import KernelLauncher
+
+    overhead = _load(ROOT / "benchmarks" / "overhead.py", "overhead_stages")
+    before = (api.attention_kl_per_row, dispatch.forward, dispatch.backward, KernelLauncher.__call__)
+    tiny = {"tiny": dict(b=1, h=2, n=16, d=16, causal=True)}
+    result = overhead.host_stages("cpu", calls=2, sync=lambda: None, rows=tiny)
+    row = result["rows"]["tiny"]
+    stages = {name for name, _ in overhead.STAGES} - {"TMA descriptors"}
+    assert stages == set(row["stages_us"]) and all(us > 0 for us in row["stages_us"].values())
+    assert sum(row["stages_us"].values()) <= row["instrumented_host_us"] * 1.01
+    assert (api.attention_kl_per_row, dispatch.forward, dispatch.backward, KernelLauncher.__call__) == before
+    fake = {"host_stages": result, "env": {"device": "CPU", "torch": "x", "triton": "y"},
+            "breakdown_us": {"noop_function_fwd_bwd": 1.0, "native_two_ops_fwd_bwd": 2.0}}
+    assert overhead.stages_markdown(fake).count("\n| ") == len(overhead.STAGES) + 4
