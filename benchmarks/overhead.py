@@ -354,22 +354,6 @@ def _stage_patches(timer: StageTimer) -> list[tuple[object, str, object]]:
     return [(owner, attr, timer.wrap(stage, getattr(owner, attr))) for owner, attr, stage in patches]
 
 
-def _host_us(fn, calls: int, sync, repeats: int = 5) -> float:
-    """Best of ``repeats`` host times per call (µs) of ``calls`` back-to-back calls, the device not waited for
-    inside (as ``real_batches.time_split`` measures ``host_ms``)."""
-    for _ in range(10):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        sync()
-    return best
-
-
 def host_stages(device: str = "cuda", calls: int = 200, sync=torch.cuda.synchronize,
                 rows: dict[str, dict] | None = None) -> dict:
     """For each row of ``rows`` (default :data:`STAGE_ROWS`): the host µs per forward+backward call, uninstrumented
@@ -406,14 +390,14 @@ def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync) -> di
         torch.autograd.grad(F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]), (q_s, k_s, v),
                             grad_out)
 
-    row = {"sdpa_host_us": _host_us(sdpa, calls, sync), "host_us": float("inf"),
+    row = {"sdpa_host_us": per_call_us(sdpa, calls, sync, warmup=10, wait=False), "host_us": float("inf"),
            "instrumented_host_us": float("inf")}
     patches = _stage_patches(timer)
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
     # five rounds of a loop of plain calls and a loop with the stages timed: the host's speed drifts within a run, so
     # each is the fastest of its loops, and the two are taken in alternation
     for _ in range(5):
-        row["host_us"] = min(row["host_us"], _host_us(ours, calls, sync, repeats=1))
+        row["host_us"] = min(row["host_us"], per_call_us(ours, calls, sync, repeats=1, warmup=10, wait=False))
         try:
             for owner, attr, timed in patches:
                 setattr(owner, attr, timed)

@@ -128,7 +128,7 @@ def test_blocks_are_read_and_replaced_between_their_markers(common, tmp_path):
         common.replace_block("no markers", "x", "body")
 
 
-@pytest.mark.parametrize("script", ["common.py", "ab.py", "blocks.py", "report.py", "bench_attention_kl.py",
+@pytest.mark.parametrize("script", ["common.py", "ab.py", "blocks.py", "report.py", "bench_attention_kl.py", "overhead.py",
                                     "continual/stats.py", "long_context/paired.py", "long_context/tables.py"])
 def test_the_examples_in_the_benchmark_helpers_run(script):
     """The suite collects doctests under kernels/ and lightning_streamkl/ only; these are the benchmarks' shared ones."""
