@@ -355,18 +355,19 @@ def _stage_patches(timer: StageTimer) -> list[tuple[object, str, object]]:
 
 
 def host_stages(device: str = "cuda", calls: int = 200, sync=torch.cuda.synchronize,
-                rows: dict[str, dict] | None = None) -> dict:
+                rows: dict[str, dict] | None = None, rounds: int = 5, warmup: int = 10) -> dict:
     """For each row of ``rows`` (default :data:`STAGE_ROWS`): the host µs per forward+backward call, uninstrumented
     and by stage (:data:`STAGES`, timed by :class:`StageTimer`; their sum is the instrumented call), and SDPA's
-    forward+backward on the student's shapes (torch's own floor is :func:`host_breakdown`'s)."""
+    forward+backward on the student's shapes (torch's own floor is :func:`host_breakdown`'s); ``rounds`` of each
+    loop, after ``warmup`` calls."""
     timer = StageTimer()
     out = {"rows": {}}
     for name, shape in (rows or STAGE_ROWS).items():
-        out["rows"][name] = _row_stages(shape, timer, device, calls, sync)
+        out["rows"][name] = _row_stages(shape, timer, device, calls, sync, rounds, warmup)
     return out
 
 
-def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync) -> dict:
+def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync, rounds: int, warmup: int) -> dict:
     """One row of :func:`host_stages`."""
     g = torch.Generator(device=device).manual_seed(0)
     q_t, k_t, q_s, k_s = (torch.randn(s["b"], s["h"], s["n"], s["d"], device=device, generator=g)
@@ -390,18 +391,18 @@ def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync) -> di
         torch.autograd.grad(F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]), (q_s, k_s, v),
                             grad_out)
 
-    row = {"sdpa_host_us": per_call_us(sdpa, calls, sync, warmup=10, wait=False), "host_us": float("inf"),
+    row = {"sdpa_host_us": per_call_us(sdpa, calls, sync, rounds, warmup, wait=False), "host_us": float("inf"),
            "instrumented_host_us": float("inf")}
     patches = _stage_patches(timer)
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
-    # five rounds of a loop of plain calls and a loop with the stages timed: the host's speed drifts within a run, so
-    # each is the fastest of its loops, and the two are taken in alternation
-    for _ in range(5):
-        row["host_us"] = min(row["host_us"], per_call_us(ours, calls, sync, repeats=1, warmup=10, wait=False))
+    # rounds of a loop of plain calls and a loop with the stages timed: the host's speed drifts within a run, so each
+    # is the fastest of its loops, and the two are taken in alternation
+    for _ in range(rounds):
+        row["host_us"] = min(row["host_us"], per_call_us(ours, calls, sync, repeats=1, warmup=warmup, wait=False))
         try:
             for owner, attr, timed in patches:
                 setattr(owner, attr, timed)
-            for _ in range(10):
+            for _ in range(warmup):
                 ours_timed()
             sync()
             timer.reset()
