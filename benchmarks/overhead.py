@@ -46,7 +46,7 @@ from streamkl import attention_kl
 from streamkl.naive import naive_attention_kl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import do_bench_ms, gpu_tag, per_call_us, write_json
+from common import Shape, do_bench_ms, gpu_tag, make_inputs, per_call_us, write_json
 
 TINY = dict(b=1, h=4, n=128, d=64, causal=True)
 BERT = dict(b=8, h=12, n=512, d=64, causal=False)
@@ -274,11 +274,10 @@ def graphed_ms(loss_fn, targets) -> float:
 
 
 # ----------------------------------------------------------------------------------------- host time by stage
-#: The host-bound rows of the real-batches table (``benchmarks/real_batches.py``) whose host time :func:`host_stages`
-#: splits by stage: the same problems, called the same way (bf16, frozen teacher, ``reduction="mean"``, then
-#: ``torch.autograd.grad`` of the student's query and key).
-STAGE_ROWS = {"H=16 N=5000 D=64 causal": dict(b=1, h=16, n=5000, d=64, causal=True),
-              "BERT B=8 H=12 N=512 D=64, 1 pair": BERT}
+#: The host-bound rows of the real-batches table (``benchmarks/real_batches.py``), by name, whose host time
+#: :func:`host_stages` splits by stage: the same problems, called the same way (bf16, frozen teacher,
+#: ``reduction="mean"``, then ``torch.autograd.grad`` of the student's query and key).
+STAGE_ROWS = ("H=16 N=5000 D=64 causal", "BERT B=8 H=12 N=512 D=64, 1 pair")
 #: The stages, in the order the table lists them: (label, what it holds). Each is timed exclusive of the stages
 #: nested in it (:class:`StageTimer`).
 STAGES = (
@@ -354,30 +353,39 @@ def _stage_patches(timer: StageTimer) -> list[tuple[object, str, object]]:
     return [(owner, attr, timer.wrap(stage, getattr(owner, attr))) for owner, attr, stage in patches]
 
 
+def stage_shapes(smoke: bool = False) -> dict[str, Shape]:
+    """The shapes of :data:`STAGE_ROWS`, as the real-batches table defines them (``smoke``: its tiny CPU shapes).
+
+    Example:
+        >>> stage_shapes()["H=16 N=5000 D=64 causal"].n
+        5000
+    """
+    import real_batches
+
+    shapes = {row.name: row.shape for row in real_batches.rows(smoke)}
+    return {name: shapes[name] for name in STAGE_ROWS}
+
+
 def host_stages(device: str = "cuda", calls: int = 200, sync=torch.cuda.synchronize,
-                rows: dict[str, dict] | None = None, rounds: int = 5, warmup: int = 10) -> dict:
-    """For each row of ``rows`` (default :data:`STAGE_ROWS`): the host µs per forward+backward call, uninstrumented
+                rows: dict[str, Shape] | None = None, rounds: int = 5, warmup: int = 10) -> dict:
+    """For each row of ``rows`` (default: :func:`stage_shapes`): the host µs per forward+backward call, uninstrumented
     and by stage (:data:`STAGES`, timed by :class:`StageTimer`; their sum is the instrumented call), and SDPA's
     forward+backward on the student's shapes (torch's own floor is :func:`host_breakdown`'s); ``rounds`` of each
     loop, after ``warmup`` calls."""
     timer = StageTimer()
     out = {"rows": {}}
-    for name, shape in (rows or STAGE_ROWS).items():
+    for name, shape in (rows or stage_shapes()).items():
         out["rows"][name] = _row_stages(shape, timer, device, calls, sync, rounds, warmup)
     return out
 
 
-def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync, rounds: int, warmup: int) -> dict:
+def _row_stages(shape: Shape, timer: StageTimer, device: str, calls: int, sync, rounds: int, warmup: int) -> dict:
     """One row of :func:`host_stages`."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q_t, k_t, q_s, k_s = (torch.randn(s["b"], s["h"], s["n"], s["d"], device=device, generator=g)
-                          .to(torch.bfloat16) for _ in range(4))
-    q_s.requires_grad_(True)
-    k_s.requires_grad_(True)
+    q_t, k_t, q_s, k_s = make_inputs(shape, device)
     v, grad_out = torch.randn_like(k_s, requires_grad=True), torch.randn_like(q_s)
 
     def call():
-        return attention_kl(q_t, k_t, q_s, k_s, causal=s["causal"], reduction="mean", backend="triton")
+        return attention_kl(q_t, k_t, q_s, k_s, causal=shape.causal, reduction="mean", backend="triton")
 
     def ours():
         torch.autograd.grad(call(), (q_s, k_s))
@@ -388,7 +396,7 @@ def _row_stages(s: dict, timer: StageTimer, device: str, calls: int, sync, round
         timed_grad(timed_call(), (q_s, k_s))
 
     def sdpa():
-        torch.autograd.grad(F.scaled_dot_product_attention(q_s, k_s, v, is_causal=s["causal"]), (q_s, k_s, v),
+        torch.autograd.grad(F.scaled_dot_product_attention(q_s, k_s, v, is_causal=shape.causal), (q_s, k_s, v),
                             grad_out)
 
     row = {"sdpa_host_us": per_call_us(sdpa, calls, sync, rounds, warmup, wait=False), "host_us": float("inf"),

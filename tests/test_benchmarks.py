@@ -392,9 +392,10 @@ def test_the_host_stages_split_a_training_call_and_leave_the_op_as_it_was():
 
     overhead = _load(ROOT / "benchmarks" / "overhead.py", "overhead_stages")
     before = (api.attention_kl_per_row, dispatch.forward, dispatch.backward, KernelLauncher.__call__)
-    tiny = {"tiny": dict(b=1, h=2, n=16, d=16, causal=True)}
-    result = overhead.host_stages("cpu", calls=2, sync=lambda: None, rows=tiny, rounds=1, warmup=1)
-    row = result["rows"]["tiny"]
+    name = overhead.STAGE_ROWS[0]  # the N=5000 row, on its tiny CPU shape
+    result = overhead.host_stages("cpu", calls=2, sync=lambda: None, rows={name: overhead.stage_shapes(True)[name]},
+                                  rounds=1, warmup=1)
+    row = result["rows"][name]
     stages = {name for name, _ in overhead.STAGES} - {"TMA descriptors"}
     assert stages == set(row["stages_us"]) and all(us > 0 for us in row["stages_us"].values())
     assert sum(row["stages_us"].values()) <= row["instrumented_host_us"] * 1.01
