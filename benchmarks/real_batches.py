@@ -590,10 +590,15 @@ def products_over_cudnn(shape: dict[str, Any]) -> float:
 
 def _other(r: dict[str, Any]) -> str:
     work = products_over_cudnn(r["shape"]) if "shape" in r else 1.0
-    if work != 1.0:
-        ratio = r.get("ratio_cudnn")
-        per_work = ratio / work if isinstance(ratio, float) else None
-        return f"products ÷ cuDNN's {_f(work)}×; ÷ cuDNN × that: {_f(per_work)}×"
+    if work == 1.0:
+        return _baseline_ratio(r)
+    ratio = r.get("ratio_cudnn")
+    per_work = ratio / work if isinstance(ratio, float) else None
+    return "; ".join(filter(None, (f"products ÷ cuDNN's {_f(work)}×; ÷ cuDNN × that: {_f(per_work)}×",
+                                   _baseline_ratio(r))))
+
+
+def _baseline_ratio(r: dict[str, Any]) -> str:
     if r.get("ratio_separate") is not None or "separate_ms" in r:
         what = "the documents run separately" if r.get("docs") else "the op on the same work, dense"
         extra = f"; cuDNN same work {_f(r.get('ratio_cudnn_same_work'))}×" if "cudnn_same_work_ms" in r else ""

@@ -379,8 +379,6 @@ def test_kernel_profile_reads_ncu_raw_csv_and_splits_the_calls_at_the_marker():
         bench.split_calls([k for k in kernels if "spin" not in k["name"]])
 
 
-
-
 # ------------------------------------------------------------------------------------ the host path by stage
 def test_the_host_stages_split_a_training_call_and_leave_the_op_as_it_was():
     """Under the interpreter, on a tiny problem: every stage of a frozen-teacher training call is timed (no Gluon
